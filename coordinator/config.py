@@ -1,0 +1,127 @@
+"""Typed configuration of a run, as the coordinator holds it and hands it to workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+
+from ripples.v1 import coordinator_pb2 as pb
+
+# Protocol name -> how the coordinator takes part. "group:<policy>" protocols ask the
+# Group Generator for every P-Reduce; "lockstep" protocols compute their groups locally
+# and use the coordinator only to agree on when to stop.
+PROTOCOLS: dict[str, str] = {
+    "allreduce": "lockstep",
+    "ripples-random": "group:random",
+    "ripples-smart": "group:smart",
+    "ripples-static": "lockstep",
+}
+
+
+@dataclass(kw_only=True)
+class RunSettings:
+    """One training run. Every field is documented once, here."""
+
+    protocol: str = "ripples-smart"
+    """Synchronisation protocol: allreduce, ripples-random, ripples-smart or ripples-static."""
+    task: str = "digits"
+    """Training task: a built-in name (digits, synthetic-cnn, synthetic-vgg16) or module:function."""
+    num_workers: int = 4
+    """Workers that must register before training starts."""
+    workers_per_node: int = 4
+    """Workers per host (node), for Inter-Intra phases and the static schedule."""
+    group_size: int = 3
+    """P-Reduce group size for the random and smart group generators."""
+    c_thres: int = 5
+    """Smart GG slowdown filter: a worker joins a division only if c_i - c_w < c_thres."""
+    inter_intra: bool = False
+    """Smart GG: alternate Inter (head workers across nodes) and Intra (within a node) groups."""
+    iterations: int = 0
+    """Per-worker iteration budget; the run ends when the workers' total reaches the sum."""
+    epochs: float = 5.0
+    """Epochs (the workers together pass over the training set once per epoch); used when
+    iterations is 0."""
+    target_loss: float = 0.0
+    """Stop when the workers' mean training loss falls to this value (0: no target)."""
+    seed: int = 0
+    """Seed for model initialisation, data order and group generation."""
+    batch_size: int = 0
+    """Per-worker mini-batch size (0: the task's default)."""
+    learning_rate: float = 0.0
+    """Learning rate (0: the task's default)."""
+    collective_timeout_seconds: float = 60.0
+    """Bound on one collective; a late or dead peer fails the group after it."""
+    heartbeat_interval_seconds: float = 0.5
+    """How often workers renew their lease and report progress."""
+    lease_seconds: float = 10.0
+    """A worker silent for this long is removed and its groups are cancelled."""
+    checkpoint_interval: int = 8
+    """Lock-step protocols agree on a common stop iteration every this many iterations."""
+    max_comms_per_worker: int = 64
+    """Communicators cached per worker before the coordinator orders evictions."""
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """Names this run's communicators in the rendezvous store."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def is_lockstep(self) -> bool:
+        return PROTOCOLS[self.protocol] == "lockstep"
+
+    @property
+    def policy_name(self) -> str | None:
+        kind = PROTOCOLS[self.protocol]
+        return kind.split(":", 1)[1] if kind.startswith("group:") else None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field to fix."""
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(
+                f"unknown protocol {self.protocol!r}; choose one of {', '.join(PROTOCOLS)}"
+            )
+        if self.num_workers < 2:
+            raise ValueError(f"num_workers must be at least 2, got {self.num_workers}")
+        if self.workers_per_node < 1:
+            raise ValueError("workers_per_node must be at least 1")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be at least 2, got {self.group_size}")
+        if self.c_thres < 1:
+            raise ValueError("c_thres must be at least 1")
+        if self.iterations < 0 or self.epochs < 0:
+            raise ValueError("iterations and epochs must not be negative")
+        if self.iterations == 0 and self.epochs == 0 and self.target_loss <= 0:
+            raise ValueError("give a budget: iterations, epochs or a target loss")
+        if self.target_loss < 0:
+            raise ValueError("target_loss must not be negative")
+        for name in ("collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.lease_seconds <= 2 * self.heartbeat_interval_seconds:
+            raise ValueError("lease_seconds must exceed twice heartbeat_interval_seconds")
+        if self.checkpoint_interval < 1:
+            raise ValueError("checkpoint_interval must be at least 1")
+
+    def to_proto(self) -> pb.RunConfig:
+        return pb.RunConfig(
+            run_id=self.run_id,
+            protocol=self.protocol,
+            task=self.task,
+            num_workers=self.num_workers,
+            workers_per_node=self.workers_per_node,
+            group_size=self.group_size,
+            iterations=self.iterations,
+            epochs=self.epochs,
+            target_loss=self.target_loss,
+            seed=self.seed,
+            collective_timeout_seconds=self.collective_timeout_seconds,
+            heartbeat_interval_seconds=self.heartbeat_interval_seconds,
+            lease_seconds=self.lease_seconds,
+            checkpoint_interval=self.checkpoint_interval,
+            batch_size=self.batch_size,
+            learning_rate=self.learning_rate,
+        )
+
+    def replace(self, **changes: object) -> RunSettings:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

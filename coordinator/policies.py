@@ -1,0 +1,175 @@
+"""Group generation policies of the Ripples Group Generator (paper §4.1 and §5).
+
+Pure code: a policy sees a read-only view of the cluster and a seeded RNG, and returns
+the member sets of the groups to create. The GroupTable serialises them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterView:
+    """What a policy may look at when a worker asks for a group."""
+
+    live: tuple[int, ...]  # workers taking part, sorted
+    idle: frozenset[int]  # live workers with an empty group buffer
+    request_counts: Mapping[int, int]  # slowdown counters c_w (requests so far)
+    node_of: Mapping[int, int]  # worker -> node index
+    neighbours: Mapping[int, Sequence[int]] | None = None  # None: complete graph
+
+
+class GroupPolicy(Protocol):
+    """Decides which groups to create when `initiator` starts a new synchronisation round."""
+
+    name: str
+    # True: the initiator executes its buffer up to and including the group its request
+    # created (random GG: every request makes a group, Fig. 7 step 3). False: it executes
+    # only the head of its buffer (Group Buffer, §5.1).
+    drain_to_own_group: bool
+
+    def generate(
+        self, initiator: int, view: ClusterView, rng: random.Random
+    ) -> list[tuple[int, ...]]: ...
+
+
+def _candidates(initiator: int, view: ClusterView) -> list[int]:
+    live = set(view.live)
+    if view.neighbours is None:
+        return [w for w in view.live if w != initiator]
+    return sorted(w for w in view.neighbours.get(initiator, ()) if w in live and w != initiator)
+
+
+@dataclass(kw_only=True)
+class RandomPolicy:
+    """Random GG (Fig. 7, Fig. 8): the initiator plus group_size-1 members drawn uniformly,
+    from its neighbours when a topology is set. Every request creates a group; overlaps are
+    serialised by the GroupTable's lock vector and pending queue."""
+
+    group_size: int = 3
+    name: str = "random"
+    drain_to_own_group: bool = True
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be at least 2, got {self.group_size}")
+
+    def generate(
+        self, initiator: int, view: ClusterView, rng: random.Random
+    ) -> list[tuple[int, ...]]:
+        others = _candidates(initiator, view)
+        if not others:
+            return []
+        chosen = rng.sample(others, min(self.group_size - 1, len(others)))
+        return [tuple(sorted([initiator, *chosen]))]
+
+
+@dataclass(kw_only=True)
+class SmartPolicy:
+    """Smart GG (§5): Group Buffer, Global Division, slowdown filter, Inter-Intra phases.
+
+    Called only when the initiator's buffer is empty (otherwise the GroupTable serves the
+    buffer's head). Global Division randomly partitions the idle workers that pass the
+    slowdown filter `c_i - c_w < C_thres` (c_i the initiator's request counter) into
+    non-conflicting groups (balanced, at most group_size each). With Inter-Intra, each division inserts two groups per
+    worker: an Inter group (one head worker per node divided among nodes, the other
+    workers in local groups) then an Intra group (all eligible workers of a node).
+
+    When the initiator is the only eligible idle worker, it is grouped with random
+    filter-passing workers that are busy; the group then waits behind their buffers, so
+    every request still yields a group containing its initiator (Fig. 7, step 3).
+    """
+
+    group_size: int = 3
+    c_thres: int = 5
+    inter_intra: bool = False
+    name: str = "smart"
+    drain_to_own_group: bool = False
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be at least 2, got {self.group_size}")
+        if self.c_thres < 1:
+            raise ValueError(f"c_thres must be at least 1, got {self.c_thres}")
+
+    def passes_filter(self, initiator: int, worker: int, view: ClusterView) -> bool:
+        counts = view.request_counts
+        return worker == initiator or counts[initiator] - counts[worker] < self.c_thres
+
+    def generate(
+        self, initiator: int, view: ClusterView, rng: random.Random
+    ) -> list[tuple[int, ...]]:
+        candidates = _candidates(initiator, view)
+        eligible = [w for w in candidates if self.passes_filter(initiator, w, view)]
+        idle = [w for w in eligible if w in view.idle]
+        if idle:
+            pool = [initiator, *idle]
+            groups = self._inter_intra(initiator, pool, view, rng) if self.inter_intra else []
+            if not groups:
+                groups = self._divide(initiator, pool, rng)
+            if any(initiator in g for g in groups):
+                return groups
+        if not eligible:
+            return []
+        chosen = rng.sample(eligible, min(self.group_size - 1, len(eligible)))
+        return [tuple(sorted([initiator, *chosen]))]
+
+    def _divide(
+        self, initiator: int, pool: Sequence[int], rng: random.Random
+    ) -> list[tuple[int, ...]]:
+        """A random partition of `pool` into balanced groups of at most group_size.
+
+        ceil(n / group_size) groups whose sizes differ by at most one, the initiator's
+        first; so 4 idle workers with group_size 3 give two pairs rather than a triple
+        and a lone worker that would have to conflict. A pool of one yields nothing."""
+        others = [w for w in pool if w != initiator]
+        rng.shuffle(others)
+        if initiator in pool:
+            others.insert(0, initiator)
+        n = len(others)
+        if n < 2:
+            return []
+        num_groups = -(-n // self.group_size)
+        base, extra = divmod(n, num_groups)
+        groups, start = [], 0
+        for i in range(num_groups):
+            size = base + (1 if i < extra else 0)
+            groups.append(tuple(sorted(others[start : start + size])))
+            start += size
+        return [g for g in groups if len(g) >= 2]
+
+    def _inter_intra(
+        self, initiator: int, pool: Sequence[int], view: ClusterView, rng: random.Random
+    ) -> list[tuple[int, ...]]:
+        by_node: dict[int, list[int]] = {}
+        for w in pool:
+            by_node.setdefault(view.node_of[w], []).append(w)
+        heads: list[int] = []
+        inter: list[tuple[int, ...]] = []
+        intra: list[tuple[int, ...]] = []
+        for node in sorted(by_node):
+            local = by_node[node]
+            head = initiator if initiator in local else rng.choice(local)
+            heads.append(head)
+            inter += self._divide(initiator, [w for w in local if w != head], rng)
+            if len(local) >= 2:
+                intra.append(tuple(sorted(local)))
+        inter = self._divide(initiator, heads, rng) + inter
+        # All Inter groups precede all Intra groups in the global order, so every
+        # worker's buffer holds its Inter group first (§5.2).
+        return inter + intra
+
+
+def make_policy(
+    name: str, *, group_size: int, c_thres: int = 5, inter_intra: bool = False
+) -> GroupPolicy:
+    """Build a policy by name: `random` or `smart`."""
+    if name == "random":
+        return RandomPolicy(group_size=group_size)
+    if name == "smart":
+        return SmartPolicy(group_size=group_size, c_thres=c_thres, inter_intra=inter_intra)
+    raise ValueError(f"unknown group policy {name!r}; choose 'random' or 'smart'")

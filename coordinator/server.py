@@ -1,0 +1,151 @@
+"""Runs the coordinator: the gRPC service plus the data plane's rendezvous store.
+
+`serve(config)` blocks until a signal (the `ripples coordinator serve` entry point);
+`CoordinatorServer` runs the same thing on a background thread (embedded `ripples run`,
+tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from ripples.coordinator.config import RunSettings
+from ripples.coordinator.core import CoordinatorCore
+from ripples.coordinator.service import CoordinatorService
+from ripples.rpc import SERVER_OPTIONS
+from ripples.v1 import coordinator_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    """Where the coordinator listens."""
+
+    host: str = "0.0.0.0"
+    """Interface for the gRPC service and the rendezvous store."""
+    port: int = 50051
+    """gRPC port (0: pick a free one)."""
+    store_port: int = 0
+    """Rendezvous TCPStore port (0: pick a free one)."""
+    advertise_host: str = ""
+    """Address workers use to reach the store (default: this host's name, or 127.0.0.1
+    when listening on loopback)."""
+    run: RunSettings = field(default_factory=RunSettings)
+    exit_when_done: bool = False
+    """serve(): return once the run stopped and every worker left."""
+
+
+def _advertised(config: ServerConfig) -> str:
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return socket.gethostname()
+
+
+class CoordinatorServer:
+    """The coordinator on its own event loop thread. Use start() / stop()."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.port = 0
+        self.store_port = 0
+        self.service: CoordinatorService | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._done: asyncio.Event | None = None
+        self._store: object | None = None
+
+    async def _main(self) -> None:
+        import torch.distributed as dist  # heavy import, only when serving
+
+        cfg = self.config
+        try:
+            self._store = dist.TCPStore(cfg.host, cfg.store_port, is_master=True,
+                                        wait_for_workers=False, use_libuv=True)
+        except (RuntimeError, OSError) as err:
+            raise OSError(f"cannot open the rendezvous store on {cfg.host}:{cfg.store_port}: "
+                          f"{err}; pick another --store-port") from err
+        self.store_port = self._store.port  # type: ignore[attr-defined]
+        core = CoordinatorCore(cfg.run, now=time.monotonic())
+        self.service = CoordinatorService(core, store_host=_advertised(cfg),
+                                          store_port=self.store_port)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_CoordinatorServicer_to_server(self.service, server)
+        address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError as err:
+            raise OSError(f"cannot listen on {address}: {err}; is the port in use?") from err
+        await server.start()
+        self.service.start_background()
+        self._done = asyncio.Event()
+        logger.info("coordinator listening on %s:%d (store %d), protocol %s, %d workers",
+                    cfg.host, self.port, self.store_port, cfg.run.protocol, cfg.run.num_workers)
+        self._ready.set()
+        try:
+            await self._done.wait()
+        finally:
+            await self.service.close()
+            await server.stop(grace=1.0)
+
+    def _run_thread(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as err:  # surfaced by start()
+            self._error = err
+            self._ready.set()
+        finally:
+            self._loop.close()
+
+    def start(self, timeout_seconds: float = 30.0) -> CoordinatorServer:
+        self._thread = threading.Thread(target=self._run_thread, name="coordinator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_seconds):
+            raise TimeoutError(f"coordinator did not start within {timeout_seconds} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self, timeout_seconds: float = 10.0) -> None:
+        if self._loop is not None and self._done is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._done.set)
+            self._thread.join(timeout_seconds)
+
+    def run_finished(self) -> bool:
+        """True once the run stopped and no worker is still live."""
+        svc = self.service
+        return svc is not None and svc.core.stopped and not svc.core.live()
+
+    @property
+    def address(self) -> str:
+        host = _advertised(self.config)
+        return f"{host}:{self.port}"
+
+
+def serve(config: ServerConfig) -> int:
+    """Serve until SIGINT/SIGTERM (or, with exit_when_done, until the run is over)."""
+    server = CoordinatorServer(config).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"ripples coordinator listening on {server.address} "
+          f"(protocol {config.run.protocol}, waiting for {config.run.num_workers} workers)",
+          flush=True)
+    while not stop.wait(0.5):
+        if config.exit_when_done and server.run_finished():
+            break
+    server.stop()
+    return 0

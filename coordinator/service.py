@@ -1,0 +1,303 @@
+"""The gRPC shell around CoordinatorCore: clock, long-polls, lease reaping.
+
+All handlers run on one asyncio event loop, so the core is only ever touched by one
+coroutine at a time (the loop is the lock) and each handler's critical section is a
+plain synchronous call into the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import grpc
+
+from ripples.coordinator.core import (
+    CoordinatorCore,
+    CoordinatorError,
+    Deliveries,
+    GroupDecision,
+    Outcome,
+    Progress,
+    WorkerState,
+)
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.v1 import coordinator_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_OUTCOMES = {
+    Outcome.GROUP: pb.GROUP_OUTCOME_GROUP,
+    Outcome.STOP: pb.GROUP_OUTCOME_STOP,
+    Outcome.CANCELLED: pb.GROUP_OUTCOME_CANCELLED,
+    Outcome.NO_GROUP: pb.GROUP_OUTCOME_NO_GROUP,
+    Outcome.RETRY: pb.GROUP_OUTCOME_RETRY,
+}
+_STATES = {
+    WorkerState.REGISTERED: pb.WORKER_STATE_REGISTERED,
+    WorkerState.COMPUTING: pb.WORKER_STATE_COMPUTING,
+    WorkerState.WAITING: pb.WORKER_STATE_WAITING,
+    WorkerState.REDUCING: pb.WORKER_STATE_REDUCING,
+    WorkerState.LEFT: pb.WORKER_STATE_LEFT,
+    WorkerState.EXPIRED: pb.WORKER_STATE_EXPIRED,
+    WorkerState.FAILED: pb.WORKER_STATE_FAILED,
+}
+MAX_GROUP_WAIT_SECONDS = 30.0
+
+
+def progress_from_proto(p: pb.Progress) -> Progress:
+    return Progress(
+        iteration=p.iteration,
+        loss=p.loss if math.isfinite(p.loss) and p.iteration > 0 else float("nan"),
+        samples=p.samples,
+        compute_seconds=p.compute_seconds,
+        wait_seconds=p.wait_seconds,
+        preduce_seconds=p.preduce_seconds,
+        planned_iterations=p.planned_iterations,
+    )
+
+
+def progress_to_proto(p: Progress) -> pb.Progress:
+    return pb.Progress(
+        iteration=p.iteration,
+        loss=p.loss if math.isfinite(p.loss) else 0.0,
+        samples=p.samples,
+        compute_seconds=p.compute_seconds,
+        wait_seconds=p.wait_seconds,
+        preduce_seconds=p.preduce_seconds,
+        planned_iterations=p.planned_iterations,
+    )
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """Translates RPCs into core events and core decisions into replies."""
+
+    def __init__(
+        self,
+        core: CoordinatorCore,
+        *,
+        store_host: str,
+        store_port: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.core = core
+        self.store_host = store_host
+        self.store_port = store_port
+        self.clock = clock
+        self._waiters: dict[int, asyncio.Future[GroupDecision]] = {}
+        self._started = asyncio.Event()
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    def start_background(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_leases())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        self._resolve(self.core.stop("coordinator shutting down", self.clock()))
+
+    async def _reap_leases(self) -> None:
+        interval = max(0.05, self.core.settings.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(interval)
+            deliveries = self.core.expire_leases(self.clock())
+            for wid in deliveries:
+                logger.info("worker %d notified after lease expiry", wid)
+            self._resolve(deliveries)
+
+    def _resolve(self, deliveries: Deliveries) -> None:
+        for worker_id, decision in deliveries.items():
+            fut = self._waiters.get(worker_id)
+            if fut is not None and not fut.done():
+                fut.set_result(decision)
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        except CoordinatorError as err:
+            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ lifecycle
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.RegisterReply:
+        now = self.clock()
+        worker_id = await self._call(context, lambda: self.core.register(
+            request.host, request.local_rank, request.device or "cpu", request.pid, now))
+        assert isinstance(worker_id, int)
+        w = self.core.workers[worker_id]
+        logger.info("registered worker %d (host %s, local rank %d, %s)",
+                    worker_id, w.host, w.local_rank, w.device)
+        return pb.RegisterReply(worker_id=worker_id, config=self.core.settings.to_proto(),
+                                store_host=self.store_host, store_port=self.store_port)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.HeartbeatReply:
+        progress = progress_from_proto(request.progress) if request.HasField("progress") else None
+        deliveries = await self._call(context, lambda: self.core.heartbeat(
+            request.worker_id, progress, self.clock()))
+        assert isinstance(deliveries, dict)
+        self._resolve(deliveries)
+        return pb.HeartbeatReply(stop=self.core.stopped, stop_reason=self.core.stop_reason)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
+                    ) -> pb.LeaveReply:
+        progress = progress_from_proto(request.progress) if request.HasField("progress") else None
+        deliveries = await self._call(context, lambda: self.core.leave(
+            request.worker_id, progress, request.error, self.clock()))
+        assert isinstance(deliveries, dict)
+        self._resolve(deliveries)
+        if request.error:
+            logger.warning("worker %d left with an error: %s", request.worker_id, request.error)
+        else:
+            logger.info("worker %d left", request.worker_id)
+        return pb.LeaveReply()
+
+    async def AwaitStart(self, request: pb.AwaitStartRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.AwaitStartReply:
+        started = await self._call(context, lambda: self.core.mark_ready(
+            request.worker_id, request.planned_iterations, self.clock()))
+        if started and not self._started.is_set():
+            logger.info("all %d workers ready: training starts", self.core.settings.num_workers)
+            self._started.set()
+        timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
+        try:
+            await asyncio.wait_for(self._started.wait(), timeout)
+        except TimeoutError:
+            live = self.core.live()
+            ready = sum(w.ready for w in live)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                f"{len(live)} of {self.core.settings.num_workers} workers registered and "
+                f"{ready} ready within {timeout:.0f} s; start the missing workers"))
+        if self.core.settings.protocol == "ripples-static":
+            problem = self.core.static_layout_error()
+            if problem:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        me = self.core.workers[request.worker_id]
+        ranks = [pb.WorkerRank(worker_id=w.worker_id, rank=w.rank, node=w.node)
+                 for w in sorted(self.core.live(), key=lambda x: x.rank)]
+        return pb.AwaitStartReply(num_workers=len(ranks), ranks=ranks, rank=me.rank,
+                                  num_nodes=self.core.num_nodes())
+
+    # ------------------------------------------------------------------ groups
+    async def RequestGroup(self, request: pb.GroupRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.GroupReply:
+        wid = request.worker_id
+        result = await self._call(context, lambda: self.core.request_group(
+            wid, request.iteration, self.clock()))
+        assert isinstance(result, tuple)
+        decision, deliveries = result
+        self._resolve(deliveries)
+        if decision is None:
+            decision = await self._wait_for_group(wid, request.timeout_seconds)
+        return self._group_reply(decision)
+
+    async def _wait_for_group(self, wid: int, timeout_seconds: float) -> GroupDecision:
+        timeout = min(timeout_seconds, MAX_GROUP_WAIT_SECONDS) if timeout_seconds > 0 else 10.0
+        fut: asyncio.Future[GroupDecision] = asyncio.get_running_loop().create_future()
+        self._waiters[wid] = fut
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            if fut.done():
+                return fut.result()
+            return self.core.abandon_wait(wid, self.clock())
+        except asyncio.CancelledError:  # the client went away: do not deliver to nobody
+            if not fut.done() and wid in self.core.workers:
+                self.core.abandon_wait(wid, self.clock())
+            raise
+        finally:
+            if self._waiters.get(wid) is fut:
+                del self._waiters[wid]
+
+    def _group_reply(self, d: GroupDecision) -> pb.GroupReply:
+        reply = pb.GroupReply(outcome=_OUTCOMES[d.outcome], more=d.more,
+                              evict_comm_ids=d.evictions, detail=d.detail)
+        if d.group is not None:
+            reply.group.CopyFrom(pb.Group(
+                group_id=d.group.group_id, members=d.group.members, initiator=d.group.initiator,
+                comm_id=d.group.comm_id, create_comm=d.group.create_comm))
+        return reply
+
+    async def ReleaseGroup(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.ReleaseReply:
+        deliveries = await self._call(context, lambda: self.core.release(
+            request.worker_id, request.group_id, request.ok, request.error, self.clock()))
+        assert isinstance(deliveries, dict)
+        if not request.ok:
+            logger.warning("worker %d reports group %d failed: %s",
+                           request.worker_id, request.group_id, request.error)
+        self._resolve(deliveries)
+        return pb.ReleaseReply()
+
+    # ------------------------------------------------------------------ lock-step
+    async def GetStaticSchedule(self, request: pb.StaticScheduleRequest,
+                                context: grpc.aio.ServicerContext) -> pb.StaticScheduleReply:
+        w = await self._call(context, lambda: self.core.worker(request.worker_id))
+        assert w is not None
+        if self.core.settings.protocol != "ripples-static":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"protocol is {self.core.settings.protocol}, not ripples-static")
+        if self.core.started_at is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has not started")
+        me = self.core.workers[request.worker_id]
+        ranks = [pb.WorkerRank(worker_id=w.worker_id, rank=w.rank, node=w.node)
+                 for w in sorted(self.core.live(), key=lambda x: x.rank)]
+        return pb.StaticScheduleReply(
+            num_nodes=self.core.num_nodes(), workers_per_node=self.core.settings.workers_per_node,
+            rank=me.rank, run_id=self.core.settings.run_id, ranks=ranks)
+
+    async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.CheckpointReply:
+        stop_at = await self._call(context, lambda: self.core.checkpoint(
+            request.worker_id, request.iteration, self.clock()))
+        assert isinstance(stop_at, int)
+        return pb.CheckpointReply(stop_at_iteration=stop_at, stop_reason=self.core.stop_reason)
+
+    # ------------------------------------------------------------------ views
+    async def GetRunStatus(self, request: pb.RunStatusRequest,
+                           context: grpc.aio.ServicerContext) -> pb.RunStatus:
+        return self.run_status()
+
+    def run_status(self) -> pb.RunStatus:
+        core, now = self.core, self.clock()
+        mean = core.mean_loss()
+        workers = [
+            pb.WorkerStatus(
+                worker_id=w.worker_id, host=w.host, local_rank=w.local_rank, device=w.device,
+                rank=max(w.rank, 0), state=_STATES[w.state], iteration=w.progress.iteration,
+                request_count=w.request_count,
+                loss=w.progress.loss if math.isfinite(w.progress.loss) else 0.0,
+                progress=progress_to_proto(w.progress), error=w.error)
+            for w in core.workers.values()
+        ]
+        return pb.RunStatus(
+            config=core.settings.to_proto(), workers=workers, elapsed_seconds=core.elapsed(now),
+            started=core.started_at is not None, stopped=core.stopped,
+            stop_reason=core.stop_reason, num_groups_formed=core.table.num_formed,
+            num_groups_executing=core.table.num_executing,
+            num_groups_pending=core.table.num_pending, num_conflicts=core.table.num_conflicts,
+            num_pending_waits=core.num_pending_waits,
+            pending_wait_seconds=core.pending_wait_seconds,
+            num_groups_cancelled=core.num_cancelled, num_groups_failed=core.num_failed,
+            mean_loss=mean if mean is not None else 0.0,
+            time_to_target_seconds=core.time_to_target if core.time_to_target is not None else -1,
+            loss_curve=[pb.LossPoint(seconds=s, loss=v) for s, v in core.loss_curve],
+            recent_groups=[pb.Group(group_id=g.group_id, members=g.members,
+                                    initiator=g.initiator, comm_id=g.comm_id)
+                           for g in core.recent_groups],
+            num_lease_expirations=core.num_lease_expirations,
+        )
+
+    async def StopRun(self, request: pb.StopRunRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.StopRunReply:
+        reason = request.reason or "stopped by request"
+        self._resolve(self.core.stop(reason, self.clock()))
+        logger.info("run stopped: %s", reason)
+        return pb.StopRunReply()

@@ -1,0 +1,364 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GroupOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_OUTCOME_UNSPECIFIED: _ClassVar[GroupOutcome]
+    GROUP_OUTCOME_GROUP: _ClassVar[GroupOutcome]
+    GROUP_OUTCOME_STOP: _ClassVar[GroupOutcome]
+    GROUP_OUTCOME_CANCELLED: _ClassVar[GroupOutcome]
+    GROUP_OUTCOME_NO_GROUP: _ClassVar[GroupOutcome]
+    GROUP_OUTCOME_RETRY: _ClassVar[GroupOutcome]
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_REGISTERED: _ClassVar[WorkerState]
+    WORKER_STATE_COMPUTING: _ClassVar[WorkerState]
+    WORKER_STATE_WAITING: _ClassVar[WorkerState]
+    WORKER_STATE_REDUCING: _ClassVar[WorkerState]
+    WORKER_STATE_LEFT: _ClassVar[WorkerState]
+    WORKER_STATE_EXPIRED: _ClassVar[WorkerState]
+    WORKER_STATE_FAILED: _ClassVar[WorkerState]
+GROUP_OUTCOME_UNSPECIFIED: GroupOutcome
+GROUP_OUTCOME_GROUP: GroupOutcome
+GROUP_OUTCOME_STOP: GroupOutcome
+GROUP_OUTCOME_CANCELLED: GroupOutcome
+GROUP_OUTCOME_NO_GROUP: GroupOutcome
+GROUP_OUTCOME_RETRY: GroupOutcome
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_REGISTERED: WorkerState
+WORKER_STATE_COMPUTING: WorkerState
+WORKER_STATE_WAITING: WorkerState
+WORKER_STATE_REDUCING: WorkerState
+WORKER_STATE_LEFT: WorkerState
+WORKER_STATE_EXPIRED: WorkerState
+WORKER_STATE_FAILED: WorkerState
+
+class RunConfig(_message.Message):
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LOSS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    protocol: str
+    task: str
+    num_workers: int
+    workers_per_node: int
+    group_size: int
+    iterations: int
+    epochs: float
+    target_loss: float
+    seed: int
+    collective_timeout_seconds: float
+    heartbeat_interval_seconds: float
+    lease_seconds: float
+    checkpoint_interval: int
+    batch_size: int
+    learning_rate: float
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("host", "local_rank", "device", "pid")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    local_rank: int
+    device: str
+    pid: int
+    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("worker_id", "config", "store_host", "store_port")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    config: RunConfig
+    store_host: str
+    store_port: int
+    def __init__(self, worker_id: _Optional[int] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("iteration", "loss", "samples", "compute_seconds", "wait_seconds", "preduce_seconds", "planned_iterations")
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    iteration: int
+    loss: float
+    samples: int
+    compute_seconds: float
+    wait_seconds: float
+    preduce_seconds: float
+    planned_iterations: int
+    def __init__(self, iteration: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., preduce_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "progress")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    progress: Progress
+    def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("stop", "stop_reason")
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    stop: bool
+    stop_reason: str
+    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id", "progress", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    progress: Progress
+    error: str
+    def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AwaitStartRequest(_message.Message):
+    __slots__ = ("worker_id", "timeout_seconds", "planned_iterations")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    timeout_seconds: float
+    planned_iterations: int
+    def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ...) -> None: ...
+
+class AwaitStartReply(_message.Message):
+    __slots__ = ("num_workers", "ranks", "rank", "num_nodes")
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    num_workers: int
+    ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
+    rank: int
+    num_nodes: int
+    def __init__(self, num_workers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., rank: _Optional[int] = ..., num_nodes: _Optional[int] = ...) -> None: ...
+
+class WorkerRank(_message.Message):
+    __slots__ = ("worker_id", "rank", "node")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    rank: int
+    node: int
+    def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("group_id", "members", "initiator", "comm_id", "create_comm")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    INITIATOR_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_COMM_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    initiator: int
+    comm_id: int
+    create_comm: bool
+    def __init__(self, group_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., initiator: _Optional[int] = ..., comm_id: _Optional[int] = ..., create_comm: _Optional[bool] = ...) -> None: ...
+
+class GroupRequest(_message.Message):
+    __slots__ = ("worker_id", "iteration", "timeout_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    iteration: int
+    timeout_seconds: float
+    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class GroupReply(_message.Message):
+    __slots__ = ("outcome", "group", "more", "evict_comm_ids", "detail")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    EVICT_COMM_IDS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    outcome: GroupOutcome
+    group: Group
+    more: bool
+    evict_comm_ids: _containers.RepeatedScalarFieldContainer[int]
+    detail: str
+    def __init__(self, outcome: _Optional[_Union[GroupOutcome, str]] = ..., group: _Optional[_Union[Group, _Mapping]] = ..., more: _Optional[bool] = ..., evict_comm_ids: _Optional[_Iterable[int]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("worker_id", "group_id", "ok", "error", "preduce_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    group_id: int
+    ok: bool
+    error: str
+    preduce_seconds: float
+    def __init__(self, worker_id: _Optional[int] = ..., group_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., preduce_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StaticScheduleRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class StaticScheduleReply(_message.Message):
+    __slots__ = ("num_nodes", "workers_per_node", "rank", "run_id", "ranks")
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    num_nodes: int
+    workers_per_node: int
+    rank: int
+    run_id: str
+    ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
+    def __init__(self, num_nodes: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., rank: _Optional[int] = ..., run_id: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("worker_id", "iteration")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    iteration: int
+    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("stop_at_iteration", "stop_reason")
+    STOP_AT_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    stop_at_iteration: int
+    stop_reason: str
+    def __init__(self, stop_at_iteration: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "host", "local_rank", "device", "rank", "state", "iteration", "request_count", "loss", "progress", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    host: str
+    local_rank: int
+    device: str
+    rank: int
+    state: WorkerState
+    iteration: int
+    request_count: int
+    loss: float
+    progress: Progress
+    error: str
+    def __init__(self, worker_id: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., iteration: _Optional[int] = ..., request_count: _Optional[int] = ..., loss: _Optional[float] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LossPoint(_message.Message):
+    __slots__ = ("seconds", "loss")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    loss: float
+    def __init__(self, seconds: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class RunStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunStatus(_message.Message):
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FORMED_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_EXECUTING_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_WAITS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_CURVE_FIELD_NUMBER: _ClassVar[int]
+    RECENT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASE_EXPIRATIONS_FIELD_NUMBER: _ClassVar[int]
+    config: RunConfig
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    elapsed_seconds: float
+    started: bool
+    stopped: bool
+    stop_reason: str
+    num_groups_formed: int
+    num_groups_executing: int
+    num_groups_pending: int
+    num_conflicts: int
+    num_pending_waits: int
+    pending_wait_seconds: float
+    num_groups_cancelled: int
+    num_groups_failed: int
+    mean_loss: float
+    time_to_target_seconds: float
+    loss_curve: _containers.RepeatedCompositeFieldContainer[LossPoint]
+    recent_groups: _containers.RepeatedCompositeFieldContainer[Group]
+    num_lease_expirations: int
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ...) -> None: ...
+
+class StopRunRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class StopRunReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Ripples: asynchronous decentralized data-parallel training."""

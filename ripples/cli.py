@@ -1,0 +1,161 @@
+"""The `ripples` command: parse, build a config, call the component's entry point.
+
+    ripples run ...                 coordinator + N local workers, start to summary
+    ripples coordinator serve ...   the gRPC coordinator of a real cluster
+    ripples worker run ...          one worker daemon
+    ripples schedule ...            print the static schedule
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+
+from ripples import schedule_command
+from ripples.config_cli import add_dataclass_arguments, dataclass_from_args
+
+ENV_COORDINATOR = "RIPPLES_COORDINATOR"
+# Fields of RunSettings that the CLI sets under other names or not at all.
+_RUN_SKIP = {"run_id"}
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run_settings(args: argparse.Namespace):  # -> RunSettings (import kept lazy)
+    from ripples.coordinator.config import RunSettings
+
+    return dataclass_from_args(RunSettings, args)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ripples.local_cluster import LocalRunConfig, parse_slowdowns, run_local
+
+    _setup_logging(args.verbose)
+    try:
+        run = _run_settings(args)
+        slowdowns = parse_slowdowns(args.slowdown, run.num_workers)
+        if args.threads_per_worker < 1:
+            raise ValueError("--threads-per-worker must be at least 1")
+        from ripples.worker.tasks import resolve_task
+
+        resolve_task(run.task)  # unknown task: fail before spawning anything
+    except ValueError as err:
+        print(f"ripples run: error: {err}", file=sys.stderr)
+        return 2
+    config = LocalRunConfig(run=run, slowdowns=slowdowns, output=Path(args.output),
+                            threads_per_worker=args.threads_per_worker,
+                            timeout_seconds=args.timeout_seconds, progress=not args.quiet,
+                            worker_log_level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        summary = run_local(config)
+    except (RuntimeError, TimeoutError, OSError) as err:
+        print(f"ripples run: failed: {err}", file=sys.stderr)
+        return 1
+    shown = {k: v for k, v in summary.items() if k not in ("loss_curve", "workers")}
+    print(json.dumps(shown, indent=2))
+    print(f"wrote {config.output / 'summary.json'} and {config.output / 'model.pt'}",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from ripples.coordinator.server import ServerConfig, serve
+
+    _setup_logging(not args.quiet)
+    try:
+        run = _run_settings(args)
+        config = ServerConfig(host=args.host, port=args.port, store_port=args.store_port,
+                              advertise_host=args.advertise_host, run=run,
+                              exit_when_done=args.exit_when_done)
+        return serve(config)
+    except (ValueError, OSError) as err:
+        print(f"ripples coordinator serve: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from ripples.rpc import parse_target
+    from ripples.worker.daemon import WorkerConfig, install_signal_handlers, run_worker
+
+    _setup_logging(not args.quiet)
+    try:
+        if not args.coordinator:
+            raise ValueError(f"give --coordinator HOST:PORT or set {ENV_COORDINATOR}")
+        parse_target(args.coordinator)
+        config = dataclass_from_args(WorkerConfig, args)
+    except ValueError as err:
+        print(f"ripples worker run: error: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    return run_worker(config, stop)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ripples.coordinator.config import RunSettings
+    from ripples.worker.daemon import WorkerConfig
+
+    parser = argparse.ArgumentParser(prog="ripples", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a coordinator and N local workers (loopback, gloo)")
+    add_dataclass_arguments(run, RunSettings, skip=_RUN_SKIP, rename={"num_workers": "workers"})
+    run.add_argument("--slowdown", action="append", default=[], metavar="RANK:FACTOR",
+                     help="make worker RANK FACTOR times slower (RANK:FACTOR@PROBABILITY for a "
+                          "random straggler); repeat for several workers")
+    run.add_argument("--output", default="runs/latest", help="directory for model.pt and "
+                     "summary.json (default: runs/latest)")
+    run.add_argument("--threads-per-worker", type=int, default=1,
+                     help="torch threads per worker process (default: 1)")
+    run.add_argument("--timeout-seconds", type=float, default=3600.0,
+                     help="give up if the run has not finished after this long (default: 3600)")
+    run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--verbose", action="store_true", help="log coordinator and worker events")
+    run.set_defaults(func=_cmd_run)
+
+    coord = sub.add_parser("coordinator", help="the coordinator service")
+    coord_sub = coord.add_subparsers(dest="coordinator_command", required=True)
+    serve = coord_sub.add_parser("serve", help="serve one run over gRPC")
+    serve.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
+    serve.add_argument("--store-port", type=int, default=0,
+                       help="rendezvous store port (default: any free port)")
+    serve.add_argument("--advertise-host", default="",
+                       help="address workers use to reach the store (default: host name)")
+    serve.add_argument("--exit-when-done", action="store_true",
+                       help="exit once the run stopped and every worker left")
+    serve.add_argument("--quiet", action="store_true", help="log warnings only")
+    add_dataclass_arguments(serve, RunSettings, skip=_RUN_SKIP, rename={"num_workers": "workers"})
+    serve.set_defaults(func=_cmd_serve)
+
+    worker = sub.add_parser("worker", help="the worker daemon")
+    worker_sub = worker.add_subparsers(dest="worker_command", required=True)
+    wrun = worker_sub.add_parser("run", help="run one worker until the run ends")
+    add_dataclass_arguments(wrun, WorkerConfig, defaults={
+        "coordinator": os.environ.get(ENV_COORDINATOR, "")})
+    wrun.add_argument("--quiet", action="store_true", help="log warnings only")
+    wrun.set_defaults(func=_cmd_worker)
+
+    sched = sub.add_parser("schedule", help="print the static (conflict-free) schedule")
+    schedule_command.add_arguments(sched)
+    sched.set_defaults(func=schedule_command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Typed configs on the command line: every option is documented once, on its field.
+
+A config is a keyword-only dataclass whose fields carry attribute docstrings; those
+docstrings become the CLI help, so an option is documented in exactly one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+from typing import Any
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal after each field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
+                            skip: set[str] = frozenset(), rename: dict[str, str] | None = None,
+                            defaults: dict[str, object] | None = None) -> None:
+    """Add one --option per field of `cls` (bool fields become flags)."""
+    docs = field_docs(cls)
+    rename = rename or {}
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip or f.name.startswith("_"):
+            continue
+        flag = "--" + rename.get(f.name, f.name.replace("_", "-"))
+        default = defaults.get(f.name, f.default)
+        if default is dataclasses.MISSING:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        help_text = docs.get(f.name, "")
+        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str,
+                                                        "bool": bool}.get(str(f.type), str)
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=default, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=default,
+                                help=f"{help_text} (default: {default})")
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: object) -> Any:
+    """Build `cls` from parsed arguments; fields absent from `args` keep their defaults."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+              if hasattr(args, f.name)}
+    values.update(overrides)
+    return cls(**values)

@@ -1,0 +1,222 @@
+"""`ripples run`: a coordinator and N spawned workers on loopback, start to summary.
+
+Starts the coordinator in this process, spawns the workers (gloo on loopback), shows
+progress, names any worker that fails, and at the end averages the workers' models
+into a consensus model, evaluates it, and writes DIR/model.pt and DIR/summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ripples.coordinator.config import RunSettings
+from ripples.coordinator.server import CoordinatorServer, ServerConfig
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.client import CoordinatorClient
+from ripples.worker.daemon import WorkerConfig, run_worker
+from ripples.worker.slowdown import SlowdownSpec
+from ripples.worker.tasks import TaskOptions, build_task, evaluate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class LocalRunConfig:
+    run: RunSettings
+    slowdowns: dict[int, str] = field(default_factory=dict)  # rank -> FACTOR[@PROBABILITY]
+    output: Path = Path("runs/latest")
+    threads_per_worker: int = 1
+    timeout_seconds: float = 3600.0
+    progress: bool = True
+    worker_log_level: int = logging.WARNING
+
+
+def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
+    """Parse RANK:FACTOR[@PROBABILITY] items; ValueError saying what to write."""
+    result: dict[int, str] = {}
+    for spec in specs:
+        rank_text, sep, value = spec.partition(":")
+        if not sep or not rank_text.strip().isdigit():
+            raise ValueError(f"malformed --slowdown {spec!r}: write RANK:FACTOR, e.g. 0:5, or "
+                             "RANK:FACTOR@PROBABILITY, e.g. 3:6@0.125")
+        rank = int(rank_text)
+        if rank >= num_workers:
+            raise ValueError(f"--slowdown {spec!r}: rank {rank} does not exist with "
+                             f"{num_workers} workers (ranks 0-{num_workers - 1})")
+        SlowdownSpec.parse(value)
+        result[rank] = value
+    return result
+
+
+def _worker_entry(config: WorkerConfig, log_level: int) -> None:
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(asctime)s worker[{config.host}/{config.local_rank}] "
+                               "%(levelname)s %(name)s: %(message)s")
+    code = run_worker(config)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit a worker process without interpreter finalization.
+
+    The worker has saved its model and left the run; what remains is a final garbage
+    collection over torch's module graph that takes seconds per process on a busy
+    machine (measured with py-spy: gc_collect_main at exit), multiplied by N workers."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class LocalCluster:
+    """Owns the coordinator thread and the worker processes of one local run."""
+
+    def __init__(self, config: LocalRunConfig) -> None:
+        self.config = config
+        self.server: CoordinatorServer | None = None
+        self.processes: list[mp.process.BaseProcess] = []
+
+    def run(self) -> dict[str, object]:
+        cfg = self.config
+        cfg.output.mkdir(parents=True, exist_ok=True)
+        self.server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=cfg.run))
+        self.server.start()
+        client = CoordinatorClient(self.server.address)
+        try:
+            self._spawn()
+            status = self._monitor(client)
+        finally:
+            self._terminate()
+            client.close()
+            self.server.stop()
+        return self._summarise(status)
+
+    def _spawn(self) -> None:
+        cfg, k = self.config, self.config.run.workers_per_node
+        ctx = mp.get_context("spawn")  # a forked child can hang in torch; gloo dislikes fork
+        assert self.server is not None
+        for rank in range(cfg.run.num_workers):
+            wc = WorkerConfig(
+                coordinator=self.server.address, host=f"node{rank // k}", local_rank=rank % k,
+                device="cpu", slowdown=cfg.slowdowns.get(rank, ""),
+                save_model=str(cfg.output / "workers" / f"rank{rank}.pt"),
+                num_threads=cfg.threads_per_worker)
+            proc = ctx.Process(target=_worker_entry, args=(wc, cfg.worker_log_level),
+                               name=f"ripples-worker-{rank}", daemon=False)
+            proc.start()
+            self.processes.append(proc)
+
+    def _monitor(self, client: CoordinatorClient) -> pb.RunStatus:
+        deadline = time.monotonic() + self.config.timeout_seconds
+        last_print = 0.0
+        status = client.run_status()
+        while True:
+            time.sleep(0.25)
+            status = client.run_status()
+            failed = self._failed_workers(status)
+            if failed:
+                client.stop_run("a worker failed")
+                raise RuntimeError("; ".join(failed))
+            if all(not p.is_alive() for p in self.processes):
+                return client.run_status()
+            if time.monotonic() > deadline:
+                client.stop_run("timeout")
+                raise TimeoutError(f"the run did not finish in {self.config.timeout_seconds:.0f} s"
+                                   " (raise --timeout-seconds)")
+            if self.config.progress and time.monotonic() - last_print >= 1.0:
+                last_print = time.monotonic()
+                print(_progress_line(status), file=sys.stderr, flush=True)
+
+    def _failed_workers(self, status: pb.RunStatus) -> list[str]:
+        k = self.config.run.workers_per_node
+        spawn_rank = {(f"node{i // k}", i % k): i for i in range(len(self.processes))}
+        errors = {spawn_rank.get((w.host, w.local_rank)): w.error for w in status.workers}
+        failed = []
+        for rank, proc in enumerate(self.processes):
+            if proc.exitcode not in (None, 0):
+                why = errors.get(rank) or "it exited without reporting an error (see its log above)"
+                failed.append(f"worker rank {rank} (pid {proc.pid}) exited with code "
+                              f"{proc.exitcode}: {why}")
+        return failed
+
+    def _terminate(self) -> None:
+        for proc in self.processes:
+            proc.join(timeout=10.0 if proc.exitcode is None else 0)
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def _summarise(self, status: pb.RunStatus) -> dict[str, object]:
+        cfg = self.config
+        by_host = sorted(status.workers, key=lambda w: w.rank)
+        states = []
+        for rank in range(cfg.run.num_workers):
+            path = cfg.output / "workers" / f"rank{rank}.pt"
+            if not path.exists():
+                raise RuntimeError(f"worker rank {rank} saved no model at {path}")
+            states.append(torch.load(path, map_location="cpu"))
+        consensus = {k: sum(s[k].float() for s in states) / len(states) if
+                     states[0][k].is_floating_point() else states[0][k] for k in states[0]}
+        task = build_task(cfg.run.task, TaskOptions(seed=cfg.run.seed, device="cpu"))
+        task.model.load_state_dict(consensus)
+        torch.save(task.model.state_dict(), cfg.output / "model.pt")
+        final_loss, accuracy = (evaluate(task) if task.eval_inputs is not None
+                                else (float("nan"), None))
+        summary: dict[str, object] = {
+            "protocol": cfg.run.protocol,
+            "task": cfg.run.task,
+            "num_workers": cfg.run.num_workers,
+            "wall_seconds": status.elapsed_seconds,
+            "stop_reason": status.stop_reason,
+            "final_loss": final_loss,
+            "final_train_loss": status.loss_curve[-1].loss if status.loss_curve else None,
+            "final_accuracy": accuracy,
+            "target_loss": cfg.run.target_loss or None,
+            "time_to_target_seconds": (status.time_to_target_seconds
+                                       if status.time_to_target_seconds >= 0 else None),
+            "loss_curve": [[p.seconds, p.loss] for p in status.loss_curve],
+            "num_groups_formed": status.num_groups_formed,
+            "num_conflicts": status.num_conflicts,
+            "num_pending_waits": status.num_pending_waits,
+            "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
+            "workers": [
+                {"rank": w.rank, "worker_id": w.worker_id, "host": w.host,
+                 "iterations": w.progress.iteration,
+                 "compute_seconds": w.progress.compute_seconds,
+                 "wait_seconds": w.progress.wait_seconds,
+                 "preduce_seconds": w.progress.preduce_seconds,
+                 "request_count": w.request_count}
+                for w in by_host
+            ],
+        }
+        (cfg.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def _progress_line(status: pb.RunStatus) -> str:
+    if not status.started:
+        return f"waiting for workers: {len(status.workers)} of {status.config.num_workers} registered"
+    iters = " ".join(str(w.iteration) for w in sorted(status.workers, key=lambda w: w.rank))
+    loss = f"{status.mean_loss:.4f}" if status.mean_loss else "-"
+    return (f"[{status.elapsed_seconds:6.1f}s] loss {loss}  iterations [{iters}]  "
+            f"groups {status.num_groups_formed}  conflicts {status.num_conflicts}")
+
+
+def run_local(config: LocalRunConfig) -> dict[str, object]:
+    """Run a whole local cluster; raises RuntimeError/TimeoutError naming what failed."""
+    return LocalCluster(config).run()
+
+

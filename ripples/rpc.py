@@ -1,0 +1,69 @@
+"""All gRPC plumbing shared by the coordinator, workers, dashboard and launcher.
+
+Every channel and server option lives here, with the reason for it, so that the
+components agree and nobody tunes one side alone.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+# Messages are small (ids and timings); a status reply of a large run stays far below this.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Long-polls (RequestGroup, AwaitStart) keep calls open for seconds: ping so that a
+    # dead coordinator is noticed by the transport, not only by the call deadline.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect fast after a coordinator restart instead of backing off for minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    # Loopback and cluster networks: proxies from the environment are never wanted.
+    ("grpc.enable_http_proxy", 0),
+]
+
+SERVER_OPTIONS: list[tuple[str, int | str]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Accept the clients' keepalive pings (see CHANNEL_OPTIONS) without GOAWAY.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    # Two coordinators on one port would split the run silently: fail to bind instead.
+    ("grpc.so_reuseport", 0),
+]
+
+
+def insecure_channel(target: str) -> grpc.Channel:
+    """A blocking channel to the coordinator at HOST:PORT."""
+    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def aio_channel(target: str) -> grpc.aio.Channel:
+    """An asyncio channel to the coordinator at HOST:PORT (dashboard)."""
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def parse_target(target: str) -> tuple[str, int]:
+    """Split HOST:PORT; ValueError with what to write instead."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT for the coordinator address, got {target!r}")
+    return host.strip("[]"), int(port)
+
+
+def describe_rpc_error(err: grpc.RpcError, target: str) -> str:
+    """A one-line explanation of a failed call, naming what to check."""
+    code = err.code() if isinstance(err, grpc.Call) else None
+    detail = err.details() if isinstance(err, grpc.Call) else str(err)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"coordinator at {target} is unreachable ({detail}); is it running?"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"coordinator at {target} did not answer in time ({detail})"
+    name = code.name if code is not None else "ERROR"
+    return f"coordinator at {target} refused the request: {name}: {detail}"

@@ -1,0 +1,1 @@
+"""Worker runtime: training loop, communicators and task plug-ins."""

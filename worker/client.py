@@ -1,0 +1,155 @@
+"""The worker's side of the coordinator contract: every call has a deadline."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from ripples.rpc import describe_rpc_error, insecure_channel
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.v1 import coordinator_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class CoordinatorCallError(RuntimeError):
+    """A coordinator call failed; the message says what to check."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CoordinatorClient:
+    """Blocking client; safe to share between the training and heartbeat threads."""
+
+    def __init__(self, target: str, *, rpc_timeout_seconds: float = 10.0) -> None:
+        self.target = target
+        self.rpc_timeout = rpc_timeout_seconds
+        self._channel = insecure_channel(target)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    def wait_until_reachable(self, timeout_seconds: float) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_seconds)
+        except grpc.FutureTimeoutError:
+            raise CoordinatorCallError(
+                f"coordinator at {self.target} is unreachable after {timeout_seconds:.0f} s; "
+                "is it running, and is the address right?", grpc.StatusCode.UNAVAILABLE
+            ) from None
+
+    def _call(self, method: Callable[..., object], request: object, timeout: float) -> object:
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            raise CoordinatorCallError(describe_rpc_error(err, self.target), code) from err
+
+    def register(self, host: str, local_rank: int, device: str, pid: int) -> pb.RegisterReply:
+        req = pb.RegisterRequest(host=host, local_rank=local_rank, device=device, pid=pid)
+        reply = self._call(self._stub.Register, req, self.rpc_timeout)
+        assert isinstance(reply, pb.RegisterReply)
+        return reply
+
+    def await_start(self, worker_id: int, planned_iterations: int,
+                    timeout_seconds: float) -> pb.AwaitStartReply:
+        req = pb.AwaitStartRequest(worker_id=worker_id, timeout_seconds=timeout_seconds,
+                                   planned_iterations=planned_iterations)
+        reply = self._call(self._stub.AwaitStart, req, timeout_seconds + self.rpc_timeout)
+        assert isinstance(reply, pb.AwaitStartReply)
+        return reply
+
+    def heartbeat(self, worker_id: int, progress: pb.Progress) -> pb.HeartbeatReply:
+        req = pb.HeartbeatRequest(worker_id=worker_id, progress=progress)
+        reply = self._call(self._stub.Heartbeat, req, self.rpc_timeout)
+        assert isinstance(reply, pb.HeartbeatReply)
+        return reply
+
+    def leave(self, worker_id: int, progress: pb.Progress, error: str = "") -> None:
+        req = pb.LeaveRequest(worker_id=worker_id, progress=progress, error=error)
+        self._call(self._stub.Leave, req, self.rpc_timeout)
+
+    def request_group(self, worker_id: int, iteration: int,
+                      wait_seconds: float) -> pb.GroupReply:
+        req = pb.GroupRequest(worker_id=worker_id, iteration=iteration,
+                              timeout_seconds=wait_seconds)
+        reply = self._call(self._stub.RequestGroup, req, wait_seconds + self.rpc_timeout)
+        assert isinstance(reply, pb.GroupReply)
+        return reply
+
+    def release_group(self, worker_id: int, group_id: int, ok: bool, error: str = "",
+                      preduce_seconds: float = 0.0) -> None:
+        req = pb.ReleaseRequest(worker_id=worker_id, group_id=group_id, ok=ok, error=error,
+                                preduce_seconds=preduce_seconds)
+        self._call(self._stub.ReleaseGroup, req, self.rpc_timeout)
+
+    def static_schedule(self, worker_id: int) -> pb.StaticScheduleReply:
+        req = pb.StaticScheduleRequest(worker_id=worker_id)
+        reply = self._call(self._stub.GetStaticSchedule, req, self.rpc_timeout)
+        assert isinstance(reply, pb.StaticScheduleReply)
+        return reply
+
+    def checkpoint(self, worker_id: int, iteration: int) -> pb.CheckpointReply:
+        req = pb.CheckpointRequest(worker_id=worker_id, iteration=iteration)
+        reply = self._call(self._stub.Checkpoint, req, self.rpc_timeout)
+        assert isinstance(reply, pb.CheckpointReply)
+        return reply
+
+    def run_status(self) -> pb.RunStatus:
+        reply = self._call(self._stub.GetRunStatus, pb.RunStatusRequest(), self.rpc_timeout)
+        assert isinstance(reply, pb.RunStatus)
+        return reply
+
+    def stop_run(self, reason: str) -> None:
+        self._call(self._stub.StopRun, pb.StopRunRequest(reason=reason), self.rpc_timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class HeartbeatThread(threading.Thread):
+    """Renews the lease and reports progress; raises the stop flag when told to.
+
+    A coordinator that stays unreachable for a whole lease, or that no longer knows
+    this worker, sets `fatal_error` and the stop flag: the training loop then ends with
+    that error instead of running on unsupervised.
+    """
+
+    def __init__(self, client: CoordinatorClient, worker_id: int, interval_seconds: float,
+                 lease_seconds: float, progress: Callable[[], pb.Progress]) -> None:
+        super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
+        self.client = client
+        self.worker_id = worker_id
+        self.interval = interval_seconds
+        self.lease = lease_seconds
+        self.progress = progress
+        self.stop_requested = threading.Event()
+        self.stop_reason = ""
+        self.fatal_error = ""
+        self._finish = threading.Event()
+
+    def run(self) -> None:
+        last_ok = time.monotonic()
+        while not self._finish.wait(self.interval):
+            try:
+                reply = self.client.heartbeat(self.worker_id, self.progress())
+                last_ok = time.monotonic()
+            except CoordinatorCallError as err:
+                if err.code == grpc.StatusCode.NOT_FOUND or time.monotonic() - last_ok > self.lease:
+                    self.fatal_error = str(err)
+                    self.stop_requested.set()
+                    return
+                logger.warning("heartbeat failed, retrying: %s", err)
+                continue
+            if reply.stop and not self.stop_requested.is_set():
+                self.stop_reason = reply.stop_reason
+                self.stop_requested.set()
+
+    def finish(self) -> None:
+        self._finish.set()
+        if self.is_alive():
+            self.join(timeout=self.interval + self.client.rpc_timeout)

@@ -1,0 +1,137 @@
+"""Communicators for dynamic groups, built for the members only and cached.
+
+`dist.new_group` hangs for groups decided at run time (its store prefix depends on each
+process's history), so communicators are built directly on the coordinator's rendezvous
+store under a name the coordinator hands out (shared/notes/preduce-findings.md):
+gloo on CPU, NCCL on CUDA. No default process group is needed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class Communicator:
+    """A backend process group over one member set."""
+
+    key: str
+    rank: int  # index of this worker among the sorted members
+    size: int
+    backend: dist.ProcessGroup
+
+    def allreduce_sum_(self, tensor: torch.Tensor, timeout_seconds: float) -> None:
+        """Sum `tensor` across the members in place; raises on error or timeout."""
+        work = self.backend.allreduce([tensor])
+        if not work.wait(datetime.timedelta(seconds=timeout_seconds)):
+            raise TimeoutError(f"all-reduce on {self.key} did not finish in {timeout_seconds} s")
+
+
+def connect_store(host: str, port: int, timeout_seconds: float) -> dist.Store:
+    """Connect to the coordinator's rendezvous TCPStore."""
+    try:
+        return dist.TCPStore(host, port, is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_seconds))
+    except (RuntimeError, dist.DistStoreError) as err:
+        raise ConnectionError(
+            f"cannot reach the coordinator's rendezvous store at {host}:{port}: {err}"
+        ) from err
+
+
+class CommunicatorFactory:
+    """Builds communicators on the shared store, gloo or NCCL by device."""
+
+    def __init__(self, store: dist.Store, device: torch.device, timeout_seconds: float,
+                 *, gloo_hostname: str = "") -> None:
+        self.store = store
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_seconds)
+        self.gloo_hostname = gloo_hostname  # address gloo binds to ("" = this host's name)
+        self._gloo_device: object | None = None
+
+    def build(self, key: str, rank: int, size: int) -> Communicator:
+        prefix_store = dist.PrefixStore(f"comm/{key}/", self.store)
+        if self.device.type == "cuda":
+            backend = self._build_nccl(prefix_store, rank, size)
+        else:
+            backend = self._build_gloo(prefix_store, rank, size)
+        return Communicator(key=key, rank=rank, size=size, backend=backend)
+
+    def _build_gloo(self, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+        # One eagerly-connected device per process, shared by all groups: ~1.7 ms to
+        # create a group and far fewer file descriptors than a device per group.
+        if self._gloo_device is None:
+            self._gloo_device = (
+                dist.ProcessGroupGloo.create_device(hostname=self.gloo_hostname)
+                if self.gloo_hostname
+                else dist.ProcessGroupGloo.create_default_device()
+            )
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [self._gloo_device]
+        opts._threads = 1
+        opts._timeout = self.timeout
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+
+    def _build_nccl(self, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+        # Built directly for the members (never split from a global communicator, which
+        # would need every rank); the CUDA device is the caller's current device.
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = self.timeout
+        torch.cuda.set_device(self.device)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+class CommunicatorCache:
+    """Cached communicators by key; evictions are ordered by the coordinator.
+
+    Invariant: a key is built at most once per process; a dropped key is never rebuilt
+    (the coordinator never hands out a comm id twice, and static keys are never dropped
+    except after failure, which ends a lock-step run).
+    """
+
+    def __init__(self, factory: CommunicatorFactory) -> None:
+        self.factory = factory
+        self._comms: OrderedDict[str, Communicator] = OrderedDict()
+        self._dropped: set[str] = set()
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def get(self, key: str, rank: int, size: int, *, create: bool) -> Communicator:
+        comm = self._comms.get(key)
+        if comm is not None:
+            self.num_hits += 1
+            self._comms.move_to_end(key)
+            return comm
+        if key in self._dropped:
+            raise RuntimeError(f"communicator {key} was dropped and must not be rebuilt")
+        if not create:
+            logger.warning("communicator %s is not cached here although the coordinator "
+                           "expects reuse; building it", key)
+        self.num_misses += 1
+        comm = self.factory.build(key, rank, size)
+        self._comms[key] = comm
+        return comm
+
+    def drop(self, key: str) -> None:
+        comm = self._comms.pop(key, None)
+        self._dropped.add(key)
+        if comm is not None:
+            try:
+                comm.backend.shutdown()
+            except RuntimeError as err:  # a broken group may refuse a clean shutdown
+                logger.debug("shutdown of %s: %s", key, err)
+
+    def __len__(self) -> int:
+        return len(self._comms)
+
+    def close(self) -> None:
+        for key in list(self._comms):
+            self.drop(key)

@@ -1,0 +1,74 @@
+"""The interface between the shared compute loop and a synchronisation protocol."""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.client import CoordinatorClient
+from ripples.worker.communicators import CommunicatorCache
+from ripples.worker.flat_params import FlatParameters
+
+
+@dataclass(kw_only=True)
+class SyncContext:
+    """Everything a strategy may use; built once by the daemon after the run starts."""
+
+    client: CoordinatorClient
+    worker_id: int
+    rank: int
+    num_workers: int
+    config: pb.RunConfig
+    start: pb.AwaitStartReply
+    model: torch.nn.Module
+    params: FlatParameters
+    comms: CommunicatorCache
+    store: dist.Store
+    device: torch.device
+    stop_requested: threading.Event  # raised by the heartbeat when the coordinator stops the run
+
+
+@dataclass(kw_only=True)
+class SyncResult:
+    """What one synchronisation cost, and whether the run is over for this worker."""
+
+    wait_seconds: float = 0.0  # waiting for a group to form
+    preduce_seconds: float = 0.0  # inside the collective(s)
+    num_groups: int = 0
+    group_sizes: tuple[int, ...] = ()
+    inside_step: bool = False  # the sync ran inside the gradient step (DDP's backward)
+    stop: bool = False
+    stop_reason: str = ""
+
+
+class SyncStrategy(abc.ABC):
+    """A protocol plugged into the compute loop.
+
+    The loop calls, per iteration: should_stop(completed) -> gradient step ->
+    after_step(completed). `completed` counts finished gradient steps.
+    """
+
+    name: str = ""
+
+    def __init__(self, ctx: SyncContext) -> None:
+        self.ctx = ctx
+
+    def training_model(self) -> torch.nn.Module:
+        """The module the loop runs forward/backward on (DDP wraps it)."""
+        return self.ctx.model
+
+    @abc.abstractmethod
+    def should_stop(self, completed: int, planned: int) -> SyncResult | None:
+        """Before a step: a SyncResult with stop=True ends training."""
+
+    @abc.abstractmethod
+    def after_step(self, completed: int) -> SyncResult:
+        """After the optimizer step: synchronise (or not)."""
+
+    def close(self) -> None:
+        """Release protocol resources (not communicators: the daemon owns the cache)."""

@@ -1,0 +1,92 @@
+"""`ripples-random` and `ripples-smart`: P-Reduce in groups made by the Group Generator."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.preduce import preduce
+from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
+
+logger = logging.getLogger(__name__)
+
+# Server-side bound on one RequestGroup long-poll; the worker then asks again.
+GROUP_POLL_SECONDS = 10.0
+
+
+class GroupGeneratorStrategy(SyncStrategy):
+    """After each step: ask the coordinator for groups and P-Reduce in each, in order.
+
+    The coordinator decides the policy (random or smart) from the run config; this side
+    only executes what it is told. One group is in flight at a time, taken in the
+    coordinator's global order, which rules out wait cycles between overlapping groups.
+    """
+
+    name = "ripples-gg"
+
+    def __init__(self, ctx: SyncContext) -> None:
+        super().__init__(ctx)
+        self.timeout = ctx.config.collective_timeout_seconds
+        # A group may wait for slow peers' iterations; give up only after this long.
+        self.max_group_wait_seconds = max(300.0, 5 * self.timeout)
+        self.num_failed_groups = 0
+
+    def should_stop(self, completed: int, planned: int) -> SyncResult | None:
+        if self.ctx.stop_requested.is_set():
+            return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+        return None
+
+    def after_step(self, completed: int) -> SyncResult:
+        result = SyncResult()
+        sizes: list[int] = []
+        waited_since = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            reply = self.ctx.client.request_group(self.ctx.worker_id, completed,
+                                                  GROUP_POLL_SECONDS)
+            result.wait_seconds += time.perf_counter() - t0
+            for comm_id in reply.evict_comm_ids:
+                self.ctx.comms.drop(f"gg/{self.ctx.config.run_id}/{comm_id}")
+            if reply.outcome == pb.GROUP_OUTCOME_RETRY:
+                waited = time.perf_counter() - waited_since
+                if waited > self.max_group_wait_seconds:
+                    raise TimeoutError(f"no group after {waited:.0f} s: {reply.detail}")
+                logger.info("still waiting for a group after %.0f s: %s", waited, reply.detail)
+                continue
+            if reply.outcome == pb.GROUP_OUTCOME_STOP:
+                result.stop, result.stop_reason = True, reply.detail
+                break
+            if reply.outcome != pb.GROUP_OUTCOME_GROUP:  # NO_GROUP, CANCELLED: go on training
+                if reply.outcome == pb.GROUP_OUTCOME_CANCELLED:
+                    logger.warning("group cancelled: %s", reply.detail)
+                break
+            result.preduce_seconds += self._execute(reply.group)
+            result.num_groups += 1
+            sizes.append(len(reply.group.members))
+            if not reply.more:
+                break
+            waited_since = time.perf_counter()
+        result.group_sizes = tuple(sizes)
+        return result
+
+    def _execute(self, group: pb.Group) -> float:
+        members = list(group.members)
+        key = f"gg/{self.ctx.config.run_id}/{group.comm_id}"
+        t0 = time.perf_counter()
+        try:
+            comm = self.ctx.comms.get(key, members.index(self.ctx.worker_id), len(members),
+                                      create=group.create_comm)
+            preduce(self.ctx.params, comm, self.timeout)
+        except (RuntimeError, TimeoutError, ValueError) as err:
+            seconds = time.perf_counter() - t0
+            self.num_failed_groups += 1
+            self.ctx.comms.drop(key)
+            logger.warning("P-Reduce of group %d %s failed: %s", group.group_id, members, err)
+            self.ctx.client.release_group(self.ctx.worker_id, group.group_id, ok=False,
+                                          error=str(err)[:500], preduce_seconds=seconds)
+            return seconds
+        seconds = time.perf_counter() - t0
+        self.ctx.client.release_group(self.ctx.worker_id, group.group_id, ok=True,
+                                      preduce_seconds=seconds)
+        return seconds

@@ -1,0 +1,45 @@
+"""`ripples-static`: the conflict-free static schedule, computed locally with no RPC."""
+
+from __future__ import annotations
+
+import time
+
+from ripples.static_schedule import static_group_of
+from ripples.worker.preduce import preduce
+from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
+from ripples.worker.strategies.lockstep import LockstepStop
+
+
+class StaticScheduleStrategy(SyncStrategy):
+    """Each iteration, P-Reduce in the group the rule S(iteration, rank) gives.
+
+    The coordinator serves only the schedule's parameters (nodes, workers per node, this
+    worker's rank). Every worker computes the same schedule, so groups agree without
+    messages; their communicators are named by their ranks and built once. Waiting for a
+    late partner happens inside the collective and counts as preduce time.
+    """
+
+    name = "ripples-static"
+
+    def __init__(self, ctx: SyncContext) -> None:
+        super().__init__(ctx)
+        params = ctx.client.static_schedule(ctx.worker_id)
+        self.num_nodes = params.num_nodes
+        self.workers_per_node = params.workers_per_node
+        self.rank = params.rank
+        self.run_id = params.run_id
+        self.stopper = LockstepStop(ctx)
+
+    def should_stop(self, completed: int, planned: int) -> SyncResult | None:
+        return self.stopper.should_stop(completed, planned)
+
+    def after_step(self, completed: int) -> SyncResult:
+        group = static_group_of(completed - 1, self.rank, self.num_nodes, self.workers_per_node)
+        if group is None:
+            return SyncResult()
+        key = f"static/{self.run_id}/{'-'.join(map(str, group))}"
+        t0 = time.perf_counter()
+        comm = self.ctx.comms.get(key, group.index(self.rank), len(group), create=True)
+        preduce(self.ctx.params, comm, self.ctx.config.collective_timeout_seconds)
+        return SyncResult(preduce_seconds=time.perf_counter() - t0, num_groups=1,
+                          group_sizes=(len(group),))
