@@ -26,7 +26,8 @@ class RunSettings:
     protocol: str = "ripples-smart"
     """Synchronisation protocol: allreduce, ripples-random, ripples-smart or ripples-static."""
     task: str = "digits"
-    """Training task: a built-in name (digits, synthetic-cnn, synthetic-vgg16) or module:function."""
+    """Training task: a built-in name (digits, synthetic-cnn, synthetic-vgg16) or
+    module:function."""
     num_workers: int = 4
     """Workers that must register before training starts."""
     workers_per_node: int = 4

@@ -220,7 +220,9 @@ class CoordinatorCore:
             self._record_progress(w, progress, now)
         return self._check_stop(now)
 
-    def leave(self, worker_id: int, progress: Progress | None, error: str, now: float) -> Deliveries:
+    def leave(
+        self, worker_id: int, progress: Progress | None, error: str, now: float
+    ) -> Deliveries:
         w = self.worker(worker_id)
         if progress is not None:
             self._record_progress(w, progress, now)
@@ -451,11 +453,14 @@ class CoordinatorCore:
         if mean is None:
             return
         elapsed = now - self.started_at
-        if not self.loss_curve or elapsed - self.loss_curve[-1][0] >= LOSS_CURVE_MIN_STEP_SECONDS:
-            self.loss_curve.append((elapsed, mean))
         target = self.settings.target_loss
-        if target > 0 and self.time_to_target is None and mean <= target:
+        reached = target > 0 and self.time_to_target is None and mean <= target
+        if reached:
             self.time_to_target = elapsed
+        # Rate-limited, except for the point that reaches the target: the curve must show it.
+        if (reached or not self.loss_curve
+                or elapsed - self.loss_curve[-1][0] >= LOSS_CURVE_MIN_STEP_SECONDS):
+            self.loss_curve.append((elapsed, mean))
 
     # ------------------------------------------------------------------ views
     def live(self) -> list[WorkerRecord]:

@@ -75,9 +75,10 @@ class SmartPolicy:
     Called only when the initiator's buffer is empty (otherwise the GroupTable serves the
     buffer's head). Global Division randomly partitions the idle workers that pass the
     slowdown filter `c_i - c_w < C_thres` (c_i the initiator's request counter) into
-    non-conflicting groups (balanced, at most group_size each). With Inter-Intra, each division inserts two groups per
-    worker: an Inter group (one head worker per node divided among nodes, the other
-    workers in local groups) then an Intra group (all eligible workers of a node).
+    non-conflicting groups (balanced, at most group_size each). With Inter-Intra, each
+    division inserts two groups per worker: an Inter group (one head worker per node
+    divided among nodes, the other workers in local groups) then an Intra group (all
+    eligible workers of a node).
 
     When the initiator is the only eligible idle worker, it is grouped with random
     filter-passing workers that are busy; the group then waits behind their buffers, so

@@ -208,7 +208,8 @@ class LocalCluster:
 
 def _progress_line(status: pb.RunStatus) -> str:
     if not status.started:
-        return f"waiting for workers: {len(status.workers)} of {status.config.num_workers} registered"
+        registered = len(status.workers)
+        return f"waiting for workers: {registered} of {status.config.num_workers} registered"
     iters = " ".join(str(w.iteration) for w in sorted(status.workers, key=lambda w: w.rank))
     loss = f"{status.mean_loss:.4f}" if status.mean_loss else "-"
     return (f"[{status.elapsed_seconds:6.1f}s] loss {loss}  iterations [{iters}]  "

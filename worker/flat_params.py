@@ -32,7 +32,8 @@ class FlatParameters:
                 f"all parameters must share one device and dtype, got {devices} / {dtypes}"
             )
         self.numel = sum(p.numel() for p in self.params)
-        self.flat = torch.empty(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        first = self.params[0]
+        self.flat = torch.empty(self.numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             self._point_params_at(self.flat, copy=True)
         self._staging: torch.Tensor | None = None

@@ -70,5 +70,5 @@ class SyncStrategy(abc.ABC):
     def after_step(self, completed: int) -> SyncResult:
         """After the optimizer step: synchronise (or not)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook, deliberately empty)
         """Release protocol resources (not communicators: the daemon owns the cache)."""

@@ -13,8 +13,8 @@ from torch import nn
 
 from ripples.worker.tasks import Task, TaskOptions
 
-DEFAULT_LEARNING_RATE = 0.05
-DEFAULT_BATCH_SIZE = 32
+DEFAULT_LEARNING_RATE = 0.1
+DEFAULT_BATCH_SIZE = 16
 MOMENTUM = 0.9
 NUM_CLASSES = 10
 NUM_FEATURES = 64
@@ -63,7 +63,7 @@ def digits(options: TaskOptions) -> Task:
 
     Args:
         options: Seed for model initialisation, device, and optional overrides of the
-            learning rate (default 0.05) and batch size (default 32).
+            learning rate (default 0.1) and batch size (default 16).
 
     Returns:
         The task, with the 1437-sample training set and the 360-sample test set.

@@ -1,0 +1,98 @@
+"""Bad input and failing workers: a clear message and a non-zero exit, never a hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+from helpers import REPO, ripples_cli, running_coordinator, start_worker
+
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.client import CoordinatorClient
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--protocol", "gossip"], "unknown protocol 'gossip'"),
+        (["--task", "no-such-task"], "unknown task"),
+        (["--task", "no_such_module:fn"], "no_such_module"),
+        (["--workers", "1"], "at least 2"),
+        (["--slowdown", "fast"], "malformed --slowdown"),
+        (["--slowdown", "9:5"], "rank 9 does not exist"),
+        (["--slowdown", "0:0.5"], "at least 1"),
+        (["--group-size", "1"], "group_size"),
+    ],
+)
+def test_run_rejects_bad_input(args: list[str], message: str) -> None:
+    proc = ripples_cli("run", "--workers", "4", *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+
+
+def test_serve_reports_a_port_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = ripples_cli("coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
+                           timeout=60)
+    assert proc.returncode == 2
+    assert "port in use" in proc.stderr
+
+
+def test_worker_reports_an_unreachable_coordinator() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    proc = ripples_cli("worker", "run", "--coordinator", f"127.0.0.1:{port}",
+                       "--connect-timeout-seconds", "2", timeout=60)
+    assert proc.returncode == 1
+    assert "unreachable" in proc.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_worker_rejects_a_malformed_address() -> None:
+    proc = ripples_cli("worker", "run", "--coordinator", "localhost", timeout=60)
+    assert proc.returncode == 2
+    assert "HOST:PORT" in proc.stderr
+
+
+def _crash_env() -> dict[str, str]:
+    path = os.pathsep.join([str(REPO / "tests" / "integration"), os.environ.get("PYTHONPATH", "")])
+    return {"PYTHONPATH": path}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce"])
+def test_a_crashed_worker_is_named_and_nobody_hangs(protocol: str) -> None:
+    with running_coordinator(num_workers=3, protocol=protocol, iterations=200,
+                             collective_timeout_seconds=20, group_size=2) as server:
+        good = [start_worker(server.address, "--host", "node0", "--local-rank", str(i), "--quiet")
+                for i in range(2)]
+        bad = start_worker(server.address, "--host", "node0", "--local-rank", "2",
+                           "--task", "crashing_task:crash_after_a_while", env=_crash_env())
+        try:
+            bad_out, _ = bad.communicate(timeout=180)
+            outs = [p.communicate(timeout=180)[0] for p in good]
+        finally:
+            for p in [*good, bad]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        assert bad.returncode == 1
+        assert "simulated device failure" in bad_out
+        status = CoordinatorClient(server.address).run_status()
+        failed = [w for w in status.workers if w.state == pb.WORKER_STATE_FAILED]
+        assert any("simulated device failure" in w.error for w in failed)
+        if protocol == "allreduce":
+            # Lock-step peers cannot continue: the run stops and names the failed worker.
+            assert status.stopped and "failed" in status.stop_reason
+            assert all(p.returncode in (0, 1) for p in good), outs
+        else:
+            # Group protocols carry on without it and finish the budget.
+            assert [p.returncode for p in good] == [0, 0], outs
+            assert status.stop_reason.startswith("iteration budget")

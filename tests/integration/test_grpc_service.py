@@ -1,0 +1,206 @@
+"""The coordinator's gRPC service, exercised through real clients on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from helpers import running_coordinator
+
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.client import CoordinatorCallError, CoordinatorClient
+
+
+def _register(client: CoordinatorClient, n: int, host: str = "node0") -> list[int]:
+    return [client.register(host, i, "cpu", 1000 + i).worker_id for i in range(n)]
+
+
+def _start_all(
+    client: CoordinatorClient, ids: list[int], planned: int = 100
+) -> list[pb.AwaitStartReply]:
+    with ThreadPoolExecutor(len(ids)) as pool:
+        return list(pool.map(lambda w: client.await_start(w, planned, 10.0), ids))
+
+
+def test_register_heartbeat_leave_and_status() -> None:
+    with running_coordinator(num_workers=2, protocol="ripples-smart") as server:
+        client = CoordinatorClient(server.address)
+        reg = client.register("node0", 0, "cpu", 42)
+        assert reg.config.protocol == "ripples-smart"
+        assert reg.store_port > 0
+        client.heartbeat(reg.worker_id, pb.Progress(iteration=0))
+        status = client.run_status()
+        assert [w.state for w in status.workers] == [pb.WORKER_STATE_REGISTERED]
+        assert not status.started
+        client.leave(reg.worker_id, pb.Progress())
+        assert client.run_status().workers[0].state == pb.WORKER_STATE_LEFT
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "code"),
+    [
+        (lambda c: c.heartbeat(999, pb.Progress()), grpc.StatusCode.NOT_FOUND),
+        (lambda c: c.register("", 0, "cpu", 1), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda c: c.checkpoint(999, 0), grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_bad_requests_get_status_codes(call, code) -> None:  # type: ignore[no-untyped-def]
+    with running_coordinator(num_workers=2) as server:
+        client = CoordinatorClient(server.address)
+        with pytest.raises(CoordinatorCallError) as err:
+            call(client)
+        assert err.value.code == code
+        client.close()
+
+
+def test_duplicate_and_excess_registrations_are_refused() -> None:
+    with running_coordinator(num_workers=2) as server:
+        client = CoordinatorClient(server.address)
+        client.register("node0", 0, "cpu", 1)
+        with pytest.raises(CoordinatorCallError, match="already registered") as err:
+            client.register("node0", 0, "cpu", 2)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        client.register("node0", 1, "cpu", 3)
+        with pytest.raises(CoordinatorCallError, match="already has its 2 workers"):
+            client.register("node1", 0, "cpu", 4)
+        client.close()
+
+
+def test_await_start_times_out_with_a_message() -> None:
+    with running_coordinator(num_workers=3) as server:
+        client = CoordinatorClient(server.address)
+        wid = client.register("node0", 0, "cpu", 1).worker_id
+        with pytest.raises(CoordinatorCallError, match="1 of 3 workers registered") as err:
+            client.await_start(wid, 10, 0.5)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        client.close()
+
+
+def test_group_reaches_all_members_at_once_and_release_frees_them() -> None:
+    with running_coordinator(num_workers=2, protocol="ripples-smart", group_size=2) as server:
+        client = CoordinatorClient(server.address)
+        a, b = _register(client, 2)
+        starts = _start_all(client, [a, b])
+        assert sorted(s.rank for s in starts) == [0, 1]
+        with ThreadPoolExecutor(2) as pool:
+            fa = pool.submit(client.request_group, a, 1, 5.0)
+            time.sleep(0.2)
+            assert not fa.done(), "a group is delivered only once every member asked"
+            fb = pool.submit(client.request_group, b, 1, 5.0)
+            ra, rb = fa.result(), fb.result()
+        assert ra.outcome == rb.outcome == pb.GROUP_OUTCOME_GROUP
+        assert ra.group.group_id == rb.group.group_id
+        assert list(ra.group.members) == [a, b]
+        assert ra.group.create_comm
+        status = client.run_status()
+        assert status.num_groups_executing == 1
+        assert {w.state for w in status.workers} == {pb.WORKER_STATE_REDUCING}
+        client.release_group(a, ra.group.group_id, ok=True)
+        client.release_group(b, rb.group.group_id, ok=True)
+        status = client.run_status()
+        assert status.num_groups_executing == 0
+        assert status.num_groups_formed == 1
+        client.close()
+
+
+def test_wait_runs_out_with_retry_then_peer_arrives() -> None:
+    with running_coordinator(num_workers=2, protocol="ripples-smart", group_size=2) as server:
+        client = CoordinatorClient(server.address)
+        a, b = _register(client, 2)
+        _start_all(client, [a, b])
+        reply = client.request_group(a, 1, 0.3)
+        assert reply.outcome == pb.GROUP_OUTCOME_RETRY
+        assert f"[{b}]" in reply.detail  # says whom the group waits for
+        with ThreadPoolExecutor(2) as pool:
+            fa = pool.submit(client.request_group, a, 1, 5.0)
+            rb = client.request_group(b, 1, 5.0)
+            assert fa.result().group.group_id == rb.group.group_id
+        client.close()
+
+
+def test_lease_expiry_cancels_the_group_and_tells_the_waiting_member() -> None:
+    with running_coordinator(num_workers=3, protocol="ripples-smart", group_size=3,
+                             lease_seconds=1.5, heartbeat_interval_seconds=0.2) as server:
+        client = CoordinatorClient(server.address)
+        ids = _register(client, 3)
+        _start_all(client, ids)
+        alive = threading.Event()
+
+        def keep_alive(wid: int) -> None:
+            while not alive.is_set():
+                client.heartbeat(wid, pb.Progress(iteration=1))
+                time.sleep(0.2)
+
+        threads = [threading.Thread(target=keep_alive, args=(w,)) for w in ids[:2]]
+        for t in threads:
+            t.start()
+        try:
+            t0 = time.monotonic()
+            reply = client.request_group(ids[0], 1, 8.0)  # ids[2] never comes: lease runs out
+            assert reply.outcome == pb.GROUP_OUTCOME_CANCELLED
+            assert f"worker {ids[2]} expired" in reply.detail
+            assert time.monotonic() - t0 < 5.0
+        finally:
+            alive.set()
+            for t in threads:
+                t.join()
+        status = client.run_status()
+        dead = next(w for w in status.workers if w.worker_id == ids[2])
+        assert dead.state == pb.WORKER_STATE_EXPIRED
+        assert status.num_lease_expirations == 1
+        assert status.num_groups_cancelled >= 1
+        with pytest.raises(CoordinatorCallError) as err:
+            client.heartbeat(ids[2], pb.Progress())
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        client.close()
+
+
+def test_stop_run_releases_waiting_workers() -> None:
+    with running_coordinator(num_workers=2, protocol="ripples-random", group_size=2) as server:
+        client = CoordinatorClient(server.address)
+        a, b = _register(client, 2)
+        _start_all(client, [a, b])
+        with ThreadPoolExecutor(1) as pool:
+            fa = pool.submit(client.request_group, a, 1, 5.0)
+            time.sleep(0.2)
+            client.stop_run("test says stop")
+            assert fa.result().outcome == pb.GROUP_OUTCOME_STOP
+        assert client.request_group(b, 1, 1.0).outcome == pb.GROUP_OUTCOME_STOP
+        status = client.run_status()
+        assert status.stopped and status.stop_reason == "test says stop"
+        client.close()
+
+
+def test_static_schedule_parameters_and_lockstep_stop() -> None:
+    with running_coordinator(num_workers=4, protocol="ripples-static",
+                             workers_per_node=2, checkpoint_interval=4) as server:
+        client = CoordinatorClient(server.address)
+        ids = _register(client, 2, "node1") + _register(client, 2, "node0")
+        _start_all(client, ids, planned=1000)
+        params = client.static_schedule(ids[0])
+        assert (params.num_nodes, params.workers_per_node) == (2, 2)
+        assert params.rank == 2  # node1 sorts after node0; local rank 0
+        for wid in ids:
+            assert client.checkpoint(wid, 0).stop_at_iteration == 0
+        client.checkpoint(ids[0], 4)
+        client.stop_run("enough")
+        stops = {client.checkpoint(w, 4).stop_at_iteration for w in ids}
+        assert stops == {8}  # the largest grant given: 4 + interval
+        with pytest.raises(CoordinatorCallError) as err:
+            client.request_group(ids[0], 1, 1.0)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        client.close()
+
+
+def test_static_protocol_rejects_uneven_nodes() -> None:
+    with running_coordinator(num_workers=3, protocol="ripples-static",
+                             workers_per_node=2) as server:
+        client = CoordinatorClient(server.address)
+        ids = _register(client, 2, "node0") + _register(client, 1, "node1")
+        with pytest.raises(CoordinatorCallError, match="exactly 2 workers on every host"):
+            _start_all(client, ids)
+        client.close()

@@ -1,0 +1,124 @@
+"""P-Reduce over real gloo communicators in real processes (spawned, loopback)."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from ripples.worker.communicators import (
+    CommunicatorCache,
+    CommunicatorFactory,
+    connect_store,
+)
+from ripples.worker.flat_params import FlatParameters
+from ripples.worker.preduce import preduce
+
+NUM_WORKERS = 4
+
+
+def _rounds(seed: int, num_rounds: int) -> list[list[tuple[int, ...]]]:
+    """Random partitions of the workers into groups of 2-3, the same in every process."""
+    rng = random.Random(seed)
+    rounds = []
+    for _ in range(num_rounds):
+        order = list(range(NUM_WORKERS))
+        rng.shuffle(order)
+        cut = rng.choice([2, NUM_WORKERS - 2, 3 if NUM_WORKERS > 3 else 2])
+        rounds.append([tuple(sorted(order[:cut])), tuple(sorted(order[cut:]))])
+    return rounds
+
+
+def _model(rank: int) -> torch.nn.Module:
+    torch.manual_seed(rank)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _worker(rank: int, port: int, rounds: list[list[tuple[int, ...]]], out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    store = connect_store("127.0.0.1", port, 30)
+    cache = CommunicatorCache(CommunicatorFactory(store, torch.device("cpu"), 30,
+                                                  gloo_hostname="127.0.0.1"))
+    model = _model(rank)
+    params = FlatParameters(model)
+    ids: dict[tuple[int, ...], int] = {}
+    for groups in rounds:
+        group = next(g for g in groups if rank in g)
+        comm_id = ids.setdefault(group, len(ids))  # same set -> same id, in every process
+        comm = cache.get(f"test/{'-'.join(map(str, group))}", group.index(rank), len(group),
+                         create=True)
+        del comm_id
+        preduce(params, comm, 30)
+    out.put((rank, params.flat.clone(), [p.data_ptr() for p in model.parameters()],
+             params.flat.data_ptr(), cache.num_hits, cache.num_misses))
+    cache.close()
+
+
+def test_dynamic_groups_average_exactly_without_hanging() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rounds = _rounds(seed=7, num_rounds=40)
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, store.port, rounds, out))
+             for r in range(NUM_WORKERS)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, flat, ptrs, flat_ptr, hits, misses = out.get(timeout=120)
+        results[rank] = (flat, ptrs, flat_ptr, hits, misses)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+
+    # Replay the same rounds on plain tensors: every P-Reduce is an exact group mean.
+    expected = {r: FlatParameters(_model(r)).flat.clone() for r in range(NUM_WORKERS)}
+    for groups in rounds:
+        for g in groups:
+            mean = sum(expected[m] for m in g) / len(g)
+            for m in g:
+                expected[m] = mean.clone()
+    for r in range(NUM_WORKERS):
+        flat, ptrs, flat_ptr, hits, misses = results[r]
+        torch.testing.assert_close(flat, expected[r], rtol=1e-5, atol=1e-6)
+        assert ptrs[0] == flat_ptr, "parameters stay views into the flat buffer"
+        assert misses <= 7 and hits + misses == len(rounds), "communicators are cached"
+    # Averaging preserves the workers' parameter sum (doubly stochastic).
+    total0 = sum(FlatParameters(_model(r)).flat for r in range(NUM_WORKERS))
+    total = sum(results[r][0] for r in range(NUM_WORKERS))
+    torch.testing.assert_close(total, total0, rtol=1e-4, atol=1e-4)
+
+
+def _lonely_member(port: int, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    store = connect_store("127.0.0.1", port, 10)
+    factory = CommunicatorFactory(store, torch.device("cpu"), 3, gloo_hostname="127.0.0.1")
+    model = _model(0)
+    params = FlatParameters(model)
+    before = params.flat.clone()
+    t0 = time.monotonic()
+    try:
+        # Rank 1 of this group never shows up: building or reducing must fail in time.
+        comm = factory.build("lonely", 0, 2)
+        preduce(params, comm, 3)
+        out.put(("no error", 0.0, True))
+    except (RuntimeError, TimeoutError, dist.DistError) as err:
+        out.put((type(err).__name__, time.monotonic() - t0, torch.equal(before, params.flat)))
+
+
+def test_missing_member_fails_in_time_and_keeps_the_local_model() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    proc = ctx.Process(target=_lonely_member, args=(store.port, out))
+    proc.start()
+    kind, seconds, unchanged = out.get(timeout=90)
+    proc.join(timeout=30)
+    assert kind != "no error"
+    assert seconds < 30, f"a missing peer must fail within the timeout, took {seconds:.1f} s"
+    assert unchanged, "a failed P-Reduce must leave the parameters untouched"
