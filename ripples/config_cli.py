@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+from collections.abc import Collection
 from typing import Any
 
 
@@ -29,7 +30,8 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
-                            skip: set[str] = frozenset(), rename: dict[str, str] | None = None,
+                            skip: Collection[str] = frozenset(),
+                            rename: dict[str, str] | None = None,
                             defaults: dict[str, object] | None = None) -> None:
     """Add one --option per field of `cls` (bool fields become flags)."""
     docs = field_docs(cls)

@@ -117,7 +117,7 @@ class LocalCluster:
 
     def _monitor(self, client: CoordinatorClient) -> pb.RunStatus:
         deadline = time.monotonic() + self.config.timeout_seconds
-        last_print = 0.0
+        last_print, last_line = 0.0, ""
         status = client.run_status()
         while True:
             time.sleep(0.25)
@@ -133,8 +133,10 @@ class LocalCluster:
                 raise TimeoutError(f"the run did not finish in {self.config.timeout_seconds:.0f} s"
                                    " (raise --timeout-seconds)")
             if self.config.progress and time.monotonic() - last_print >= 1.0:
-                last_print = time.monotonic()
-                print(_progress_line(status), file=sys.stderr, flush=True)
+                line = _progress_line(status)
+                if status.started or line != last_line:  # no repeats while waiting
+                    print(line, file=sys.stderr, flush=True)
+                last_print, last_line = time.monotonic(), line
 
     def _failed_workers(self, status: pb.RunStatus) -> list[str]:
         k = self.config.run.workers_per_node

@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine (Python 3.11; no GPU needed):
+#   make demo   set up .venv, then train on a local cluster (coordinator + 4 workers)
+#   make test   set up .venv, then check stubs, lint, types and run the tests
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: on CPU machines 2.13.0 resolves to the CPU wheel (see README).
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/ripples run --workers 4 --protocol ripples-smart --task digits --epochs 5 --output runs/demo
+
+test: setup
+	$(BIN)/python proto/generate.py --check
+	$(BIN)/ruff check .
+	$(BIN)/mypy ripples coordinator worker bench
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python -m ripples.bench.preduce
+	$(BIN)/python -m ripples.bench.iteration_time
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info
