@@ -243,15 +243,23 @@ class CoordinatorCore:
             return {}
         w.state = state
         deliveries: Deliveries = {}
+        # The group each waiting peer arrived at (its head) before the cancellation.
+        awaited = {}
+        for peer in self.live():
+            head = self.table.head(peer.worker_id)
+            if peer.state is WorkerState.WAITING and head is not None:
+                awaited[peer.worker_id] = head.group_id
         cancelled, ready = self.table.cancel_where(w.worker_id)
         self.num_cancelled += len(cancelled)
         self.comms.retire_worker(w.worker_id)
-        for g in cancelled:
-            for m in g.members:
-                peer = self.workers[m]
-                if m != w.worker_id and peer.state is WorkerState.WAITING:
-                    deliveries[m] = self._decide(peer, Outcome.CANCELLED, now, detail=(
-                        f"group {g.group_id} cancelled: worker {w.worker_id} {state.value}"))
+        cancelled_ids = {g.group_id for g in cancelled}
+        for peer in self.live():
+            if peer.round_target in cancelled_ids:
+                peer.round_target = None  # its round now ends with the group it waits on
+            if awaited.get(peer.worker_id) in cancelled_ids:
+                deliveries[peer.worker_id] = self._decide(peer, Outcome.CANCELLED, now, detail=(
+                    f"group {awaited[peer.worker_id]} cancelled: worker {w.worker_id} "
+                    f"{state.value}"))
         deliveries.update(self._deliver(ready, now))
         deliveries.update(self._check_stop(now))
         if self.started_at is not None and not self.stopped:
@@ -337,12 +345,20 @@ class CoordinatorCore:
         if not ok:
             self.num_failed += 1
             if group is not None:
-                self.comms.retire(group.comm_id)
+                self._retire_comm(group.comm_id)
             w.error = f"group {group_id} failed: {error}"
         ready = self.table.release(worker_id, group_id)
         if w.state is WorkerState.REDUCING:
             w.state = WorkerState.COMPUTING
         return self._deliver(ready, now)
+
+    def _retire_comm(self, comm_id: int) -> None:
+        """A collective on the comm failed: members drop it, queued groups get a fresh one."""
+        self.comms.retire(comm_id)
+        for g in self.table.unfinished():  # in id order: the first one creates the new comm
+            if g.comm_id == comm_id and not g.delivered:
+                g.comm_id, g.create_comm = self.comms.acquire(
+                    g.members, self.table.comm_ids_in_use())
 
     def _generate(self, w: WorkerRecord, now: float) -> list[GroupRecord]:
         assert self.policy is not None

@@ -197,7 +197,8 @@ class GroupTable:
         for g in self._groups.values():
             assert g.initiator in g.members
             if g.state is GroupState.EXECUTING:
-                for m in g.members:
+                # A member that released its lock has left the group (per-member release).
+                for m in (m for m in g.members if m not in g.released):
                     assert m not in locked, f"worker {m} in executing {locked[m]} and {g.group_id}"
                     locked[m] = g.group_id
                     assert self._buffers[m][0] == g.group_id
