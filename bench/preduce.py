@@ -1,0 +1,202 @@
+"""P-Reduce overhead: Ripples' P-Reduce vs a plain torch.distributed all_reduce.
+
+Both average the same number of floats over the same member processes, measured side by
+side in one run, interleaved round by round so that machine noise hits both alike:
+
+- ``all_reduce``: ``dist.all_reduce`` (SUM) of a tensor on the default process group of
+  the members: the bare collective;
+- ``all_reduce + mean``: the same, then dividing by the group size in place: what a user
+  averaging models with torch.distributed would write;
+- ``preduce cached``: ``ripples.worker.preduce.preduce`` on a communicator taken from the
+  worker's cache (the steady state of a run: scale, collective, pointer swap);
+- ``preduce uncached``: the same, building a fresh communicator for every call (the first
+  group of a member set: rendezvous through the store plus the collective).
+
+    python -m ripples.bench.preduce                 # gloo on CPU, 3 members
+    python -m ripples.bench.preduce --device cuda   # NCCL, one GPU per member
+
+Prints per-call medians, and the median over rounds of each method's time relative to
+``all_reduce`` measured in the same round (the goal for the cached case is at most 1.1x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ripples.worker.communicators import CommunicatorCache, CommunicatorFactory, connect_store
+from ripples.worker.flat_params import FlatParameters
+from ripples.worker.preduce import preduce
+
+TIMEOUT_SECONDS = 60.0
+METHODS = ("all_reduce", "all_reduce + mean", "preduce cached", "preduce uncached")
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    group_size: int = 3
+    """Member processes in the group."""
+    sizes: tuple[int, ...] = (272_474, 4_000_000)
+    """Floats per collective (272,474: the synthetic-cnn ResNet-20; 4M: 16 MB)."""
+    calls: int = 20
+    """Timed calls per method per round."""
+    rounds: int = 7
+    """Interleaved rounds; the report takes the median over rounds."""
+    device: str = "cpu"
+    """cpu (gloo) or cuda (NCCL, member i on cuda:i)."""
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(numel))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _operations(cache: CommunicatorCache, rank: int, size: int, params: FlatParameters,
+                plain: torch.Tensor, key: str) -> dict[str, Callable[[], None]]:
+    uncached_keys = iter(range(10**9))
+
+    def uncached() -> None:
+        ukey = f"bench/uncached/{params.numel}/{next(uncached_keys)}"
+        preduce(params, cache.get(ukey, rank, size, create=True), TIMEOUT_SECONDS)
+        cache.drop(ukey)
+
+    def mean() -> None:
+        dist.all_reduce(plain)
+        plain.div_(size)
+
+    return {
+        "all_reduce": lambda: dist.all_reduce(plain),
+        "all_reduce + mean": mean,
+        "preduce cached": lambda: preduce(
+            params, cache.get(key, rank, size, create=False), TIMEOUT_SECONDS),
+        "preduce uncached": uncached,
+    }
+
+
+def _member(rank: int, port: int, cfg: BenchConfig, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    device = torch.device(f"cuda:{rank}" if cfg.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = connect_store("127.0.0.1", port, TIMEOUT_SECONDS)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.PrefixStore("world/", store), rank=rank, world_size=cfg.group_size,
+        timeout=datetime.timedelta(seconds=TIMEOUT_SECONDS),
+    )
+    cache = CommunicatorCache(CommunicatorFactory(store, device, TIMEOUT_SECONDS,
+                                                  gloo_hostname="127.0.0.1"))
+    results: dict[tuple[int, str], list[float]] = {}
+    for numel in cfg.sizes:
+        params = FlatParameters(_Flat(numel).to(device))
+        plain = torch.randn(numel, device=device)
+        key = f"bench/cached/{numel}"
+        preduce(params, cache.get(key, rank, cfg.group_size, create=True), TIMEOUT_SECONDS)
+
+        ops = _operations(cache, rank, cfg.group_size, params, plain, key)
+        for op in ops.values():  # warm-up
+            op()
+        for round_index in range(cfg.rounds):
+            # Rotate the order each round so no method always runs first.
+            shift = round_index % len(METHODS)
+            order = METHODS[shift:] + METHODS[:shift]
+            for name in order:
+                calls = max(3, cfg.calls // 5) if name == "preduce uncached" else cfg.calls
+                dist.barrier()
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    ops[name]()
+                _sync(device)
+                results.setdefault((numel, name), []).append(
+                    (time.perf_counter() - start) / calls)
+    if rank == 0:
+        out.put(results)
+    cache.close()
+    dist.destroy_process_group()
+
+
+def run(cfg: BenchConfig) -> dict[tuple[int, str], list[float]]:
+    """Seconds per call in each round, by (floats, method), as seen by member 0."""
+    if cfg.group_size < 2:
+        raise ValueError("group_size must be at least 2")
+    if cfg.device == "cuda" and torch.cuda.device_count() < cfg.group_size:
+        raise ValueError(f"--device cuda needs {cfg.group_size} GPUs, "
+                         f"found {torch.cuda.device_count()}")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(r, store.port, cfg, out))
+             for r in range(cfg.group_size)]
+    for p in procs:
+        p.start()
+    try:
+        results: dict[tuple[int, str], list[float]] = out.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"benchmark members exited with {failed}")
+    return results
+
+
+def report(cfg: BenchConfig, results: dict[tuple[int, str], list[float]]) -> list[dict]:
+    """Rows: per-call median and the median of same-round ratios to all_reduce."""
+    rows = []
+    for numel in cfg.sizes:
+        base = results[(numel, "all_reduce")]
+        for name in METHODS:
+            times = results[(numel, name)]
+            rows.append({"floats": numel, "method": name,
+                         "ms_per_call": statistics.median(times) * 1e3,
+                         "ratio": statistics.median(t / b for t, b in zip(times, base,
+                                                                         strict=True))})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--group-size", type=int, default=BenchConfig.group_size)
+    parser.add_argument("--sizes", default=",".join(map(str, BenchConfig.sizes)),
+                        help="comma-separated floats per collective")
+    parser.add_argument("--calls", type=int, default=BenchConfig.calls)
+    parser.add_argument("--rounds", type=int, default=BenchConfig.rounds)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args(argv)
+    try:
+        sizes = tuple(int(s) for s in args.sizes.split(","))
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    cfg = BenchConfig(group_size=args.group_size, sizes=sizes, calls=args.calls,
+                      rounds=args.rounds, device=args.device)
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    print(f"P-Reduce vs all_reduce: {cfg.group_size} members, {backend}, "
+          f"median of {cfg.rounds} interleaved rounds", file=sys.stderr)
+    rows = report(cfg, run(cfg))
+    print(f"{'floats':>10} {'MB':>7} {'method':>18} {'ms/call':>9} {'vs all_reduce':>14}")
+    for row in rows:
+        print(f"{row['floats']:>10} {row['floats'] * 4 / 1e6:>7.2f} {row['method']:>18} "
+              f"{row['ms_per_call']:>9.3f} {row['ratio']:>13.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
