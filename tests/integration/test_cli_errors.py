@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 
@@ -96,3 +97,41 @@ def test_a_crashed_worker_is_named_and_nobody_hangs(protocol: str) -> None:
             # Group protocols carry on without it and finish the budget.
             assert [p.returncode for p in good] == [0, 0], outs
             assert status.stop_reason.startswith("iteration budget")
+
+
+@pytest.mark.slow
+def test_sigterm_makes_a_worker_leave_cleanly_and_the_others_finish() -> None:
+    with running_coordinator(num_workers=3, protocol="ripples-smart", iterations=100_000,
+                             group_size=2) as server:
+        procs = [start_worker(server.address, "--host", "node0", "--local-rank", str(i),
+                              "--quiet") for i in range(3)]
+        client = CoordinatorClient(server.address)
+        try:
+            deadline = time.monotonic() + 120
+            while not all(w.iteration >= 5 for w in client.run_status().workers
+                          ) or len(client.run_status().workers) < 3:
+                assert time.monotonic() < deadline, "workers never got going"
+                assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+                time.sleep(0.2)
+            leaver = next(w for w in client.run_status().workers if w.local_rank == 0)
+            procs[0].send_signal(signal.SIGTERM)
+            out0, _ = procs[0].communicate(timeout=60)
+            assert procs[0].returncode == 0, out0
+            status = client.run_status()
+            gone = next(w for w in status.workers if w.worker_id == leaver.worker_id)
+            assert gone.state == pb.WORKER_STATE_LEFT and not gone.error
+            # The other two keep training with each other, then are stopped on request.
+            before = {w.worker_id: w.iteration for w in status.workers}
+            time.sleep(2.0)
+            after = client.run_status()
+            assert all(w.iteration > before[w.worker_id] for w in after.workers
+                       if w.worker_id != leaver.worker_id)
+            client.stop_run("test over")
+            outs = [p.communicate(timeout=60)[0] for p in procs[1:]]
+            assert [p.returncode for p in procs[1:]] == [0, 0], outs
+        finally:
+            client.close()
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
