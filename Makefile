@@ -29,7 +29,7 @@ test: setup
 
 bench: setup
 	$(BIN)/python -m ripples.bench.preduce
-	$(BIN)/python -m ripples.bench.iteration_time
+	$(BIN)/ripples bench
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -127,7 +127,8 @@ class CoordinatorCore:
         self.stop_reason = ""
         self.stop_at_iteration = 0
         self.time_to_target: float | None = None
-        self.loss_curve: list[tuple[float, float]] = []
+        self.iterations_to_target: float | None = None
+        self.loss_curve: list[tuple[float, float, float]] = []  # (seconds, loss, iterations)
         self.recent_groups: deque[GroupRecord] = deque(maxlen=32)
         self.num_pending_waits = 0
         self.pending_wait_seconds = 0.0
@@ -463,20 +464,22 @@ class CoordinatorCore:
     def _record_progress(self, w: WorkerRecord, p: Progress, now: float) -> None:
         p.iteration = max(p.iteration, w.progress.iteration)
         w.progress = p
-        if self.started_at is None:
-            return
+        if self.started_at is None or self.stopped:
+            return  # after the stop, workers leave one by one: their mean is no training loss
         mean = self.mean_loss()
         if mean is None:
             return
         elapsed = now - self.started_at
         target = self.settings.target_loss
         reached = target > 0 and self.time_to_target is None and mean <= target
+        mean_iterations = self.mean_iterations()
         if reached:
             self.time_to_target = elapsed
+            self.iterations_to_target = mean_iterations
         # Rate-limited, except for the point that reaches the target: the curve must show it.
         if (reached or not self.loss_curve
                 or elapsed - self.loss_curve[-1][0] >= LOSS_CURVE_MIN_STEP_SECONDS):
-            self.loss_curve.append((elapsed, mean))
+            self.loss_curve.append((elapsed, mean, mean_iterations))
 
     # ------------------------------------------------------------------ views
     def live(self) -> list[WorkerRecord]:
@@ -488,6 +491,10 @@ class CoordinatorCore:
         if not losses or any(loss != loss for loss in losses):  # NaN: not reported yet
             return None
         return sum(losses) / len(losses)
+
+    def mean_iterations(self) -> float:
+        """Iterations of an average worker: all iterations done, over the run's workers."""
+        return sum(w.progress.iteration for w in self.workers.values()) / self.settings.num_workers
 
     def elapsed(self, now: float) -> float:
         return 0.0 if self.started_at is None else now - self.started_at

@@ -288,11 +288,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             num_groups_cancelled=core.num_cancelled, num_groups_failed=core.num_failed,
             mean_loss=mean if mean is not None else 0.0,
             time_to_target_seconds=core.time_to_target if core.time_to_target is not None else -1,
-            loss_curve=[pb.LossPoint(seconds=s, loss=v) for s, v in core.loss_curve],
+            loss_curve=[pb.LossPoint(seconds=s, loss=v, mean_iterations=i)
+                        for s, v, i in core.loss_curve],
             recent_groups=[pb.Group(group_id=g.group_id, members=g.members,
                                     initiator=g.initiator, comm_id=g.comm_id)
                            for g in core.recent_groups],
             num_lease_expirations=core.num_lease_expirations,
+            iterations_to_target=(core.iterations_to_target
+                                  if core.iterations_to_target is not None else -1),
         )
 
     async def StopRun(self, request: pb.StopRunRequest, context: grpc.aio.ServicerContext

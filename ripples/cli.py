@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     wrun.add_argument("--quiet", action="store_true", help="log warnings only")
     wrun.set_defaults(func=_cmd_worker)
 
+    # Listed for --help; main() hands `ripples bench ...` to the harness's own parser.
+    sub.add_parser("bench", add_help=False,
+                   help="benchmark the protocols side by side (ripples bench --help)")
+
     sched = sub.add_parser("schedule", help="print the static (conflict-free) schedule")
     schedule_command.add_arguments(sched)
     sched.set_defaults(func=schedule_command.run)
@@ -152,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from ripples.bench.harness import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     code: int = args.func(args)
     return code

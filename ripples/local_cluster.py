@@ -177,6 +177,10 @@ class LocalCluster:
         torch.save(task.model.state_dict(), cfg.output / "model.pt")
         final_loss, accuracy = (evaluate(task) if task.eval_inputs is not None
                                 else (float("nan"), None))
+        # An epoch is one pass of the workers together over the training set.
+        batch_size = cfg.run.batch_size or task.batch_size
+        total_iterations = sum(w.progress.iteration for w in status.workers)
+        epochs = total_iterations * batch_size / len(task.train_inputs)
         summary: dict[str, object] = {
             "protocol": cfg.run.protocol,
             "task": cfg.run.task,
@@ -189,7 +193,12 @@ class LocalCluster:
             "target_loss": cfg.run.target_loss or None,
             "time_to_target_seconds": (status.time_to_target_seconds
                                        if status.time_to_target_seconds >= 0 else None),
+            "iterations_to_target": (status.iterations_to_target
+                                     if status.iterations_to_target >= 0 else None),
+            "epochs_completed": epochs,
+            "seconds_per_epoch": status.elapsed_seconds / epochs if epochs > 0 else None,
             "loss_curve": [[p.seconds, p.loss] for p in status.loss_curve],
+            "loss_curve_iterations": [p.mean_iterations for p in status.loss_curve],
             "num_groups_formed": status.num_groups_formed,
             "num_conflicts": status.num_conflicts,
             "num_pending_waits": status.num_pending_waits,

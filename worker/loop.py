@@ -6,6 +6,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,11 @@ from ripples.worker.strategies.base import SyncStrategy
 from ripples.worker.tasks import Task
 
 logger = logging.getLogger(__name__)
+
+
+# The reported training loss is smoothed over this many iterations: one mini-batch loss is
+# too noisy to decide time-to-target on.
+LOSS_WINDOW = 16
 
 
 @dataclass(kw_only=True)
@@ -30,24 +36,18 @@ class WorkerStats:
     num_groups: int = 0
     planned_iterations: int = 0
     last_loss: float = float("nan")
-    _window_sum: float = 0.0
-    _window_count: int = 0
+    _recent_losses: deque[float] = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_loss(self, loss: float) -> None:
-        self._window_sum += loss
-        self._window_count += 1
+        self._recent_losses.append(loss)
         self.last_loss = loss
 
     def snapshot(self) -> pb.Progress:
-        """Progress for a heartbeat; the loss is the mean since the previous snapshot."""
+        """Progress for a heartbeat; the loss is the mean of the last LOSS_WINDOW iterations."""
         with self.lock:
-            if self._window_count:
-                loss = self._window_sum / self._window_count
-                self._window_sum, self._window_count = 0.0, 0
-                self._reported_loss = loss
-            else:
-                loss = getattr(self, "_reported_loss", float("nan"))
+            recent = self._recent_losses
+            loss = sum(recent) / len(recent) if recent else float("nan")
             return pb.Progress(
                 iteration=self.iteration, loss=loss if math.isfinite(loss) else 0.0,
                 samples=self.samples, compute_seconds=self.compute_seconds,

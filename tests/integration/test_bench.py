@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from ripples.bench import iteration_time, preduce
+from ripples.bench import harness, preduce
 
 pytestmark = pytest.mark.slow
 
@@ -21,28 +24,37 @@ def test_preduce_benchmark_measures_every_method(capsys: pytest.CaptureFixture[s
     assert all(row["ms_per_call"] > 0 for row in rows) and rows[0]["ratio"] == 1.0
 
 
-def test_iteration_time_summary_relates_protocols_and_scenarios() -> None:
-    def result(scenario: str, protocol: str, seconds: float) -> iteration_time.RunResult:
-        return iteration_time.RunResult(scenario=scenario, protocol=protocol,
-                                        seconds_per_iteration=seconds, compute=seconds / 2,
-                                        wait=0.0, preduce=seconds / 2)
+def test_bench_runs_a_tiny_matrix_and_writes_results_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = harness.main(["--workers", "2", "--workers-per-node", "2",
+                         "--protocols", "allreduce,ripples-smart", "--scenarios",
+                         "homogeneous,slow-2x", "--task", "digits", "--batch-size", "16",
+                         "--target-loss", "1.5", "--max-epochs", "3", "--repeats", "1",
+                         "--output", str(tmp_path)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "allreduce" in table and "ripples-smart" in table and "slow-2x" in table
+    results = json.loads((tmp_path / "results.json").read_text())
+    records = results["records"]
+    assert {(r["scenario"], r["protocol"]) for r in records} == {
+        (s, p) for s in ("homogeneous", "slow-2x") for p in ("allreduce", "ripples-smart")}
+    required = {"scenario", "protocol", "time_to_target_seconds", "seconds_per_epoch",
+                "iterations_to_target", "final_loss", "speedup_vs_allreduce"}
+    for rec in records:
+        assert required <= rec.keys()
+        assert rec["time_to_target_seconds"] is not None, rec  # digits reaches 1.5 at once
+        assert rec["seconds_per_epoch"] > 0 and rec["iterations_to_target"] > 0
+    allreduce = [r for r in records if r["protocol"] == "allreduce"]
+    assert all(r["speedup_vs_allreduce"] == pytest.approx(1.0) for r in allreduce)
+    for name in ("loss.png", "iteration_split.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    rows = iteration_time.summarise([
-        result("homogeneous", "allreduce", 1.0), result("homogeneous", "ripples-smart", 0.8),
-        result("slow", "allreduce", 4.0), result("slow", "ripples-smart", 1.0),
-        result("slow", "ripples-smart", 1.2),
-    ])
-    by_key = {(r["scenario"], r["protocol"]): r for r in rows}
-    smart_slow = by_key[("slow", "ripples-smart")]
-    assert smart_slow["seconds_per_iteration"] == pytest.approx(1.1)  # median of two runs
-    assert smart_slow["vs_allreduce"] == pytest.approx(1.1 / 4.0)
-    assert smart_slow["vs_own_homogeneous"] == pytest.approx(1.1 / 0.8)
 
-
-def test_iteration_time_benchmark_runs_one_tiny_matrix() -> None:
-    cfg = iteration_time.IterationBenchConfig(workers=2, protocols=("allreduce",), task="digits",
-                                              iterations=3, repeats=1, slowdown=2.0)
-    results = iteration_time.run(cfg)
-    assert [(r.scenario, r.protocol) for r in results] == [
-        ("homogeneous", "allreduce"), ("rank 0 2x slower", "allreduce")]
-    assert all(r.seconds_per_iteration > 0 and r.compute > 0 for r in results)
+def test_bench_rejects_unknown_protocols_and_scenarios(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    for flag, value in (("--protocols", "gossip"), ("--scenarios", "slow-3x")):
+        with pytest.raises(SystemExit) as exc:
+            harness.main([flag, value])
+        assert exc.value.code == 2
+        assert value in capsys.readouterr().err

@@ -411,5 +411,6 @@ def test_progress_reports_feed_the_loss_curve_and_the_target() -> None:
     core.heartbeat(1, Progress(iteration=3, loss=0.7), 1.5)
     core.heartbeat(0, Progress(iteration=5, loss=0.2), 2.0)
     assert core.time_to_target == pytest.approx(2.0) and core.stopped
-    assert core.loss_curve[0] == pytest.approx((1.5, 0.8))
-    assert core.loss_curve[-1] == pytest.approx((2.0, 0.45))
+    assert core.iterations_to_target == pytest.approx(4.0)  # (5 + 3) / 2 workers
+    assert core.loss_curve[0] == pytest.approx((1.5, 0.8, 3.0))
+    assert core.loss_curve[-1] == pytest.approx((2.0, 0.45, 4.0))

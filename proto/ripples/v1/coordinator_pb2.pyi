@@ -300,19 +300,21 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., iteration: _Optional[int] = ..., request_count: _Optional[int] = ..., loss: _Optional[float] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class LossPoint(_message.Message):
-    __slots__ = ("seconds", "loss")
+    __slots__ = ("seconds", "loss", "mean_iterations")
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     seconds: float
     loss: float
-    def __init__(self, seconds: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
+    mean_iterations: float
+    def __init__(self, seconds: _Optional[float] = ..., loss: _Optional[float] = ..., mean_iterations: _Optional[float] = ...) -> None: ...
 
 class RunStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations")
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +334,7 @@ class RunStatus(_message.Message):
     LOSS_CURVE_FIELD_NUMBER: _ClassVar[int]
     RECENT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_EXPIRATIONS_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_TO_TARGET_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     elapsed_seconds: float
@@ -351,7 +354,8 @@ class RunStatus(_message.Message):
     loss_curve: _containers.RepeatedCompositeFieldContainer[LossPoint]
     recent_groups: _containers.RepeatedCompositeFieldContainer[Group]
     num_lease_expirations: int
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ...) -> None: ...
+    iterations_to_target: float
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ...) -> None: ...
 
 class StopRunRequest(_message.Message):
     __slots__ = ("reason",)

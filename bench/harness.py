@@ -1,0 +1,273 @@
+"""`ripples bench`: the papers' protocol comparisons, side by side, as ratios.
+
+Runs every protocol on the same task, seed and data under each heterogeneity scenario,
+as full `ripples run` jobs (coordinator + spawned workers on loopback). The whole matrix
+is repeated and the order of protocols rotates between repeats, so that machine noise
+hits every protocol alike. Methodology as the papers': time to reach a target training
+loss (Ripples §7.1.4), time per epoch (AD-PSGD's robustness table), iterations to the
+target (statistical efficiency).
+
+    ripples bench --quick                  # about 5 minutes: 2 scenarios, 1 repeat
+    ripples bench                          # the full matrix (docs/benchmarks.md)
+
+Writes DIR/results.json (one record per run, plus the medians), DIR/loss.png and
+DIR/iteration_split.png, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ripples.bench.scenarios import SCENARIOS, Scenario
+from ripples.coordinator.config import PROTOCOLS
+
+
+@dataclass(kw_only=True)
+class HarnessConfig:
+    workers: int = 8
+    workers_per_node: int = 4
+    protocols: tuple[str, ...] = tuple(PROTOCOLS)
+    """Every registered protocol by default: protocols added later join the matrix."""
+    scenarios: tuple[str, ...] = tuple(SCENARIOS)
+    task: str = "synthetic-cnn"
+    batch_size: int = 16
+    target_loss: float = 1.8
+    """Training loss that allreduce reaches in well under a minute here (homogeneous)."""
+    max_epochs: float = 8.0
+    """Cap on each run; a run that does not reach the target records no time to target."""
+    repeats: int = 2
+    seed: int = 0
+    output: Path = Path("runs/bench")
+    run_timeout_seconds: float = 900.0
+
+    def validate(self) -> None:
+        unknown = [p for p in self.protocols if p not in PROTOCOLS]
+        if unknown:
+            raise ValueError(f"unknown protocol(s) {unknown}; choose from {sorted(PROTOCOLS)}")
+        unknown = [s for s in self.scenarios if s not in SCENARIOS]
+        if unknown:
+            raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
+        if self.workers < 2 or self.repeats < 1 or self.target_loss <= 0 or self.max_epochs <= 0:
+            raise ValueError("need workers >= 2, repeats >= 1, target_loss > 0, max_epochs > 0")
+
+
+# About 5 minutes here: two scenarios, one repeat, an easier target.
+QUICK_SCENARIOS = ("homogeneous", "slow-5x")
+QUICK = HarnessConfig(scenarios=QUICK_SCENARIOS, repeats=1, max_epochs=4.0, target_loss=2.0)
+
+
+@dataclass(kw_only=True)
+class RunRecord:
+    scenario: str
+    protocol: str
+    repeat: int
+    time_to_target_seconds: float | None
+    seconds_per_epoch: float | None
+    iterations_to_target: float | None
+    final_loss: float
+    """Evaluation loss of the consensus model at the end of the run."""
+    final_train_loss: float | None
+    wall_seconds: float
+    seconds_per_iteration: float
+    """Wall time over the iterations of an average worker."""
+    compute_seconds_per_iteration: float
+    wait_seconds_per_iteration: float
+    preduce_seconds_per_iteration: float
+    speedup_vs_allreduce: float | None = None
+    loss_curve: list[list[float]] = field(default_factory=list)
+
+
+def run_one(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int) -> RunRecord:
+    out = cfg.output / "runs" / f"{scenario.name}-{protocol}-{repeat}"
+    cmd = [sys.executable, "-m", "ripples.cli", "run", "--quiet",
+           "--workers", str(cfg.workers), "--workers-per-node", str(cfg.workers_per_node),
+           "--protocol", protocol, "--task", cfg.task, "--batch-size", str(cfg.batch_size),
+           "--target-loss", str(cfg.target_loss), "--epochs", str(cfg.max_epochs),
+           "--seed", str(cfg.seed), "--output", str(out),
+           "--timeout-seconds", str(cfg.run_timeout_seconds),
+           *scenario.slowdown_flags(cfg.workers)]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=cfg.run_timeout_seconds + 120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return record_from_summary(summary, scenario.name, repeat)
+
+
+def record_from_summary(summary: dict, scenario: str, repeat: int) -> RunRecord:
+    workers = summary["workers"]
+    total = max(sum(w["iterations"] for w in workers), 1)
+
+    def per_iteration(key: str) -> float:
+        return sum(w[key] for w in workers) / total
+
+    return RunRecord(
+        scenario=scenario, protocol=summary["protocol"], repeat=repeat,
+        time_to_target_seconds=summary["time_to_target_seconds"],
+        seconds_per_epoch=summary["seconds_per_epoch"],
+        iterations_to_target=summary["iterations_to_target"],
+        final_loss=summary["final_loss"], final_train_loss=summary["final_train_loss"],
+        wall_seconds=summary["wall_seconds"],
+        seconds_per_iteration=summary["wall_seconds"] / (total / len(workers)),
+        compute_seconds_per_iteration=per_iteration("compute_seconds"),
+        wait_seconds_per_iteration=per_iteration("wait_seconds"),
+        preduce_seconds_per_iteration=per_iteration("preduce_seconds"),
+        loss_curve=summary["loss_curve"],
+    )
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def add_speedups(records: list[RunRecord]) -> None:
+    """speedup_vs_allreduce = allreduce's median time to target / this run's, per scenario."""
+    for rec in records:
+        base = _median([r.time_to_target_seconds for r in records
+                        if r.scenario == rec.scenario and r.protocol == "allreduce"])
+        if base is not None and rec.time_to_target_seconds:
+            rec.speedup_vs_allreduce = base / rec.time_to_target_seconds
+
+
+def medians(records: list[RunRecord]) -> list[dict]:
+    """One row per (scenario, protocol): medians over repeats of every numeric field."""
+    keys = list(dict.fromkeys((r.scenario, r.protocol) for r in records))
+    numeric = ["time_to_target_seconds", "seconds_per_epoch", "iterations_to_target",
+               "final_loss", "final_train_loss", "seconds_per_iteration",
+               "compute_seconds_per_iteration", "wait_seconds_per_iteration",
+               "preduce_seconds_per_iteration", "speedup_vs_allreduce"]
+    rows = []
+    for scenario, protocol in keys:
+        runs = [r for r in records if (r.scenario, r.protocol) == (scenario, protocol)]
+        row: dict[str, object] = {"scenario": scenario, "protocol": protocol,
+                                  "runs": len(runs),
+                                  "reached_target": sum(r.time_to_target_seconds is not None
+                                                        for r in runs)}
+        for name in numeric:
+            row[name] = _median([getattr(r, name) for r in runs])
+        rows.append(row)
+    homogeneous = {row["protocol"]: row["seconds_per_epoch"] for row in rows
+                   if row["scenario"] == "homogeneous"}
+    for row in rows:
+        base = homogeneous.get(row["protocol"])
+        row["epoch_time_vs_homogeneous"] = (
+            row["seconds_per_epoch"] / base
+            if isinstance(base, float) and isinstance(row["seconds_per_epoch"], float) else None)
+    return rows
+
+
+def run_matrix(cfg: HarnessConfig) -> list[RunRecord]:
+    cfg.validate()
+    records: list[RunRecord] = []
+    total = cfg.repeats * len(cfg.scenarios) * len(cfg.protocols)
+    started = time.monotonic()
+    for repeat in range(cfg.repeats):
+        for scenario_name in cfg.scenarios:
+            shift = (repeat + len(records)) % len(cfg.protocols)
+            order = cfg.protocols[shift:] + cfg.protocols[:shift]  # rotate: no fixed first
+            for protocol in order:
+                done = len(records)
+                eta = ((time.monotonic() - started) / done * (total - done)) if done else None
+                print(f"[{done + 1}/{total}] {scenario_name} {protocol} (repeat {repeat + 1})"
+                      + (f", about {eta / 60:.0f} min left" if eta else ""),
+                      file=sys.stderr, flush=True)
+                rec = run_one(cfg, SCENARIOS[scenario_name], protocol, repeat)
+                ttt = (f"{rec.time_to_target_seconds:.1f} s" if rec.time_to_target_seconds
+                       else "not reached")
+                print(f"    target {ttt}, {rec.seconds_per_iteration:.3f} s/iteration",
+                      file=sys.stderr, flush=True)
+                records.append(rec)
+    add_speedups(records)
+    return records
+
+
+def _fmt(value: object, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'scenario':<12} {'protocol':<15} {'to target':>10} {'speedup':>8} "
+             f"{'s/epoch':>8} {'vs homog':>8} {'iters':>7} {'s/iter':>7} {'compute':>8} "
+             f"{'wait':>6} {'preduce':>8}"]
+    for row in rows:
+        lines.append(
+            f"{row['scenario']:<12} {row['protocol']:<15} "
+            f"{_fmt(row['time_to_target_seconds'], '.1f'):>9}s "
+            f"{_fmt(row['speedup_vs_allreduce'], '.2f'):>7}x "
+            f"{_fmt(row['seconds_per_epoch'], '.2f'):>8} "
+            f"{_fmt(row['epoch_time_vs_homogeneous'], '.2f'):>7}x "
+            f"{_fmt(row['iterations_to_target'], '.0f'):>7} "
+            f"{_fmt(row['seconds_per_iteration'], '.3f'):>7} "
+            f"{_fmt(row['compute_seconds_per_iteration'], '.3f'):>8} "
+            f"{_fmt(row['wait_seconds_per_iteration'], '.3f'):>6} "
+            f"{_fmt(row['preduce_seconds_per_iteration'], '.3f'):>8}")
+    return "\n".join(lines)
+
+
+def write_results(cfg: HarnessConfig, records: list[RunRecord], rows: list[dict]) -> Path:
+    path = cfg.output / "results.json"
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    path.write_text(json.dumps({"config": config, "medians": rows,
+                                "records": [asdict(r) for r in records]}, indent=2) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = HarnessConfig()
+    parser = argparse.ArgumentParser(prog="ripples bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"scenarios {', '.join(QUICK_SCENARIOS)}, one repeat, target loss "
+                             f"{QUICK.target_loss} (about 5 minutes)")
+    parser.add_argument("--workers", type=int, default=defaults.workers)
+    parser.add_argument("--workers-per-node", type=int, default=defaults.workers_per_node)
+    parser.add_argument("--protocols", default=",".join(defaults.protocols))
+    parser.add_argument("--scenarios", help=f"comma-separated, from {', '.join(SCENARIOS)} "
+                                            "(default: all)")
+    parser.add_argument("--task", default=defaults.task)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--target-loss", type=float,
+                        help=f"default {defaults.target_loss} ({QUICK.target_loss} with --quick)")
+    parser.add_argument("--max-epochs", type=float,
+                        help=f"default {defaults.max_epochs} ({QUICK.max_epochs} with --quick)")
+    parser.add_argument("--repeats", type=int, help=f"default {defaults.repeats}")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--output", type=Path, default=defaults.output)
+    args = parser.parse_args(argv)
+    base = QUICK if args.quick else defaults
+    cfg = replace(
+        base, workers=args.workers, workers_per_node=args.workers_per_node,
+        protocols=tuple(p for p in args.protocols.split(",") if p),
+        scenarios=(tuple(s for s in args.scenarios.split(",") if s) if args.scenarios
+                   else base.scenarios),
+        task=args.task, batch_size=args.batch_size,
+        target_loss=args.target_loss or base.target_loss,
+        max_epochs=args.max_epochs or base.max_epochs, repeats=args.repeats or base.repeats,
+        seed=args.seed, output=args.output,
+    )
+    try:
+        cfg.validate()
+    except ValueError as err:
+        parser.error(str(err))
+    cfg.output.mkdir(parents=True, exist_ok=True)
+    records = run_matrix(cfg)
+    rows = medians(records)
+    print(format_table(rows))
+    path = write_results(cfg, records, rows)
+    from ripples.bench.plots import plot_iteration_split, plot_loss_curves
+
+    plots = [plot_loss_curves(records, cfg.output / "loss.png", cfg.target_loss),
+             plot_iteration_split(rows, cfg.output / "iteration_split.png")]
+    print(f"wrote {path}, {', '.join(str(p) for p in plots)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

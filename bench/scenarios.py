@@ -1,0 +1,39 @@
+"""Heterogeneity scenarios of the papers' evaluations, as `ripples run --slowdown` flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """How the workers of one benchmark run are slowed down."""
+
+    name: str
+    description: str
+    factor: float = 1.0
+    """How many times slower an affected worker is (1: nobody is slowed)."""
+    random: bool = False
+    """False: worker 0 is slow every iteration. True: every worker is slow with probability
+    1/n in each iteration (seeded)."""
+
+    def slowdown_flags(self, num_workers: int) -> list[str]:
+        if self.factor == 1.0:
+            return []
+        if not self.random:
+            return ["--slowdown", f"0:{self.factor:g}"]
+        flags = []
+        for rank in range(num_workers):
+            flags += ["--slowdown", f"{rank}:{self.factor:g}@{1 / num_workers:.6g}"]
+        return flags
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario(name="homogeneous", description="every worker at full speed"),
+    Scenario(name="slow-2x", factor=2.0, description="worker 0 2x slower (Ripples §7.4)"),
+    Scenario(name="slow-5x", factor=5.0, description="worker 0 5x slower (Ripples §7.4)"),
+    Scenario(name="slow-10x", factor=10.0,
+             description="worker 0 10x slower (AD-PSGD §5.4)"),
+    Scenario(name="random-6x", factor=6.0, random=True,
+             description="each worker 6x slower with probability 1/n per iteration (Hop §7.3.1)"),
+)}
