@@ -24,7 +24,7 @@ demo: setup
 test: setup
 	$(BIN)/python proto/generate.py --check
 	$(BIN)/ruff check .
-	$(BIN)/mypy ripples coordinator worker bench
+	$(BIN)/python tools/typecheck.py
 	$(BIN)/python -m pytest
 
 bench: setup

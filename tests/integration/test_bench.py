@@ -58,3 +58,15 @@ def test_bench_rejects_unknown_protocols_and_scenarios(capsys: pytest.CaptureFix
             harness.main([flag, value])
         assert exc.value.code == 2
         assert value in capsys.readouterr().err
+
+
+def test_coordinator_load_benchmark_counts_requests_and_latencies() -> None:
+    from ripples.bench import coordinator_load
+
+    cfg = coordinator_load.LoadConfig(workers=(4,), client_processes=1, warmup_seconds=0.5,
+                                      measure_seconds=1.0)
+    result = coordinator_load.measure(4, cfg)
+    assert result.workers == 4 and result.requests_per_second > 10
+    assert 0 < result.request_p50_ms <= result.request_p99_ms
+    assert 0 < result.release_p50_ms <= result.release_p99_ms
+    assert result.groups_per_second > 0
