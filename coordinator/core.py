@@ -275,10 +275,10 @@ class CoordinatorCore:
         return deliveries
 
     # ------------------------------------------------------------------ groups
-    def request_group(self, worker_id: int, iteration: int, now: float) -> tuple[
-        GroupDecision | None, Deliveries
-    ]:
-        """A worker asks for its next group.
+    def request_group(
+        self, worker_id: int, iteration: int, now: float, progress: Progress | None = None
+    ) -> tuple[GroupDecision | None, Deliveries]:
+        """A worker asks for its next group, reporting its progress on the way.
 
         Returns (the caller's decision, or None if it must wait; decisions for other
         waiting workers that this request completed).
@@ -291,6 +291,8 @@ class CoordinatorCore:
             )
         if self.started_at is None:
             raise CoordinatorError("FAILED_PRECONDITION", "the run has not started yet")
+        if progress is not None:
+            self._record_progress(w, progress, now)
         w.progress.iteration = max(w.progress.iteration, iteration)
         deliveries = self._check_stop(now)
         if self.stopped:
@@ -416,13 +418,17 @@ class CoordinatorCore:
             w.wait_started_at = None
 
     # ------------------------------------------------------------------ stopping
-    def checkpoint(self, worker_id: int, iteration: int, now: float) -> int:
+    def checkpoint(
+        self, worker_id: int, iteration: int, now: float, progress: Progress | None = None
+    ) -> int:
         """Lock-step stop agreement: returns 0 to go on, else the common stop iteration.
 
         A worker calls this when its completed iterations are a multiple of the interval
         and is granted the next interval. Once the run stops, the stop iteration is the
         largest grant given, which every worker learns at or before reaching it."""
         w = self.worker(worker_id)
+        if progress is not None:
+            self._record_progress(w, progress, now)
         w.progress.iteration = max(w.progress.iteration, iteration)
         self._check_stop(now)
         if self.stopped:
@@ -466,19 +472,23 @@ class CoordinatorCore:
         w.progress = p
         if self.started_at is None or self.stopped:
             return  # after the stop, workers leave one by one: their mean is no training loss
+        elapsed = now - self.started_at
+        target = self.settings.target_loss
+        watching_target = target > 0 and self.time_to_target is None
+        curve_due = (not self.loss_curve
+                     or elapsed - self.loss_curve[-1][0] >= LOSS_CURVE_MIN_STEP_SECONDS)
+        if not (watching_target or curve_due):
+            return  # progress arrives with every group request: keep the common case O(1)
         mean = self.mean_loss()
         if mean is None:
             return
-        elapsed = now - self.started_at
-        target = self.settings.target_loss
-        reached = target > 0 and self.time_to_target is None and mean <= target
+        reached = watching_target and mean <= target
         mean_iterations = self.mean_iterations()
         if reached:
             self.time_to_target = elapsed
             self.iterations_to_target = mean_iterations
         # Rate-limited, except for the point that reaches the target: the curve must show it.
-        if (reached or not self.loss_curve
-                or elapsed - self.loss_curve[-1][0] >= LOSS_CURVE_MIN_STEP_SECONDS):
+        if reached or curve_due:
             self.loss_curve.append((elapsed, mean, mean_iterations))
 
     # ------------------------------------------------------------------ views

@@ -189,8 +189,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def RequestGroup(self, request: pb.GroupRequest, context: grpc.aio.ServicerContext
                            ) -> pb.GroupReply:
         wid = request.worker_id
+        progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         result = await self._call(context, lambda: self.core.request_group(
-            wid, request.iteration, self.clock()))
+            wid, request.iteration, self.clock(), progress))
         assert isinstance(result, tuple)
         decision, deliveries = result
         self._resolve(deliveries)
@@ -255,8 +256,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.aio.ServicerContext
                          ) -> pb.CheckpointReply:
+        progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         stop_at = await self._call(context, lambda: self.core.checkpoint(
-            request.worker_id, request.iteration, self.clock()))
+            request.worker_id, request.iteration, self.clock(), progress))
         assert isinstance(stop_at, int)
         return pb.CheckpointReply(stop_at_iteration=stop_at, stop_reason=self.core.stop_reason)
 

@@ -73,10 +73,10 @@ class CoordinatorClient:
         req = pb.LeaveRequest(worker_id=worker_id, progress=progress, error=error)
         self._call(self._stub.Leave, req, self.rpc_timeout)
 
-    def request_group(self, worker_id: int, iteration: int,
-                      wait_seconds: float) -> pb.GroupReply:
+    def request_group(self, worker_id: int, iteration: int, wait_seconds: float,
+                      progress: pb.Progress | None = None) -> pb.GroupReply:
         req = pb.GroupRequest(worker_id=worker_id, iteration=iteration,
-                              timeout_seconds=wait_seconds)
+                              timeout_seconds=wait_seconds, progress=progress)
         reply = self._call(self._stub.RequestGroup, req, wait_seconds + self.rpc_timeout)
         assert isinstance(reply, pb.GroupReply)
         return reply
@@ -93,8 +93,9 @@ class CoordinatorClient:
         assert isinstance(reply, pb.StaticScheduleReply)
         return reply
 
-    def checkpoint(self, worker_id: int, iteration: int) -> pb.CheckpointReply:
-        req = pb.CheckpointRequest(worker_id=worker_id, iteration=iteration)
+    def checkpoint(self, worker_id: int, iteration: int,
+                   progress: pb.Progress | None = None) -> pb.CheckpointReply:
+        req = pb.CheckpointRequest(worker_id=worker_id, iteration=iteration, progress=progress)
         reply = self._call(self._stub.Checkpoint, req, self.rpc_timeout)
         assert isinstance(reply, pb.CheckpointReply)
         return reply

@@ -102,7 +102,8 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
         ctx = SyncContext(
             client=client, worker_id=worker_id, rank=start.rank, num_workers=start.num_workers,
             config=run, start=start, model=task.model, params=FlatParameters(task.model),
-            comms=comms, store=store, device=device, stop_requested=heartbeat.stop_requested)
+            comms=comms, store=store, device=device, stop_requested=heartbeat.stop_requested,
+            progress=stats.snapshot)
         strategy = create_strategy(run.protocol, ctx)
         sampler = ShardSampler(len(task.train_inputs), start.rank, start.num_workers,
                                task.batch_size, run.seed)

@@ -107,18 +107,19 @@ def train(task: Task, strategy: SyncStrategy, sampler: ShardSampler, stats: Work
         task.optimizer.step()
         loss_value = float(loss.detach())
         compute = time.perf_counter() - t0
+        with stats.lock:  # before the sync, whose RPCs carry this progress to the coordinator
+            stats.iteration = completed + 1
+            stats.samples += len(idx)
+            stats.add_loss(loss_value)
         result = strategy.after_step(completed + 1)
         if result.inside_step:  # DDP: the all-reduce ran inside backward
             compute = max(0.0, compute - result.preduce_seconds)
         compute += slowdown.after_compute(compute)
         with stats.lock:
-            stats.iteration = completed + 1
-            stats.samples += len(idx)
             stats.compute_seconds += compute
             stats.wait_seconds += result.wait_seconds
             stats.preduce_seconds += result.preduce_seconds
             stats.num_groups += result.num_groups
-            stats.add_loss(loss_value)
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"training loss became {loss_value} at iteration "
                                      f"{completed + 1}; lower the learning rate")

@@ -414,3 +414,28 @@ def test_progress_reports_feed_the_loss_curve_and_the_target() -> None:
     assert core.iterations_to_target == pytest.approx(4.0)  # (5 + 3) / 2 workers
     assert core.loss_curve[0] == pytest.approx((1.5, 0.8, 3.0))
     assert core.loss_curve[-1] == pytest.approx((2.0, 0.45, 4.0))
+
+
+@pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce"])
+def test_progress_sent_with_sync_requests_records_the_target_without_heartbeats(
+    protocol: str,
+) -> None:
+    """A run shorter than one heartbeat interval still gets its time to target: progress
+    rides on every group request (group-generator protocols) and every checkpoint
+    (lock-step protocols)."""
+    run = RunSettings(protocol=protocol, num_workers=2, workers_per_node=2,
+                      iterations=100, target_loss=0.5)
+    core = CoordinatorCore(run, now=0.0)
+    ids = [core.register("node0", r, "cpu", r, 0.0) for r in range(2)]
+    for wid in ids:
+        core.mark_ready(wid, 100, 0.0)
+    sync = core.checkpoint if protocol == "allreduce" else core.request_group
+
+    sync(ids[0], 8, 0.05, Progress(iteration=8, loss=0.9))
+    sync(ids[1], 8, 0.06, Progress(iteration=8, loss=0.6))
+    assert core.time_to_target is None and core.loss_curve == [pytest.approx((0.06, 0.75, 8))]
+    sync(ids[0], 16, 0.12, Progress(iteration=16, loss=0.3))
+    assert core.time_to_target == pytest.approx(0.12)
+    assert core.iterations_to_target == pytest.approx(12.0)
+    assert core.loss_curve[-1] == pytest.approx((0.12, 0.45, 12.0))
+    assert core.workers[ids[0]].progress.iteration == 16

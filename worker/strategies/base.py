@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class SyncContext:
     store: dist.Store
     device: torch.device
     stop_requested: threading.Event  # raised by the heartbeat when the coordinator stops the run
+    progress: Callable[[], pb.Progress]  # this worker's progress, sent along with sync RPCs
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,8 @@ class LockstepStop:
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.stop_at == 0 and completed % self.interval == 0:
-            reply = self.ctx.client.checkpoint(self.ctx.worker_id, completed)
+            reply = self.ctx.client.checkpoint(self.ctx.worker_id, completed,
+                                               self.ctx.progress())
             if reply.stop_at_iteration:
                 self.stop_at = reply.stop_at_iteration
                 self.reason = reply.stop_reason

@@ -44,7 +44,7 @@ class GroupGeneratorStrategy(SyncStrategy):
         while True:
             t0 = time.perf_counter()
             reply = self.ctx.client.request_group(self.ctx.worker_id, completed,
-                                                  GROUP_POLL_SECONDS)
+                                                  GROUP_POLL_SECONDS, self.ctx.progress())
             result.wait_seconds += time.perf_counter() - t0
             for comm_id in reply.evict_comm_ids:
                 self.ctx.comms.drop(f"gg/{self.ctx.config.run_id}/{comm_id}")

@@ -196,14 +196,16 @@ class Group(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., initiator: _Optional[int] = ..., comm_id: _Optional[int] = ..., create_comm: _Optional[bool] = ...) -> None: ...
 
 class GroupRequest(_message.Message):
-    __slots__ = ("worker_id", "iteration", "timeout_seconds")
+    __slots__ = ("worker_id", "iteration", "timeout_seconds", "progress")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     iteration: int
     timeout_seconds: float
-    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class GroupReply(_message.Message):
     __slots__ = ("outcome", "group", "more", "evict_comm_ids", "detail")
@@ -258,12 +260,14 @@ class StaticScheduleReply(_message.Message):
     def __init__(self, num_nodes: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., rank: _Optional[int] = ..., run_id: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("worker_id", "iteration")
+    __slots__ = ("worker_id", "iteration", "progress")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     iteration: int
-    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
     __slots__ = ("stop_at_iteration", "stop_reason")
