@@ -49,7 +49,7 @@ class BenchConfig:
     """Floats per collective (272,474: the synthetic-cnn ResNet-20; 4M: 16 MB)."""
     calls: int = 20
     """Timed calls per method per round."""
-    rounds: int = 7
+    rounds: int = 15
     """Interleaved rounds; the report takes the median over rounds."""
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL, member i on cuda:i)."""
@@ -159,16 +159,19 @@ def run(cfg: BenchConfig) -> dict[tuple[int, str], list[float]]:
 
 
 def report(cfg: BenchConfig, results: dict[tuple[int, str], list[float]]) -> list[dict]:
-    """Rows: per-call median and the median of same-round ratios to all_reduce."""
+    """Rows: per-call median, and the median and quartiles of same-round ratios to
+    all_reduce (the quartiles show how much of a difference is machine noise)."""
     rows = []
     for numel in cfg.sizes:
         base = results[(numel, "all_reduce")]
         for name in METHODS:
             times = results[(numel, name)]
+            ratios = [t / b for t, b in zip(times, base, strict=True)]
+            q1, _, q3 = (statistics.quantiles(ratios, n=4) if len(ratios) >= 2
+                         else (ratios[0],) * 3)
             rows.append({"floats": numel, "method": name,
                          "ms_per_call": statistics.median(times) * 1e3,
-                         "ratio": statistics.median(t / b for t, b in zip(times, base,
-                                                                         strict=True))})
+                         "ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3})
     return rows
 
 
@@ -191,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"P-Reduce vs all_reduce: {cfg.group_size} members, {backend}, "
           f"median of {cfg.rounds} interleaved rounds", file=sys.stderr)
     rows = report(cfg, run(cfg))
-    print(f"{'floats':>10} {'MB':>7} {'method':>18} {'ms/call':>9} {'vs all_reduce':>14}")
+    print(f"{'floats':>10} {'MB':>7} {'method':>18} {'ms/call':>9} {'vs all_reduce':>14} "
+          f"{'quartiles':>12}")
     for row in rows:
         print(f"{row['floats']:>10} {row['floats'] * 4 / 1e6:>7.2f} {row['method']:>18} "
-              f"{row['ms_per_call']:>9.3f} {row['ratio']:>13.2f}x")
+              f"{row['ms_per_call']:>9.3f} {row['ratio']:>13.2f}x "
+              f"{row['ratio_q1']:>5.2f}-{row['ratio_q3']:.2f}x")
     return 0
 
 
