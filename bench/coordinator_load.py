@@ -1,16 +1,21 @@
 """Coordinator throughput and latency under many concurrent simulated workers.
 
 A real coordinator (gRPC, grpc.aio) serves a ripples run whose workers are simulated by
-client processes: each simulated worker does nothing but the synchronisation RPCs of a
-real one (RequestGroup, then ReleaseGroup for each group it is given), back to back, so
-the coordinator is the bottleneck. Server and clients share this machine's cores.
+client processes: each simulated worker does nothing but the synchronisation of a real
+one on its Synchronize stream (a group request, then a release for each group it is
+given), back to back, so the coordinator is the bottleneck. Server and clients share
+this machine's cores.
 
     python -m ripples.bench.coordinator_load                   # 8, 32 and 64 workers
     python -m ripples.bench.coordinator_load --workers 64 --policy random
+    python -m ripples.bench.coordinator_load --workers 64 --rate 2000   # offered load
 
-Prints, per level of concurrency, group requests per second and the p50/p99 round trip
-of RequestGroup (which includes waiting for the group's other members to ask) and of
-ReleaseGroup.
+Prints, per level of concurrency, group requests per second and two latencies:
+
+- service: the round trip of the request that completed its group (the last member to
+  ask, who waits for nobody): the coordinator's own response time under this load;
+- request: every request's round trip, which also includes waiting for the group's
+  other members to ask (in this closed loop, mostly queueing behind the other workers).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import statistics
+import random
 import sys
 import time
 from dataclasses import dataclass
+
+import grpc
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
@@ -41,66 +48,76 @@ class LoadConfig:
     client_processes: int = 2
     warmup_seconds: float = 1.0
     measure_seconds: float = 5.0
+    offered_rate: float = 0.0
+    """Iterations per second that all simulated workers together start (each worker one
+    every workers/rate seconds, as if computing that long); 0: back to back (saturation)."""
 
 
 @dataclass(kw_only=True)
 class LoadResult:
     workers: int
     requests_per_second: float
+    service_p50_ms: float
+    service_p99_ms: float
     request_p50_ms: float
     request_p99_ms: float
-    release_p50_ms: float
-    release_p99_ms: float
     groups_per_second: float
 
 
-Sample = tuple[float, float]  # (finish time, round trip seconds), monotonic clock
+Sample = tuple[int, float, float]  # (group id or 0, sent, answered), monotonic clock
 
 
 async def _simulated_worker(stub: pb_grpc.CoordinatorStub, index: int, planned: int,
-                            requests: list[Sample], releases: list[Sample]) -> None:
+                            interval: float, samples: list[Sample]) -> None:
+    """One worker's synchronisation loop; with interval > 0 it starts an iteration at most
+    every `interval` seconds (a worker whose compute takes that long), else back to back."""
     reply = await stub.Register(pb.RegisterRequest(host=f"sim{index // 8}", local_rank=index % 8,
                                                    device="cpu", pid=index),
                                 timeout=RPC_TIMEOUT_SECONDS)
     wid = reply.worker_id
     await stub.AwaitStart(pb.AwaitStartRequest(worker_id=wid, timeout_seconds=60,
                                                planned_iterations=planned), timeout=90)
+    stream = stub.Synchronize()
     iteration = 0
+    next_start = time.monotonic() + random.Random(index).uniform(0, interval)
     while True:
         iteration += 1
+        if interval > 0:
+            now = time.monotonic()
+            await asyncio.sleep(max(0.0, next_start - now))
+            # A worker that fell behind starts its next iteration late, not in a burst.
+            next_start = max(next_start, now - interval) + interval
         more = True
         while more:
             t0 = time.monotonic()
-            group = await stub.RequestGroup(
-                pb.GroupRequest(worker_id=wid, iteration=iteration, timeout_seconds=10),
-                timeout=RPC_TIMEOUT_SECONDS)
+            await stream.write(pb.SyncMessage(request=pb.GroupRequest(
+                worker_id=wid, iteration=iteration, timeout_seconds=10)))
+            group = await asyncio.wait_for(stream.read(), RPC_TIMEOUT_SECONDS)
             t1 = time.monotonic()
-            requests.append((t1, t1 - t0))
-            if group.outcome == pb.GROUP_OUTCOME_STOP:
+            if group is grpc.aio.EOF or group.outcome == pb.GROUP_OUTCOME_STOP:
+                await stream.done_writing()
                 return
+            samples.append((group.group.group_id, t0, t1))
             if group.outcome == pb.GROUP_OUTCOME_RETRY:
                 continue
             more = group.outcome == pb.GROUP_OUTCOME_GROUP and group.more
             if group.outcome == pb.GROUP_OUTCOME_GROUP:
-                await stub.ReleaseGroup(pb.ReleaseRequest(worker_id=wid,
-                                                          group_id=group.group.group_id, ok=True),
-                                        timeout=RPC_TIMEOUT_SECONDS)
-                t2 = time.monotonic()
-                releases.append((t2, t2 - t1))
+                await stream.write(pb.SyncMessage(release=pb.ReleaseRequest(
+                    worker_id=wid, group_id=group.group.group_id, ok=True)))
 
 
-async def _client_main(address: str, indices: list[int], out: mp.Queue) -> None:
-    requests: list[Sample] = []
-    releases: list[Sample] = []
+async def _client_main(address: str, indices: list[int], interval: float,
+                       out: mp.Queue) -> None:
+    samples: list[Sample] = []
     async with aio_channel(address) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        await asyncio.gather(*(_simulated_worker(stub, i, 10**9, requests, releases)
+        await asyncio.gather(*(_simulated_worker(stub, i, 10**9, interval, samples)
                                for i in indices))
-    out.put((requests, releases))
+    out.put(samples)
 
 
-def _client_process(address: str, indices: list[int], out: mp.Queue) -> None:
-    asyncio.run(_client_main(address, indices, out))
+def _client_process(address: str, indices: list[int], interval: float, out: mp.Queue) -> None:
+    asyncio.run(_client_main(address, indices, interval, out))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -120,7 +137,8 @@ def measure(num_workers: int, cfg: LoadConfig) -> LoadResult:
     out: mp.Queue = ctx.Queue()
     shards = [list(range(num_workers))[p::cfg.client_processes]
               for p in range(cfg.client_processes)]
-    procs = [ctx.Process(target=_client_process, args=(server.address, s, out))
+    interval = num_workers / cfg.offered_rate if cfg.offered_rate > 0 else 0.0
+    procs = [ctx.Process(target=_client_process, args=(server.address, s, interval, out))
              for s in shards if s]
     try:
         for p in procs:
@@ -135,7 +153,7 @@ def measure(num_workers: int, cfg: LoadConfig) -> LoadResult:
         formed_at_start = _formed_after(client, start)
         formed_at_end = _formed_after(client, end)
         client.stop_run("benchmark over")
-        results = [out.get(timeout=60) for _ in procs]
+        samples = [x for _ in procs for x in out.get(timeout=60)]
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -143,14 +161,19 @@ def measure(num_workers: int, cfg: LoadConfig) -> LoadResult:
                 p.kill()
         client.close()
         server.stop()
-    requests = [lat for r, _ in results for t, lat in r if start <= t < end]
-    releases = [lat for _, r in results for t, lat in r if start <= t < end]
+    window = [(g, t0, t1) for g, t0, t1 in samples if start <= t1 < end]
+    requests = [t1 - t0 for _, t0, t1 in window]
+    last_asked: dict[int, tuple[float, float]] = {}  # group -> its completing request
+    for g, t0, t1 in window:
+        if g and (g not in last_asked or t0 > last_asked[g][0]):
+            last_asked[g] = (t0, t1)
+    service = [t1 - t0 for t0, t1 in last_asked.values()]
     return LoadResult(
         workers=num_workers, requests_per_second=len(requests) / cfg.measure_seconds,
-        request_p50_ms=statistics.median(requests) * 1e3 if requests else float("nan"),
+        service_p50_ms=_percentile(service, 0.5) * 1e3,
+        service_p99_ms=_percentile(service, 0.99) * 1e3,
+        request_p50_ms=_percentile(requests, 0.5) * 1e3,
         request_p99_ms=_percentile(requests, 0.99) * 1e3,
-        release_p50_ms=statistics.median(releases) * 1e3 if releases else float("nan"),
-        release_p99_ms=_percentile(releases, 0.99) * 1e3,
         groups_per_second=(formed_at_end - formed_at_start) / cfg.measure_seconds,
     )
 
@@ -169,22 +192,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-processes", type=int, default=defaults.client_processes)
     parser.add_argument("--seconds", type=float, default=defaults.measure_seconds,
                         help="measurement window per level")
+    parser.add_argument("--rate", type=float, default=defaults.offered_rate,
+                        help="offered load: iterations/s of all workers together, each "
+                             "starting one every workers/rate s (default 0: back to back)")
     args = parser.parse_args(argv)
     try:
         levels = tuple(int(w) for w in args.workers.split(","))
     except ValueError:
         parser.error(f"--workers must be comma-separated integers, got {args.workers!r}")
-    if any(w < 2 for w in levels) or args.client_processes < 1 or args.seconds <= 0:
-        parser.error("need >= 2 workers per level, >= 1 client process, a positive window")
+    if (any(w < 2 for w in levels) or args.client_processes < 1 or args.seconds <= 0
+            or args.rate < 0):
+        parser.error("need >= 2 workers per level, >= 1 client process, a positive window "
+                     "and a rate >= 0")
     cfg = LoadConfig(workers=levels, policy=args.policy,
-                     client_processes=args.client_processes, measure_seconds=args.seconds)
-    print(f"{'workers':>7} {'requests/s':>11} {'groups/s':>9} {'request p50':>12} "
-          f"{'p99':>8} {'release p50':>12} {'p99':>8}")
+                     client_processes=args.client_processes, measure_seconds=args.seconds,
+                     offered_rate=args.rate)
+    print(f"{'workers':>7} {'requests/s':>11} {'groups/s':>9} {'service p50':>12} "
+          f"{'p99':>8} {'request p50':>12} {'p99':>8}")
     for level in cfg.workers:
         r = measure(level, cfg)
         print(f"{r.workers:>7} {r.requests_per_second:>11.0f} {r.groups_per_second:>9.0f} "
-              f"{r.request_p50_ms:>10.2f}ms {r.request_p99_ms:>6.2f}ms "
-              f"{r.release_p50_ms:>10.2f}ms {r.release_p99_ms:>6.2f}ms", flush=True)
+              f"{r.service_p50_ms:>10.2f}ms {r.service_p99_ms:>6.2f}ms "
+              f"{r.request_p50_ms:>10.2f}ms {r.request_p99_ms:>6.2f}ms", flush=True)
     return 0
 
 

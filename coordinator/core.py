@@ -87,7 +87,7 @@ class WorkerRecord:
 
 @dataclass(kw_only=True)
 class GroupDecision:
-    """What a worker waiting in RequestGroup is told."""
+    """What a worker waiting for the reply to its group request is told."""
 
     outcome: Outcome
     group: GroupRecord | None = None

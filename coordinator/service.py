@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -186,8 +186,29 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                   num_nodes=self.core.num_nodes())
 
     # ------------------------------------------------------------------ groups
-    async def RequestGroup(self, request: pb.GroupRequest, context: grpc.aio.ServicerContext
-                           ) -> pb.GroupReply:
+    async def Synchronize(self, request_iterator: AsyncIterator[pb.SyncMessage],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GroupReply]:
+        """One worker's stream: messages are handled in order, requests answered in order."""
+        bound: int | None = None  # the stream's worker id, fixed by its first message
+        async for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            body = message.request if kind == "request" else message.release
+            if kind is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "empty sync message: set request or release")
+            if bound is None:
+                bound = body.worker_id
+            elif body.worker_id != bound:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"this stream belongs to worker {bound}, got a message for worker "
+                    f"{body.worker_id}; open one stream per worker"))
+            if kind == "request":
+                yield await self._request_group(message.request, context)
+            else:
+                await self._release_group(message.release, context)
+
+    async def _request_group(self, request: pb.GroupRequest,
+                             context: grpc.aio.ServicerContext) -> pb.GroupReply:
         wid = request.worker_id
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         result = await self._call(context, lambda: self.core.request_group(
@@ -226,8 +247,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 comm_id=d.group.comm_id, create_comm=d.group.create_comm))
         return reply
 
-    async def ReleaseGroup(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
-                           ) -> pb.ReleaseReply:
+    async def _release_group(self, request: pb.ReleaseRequest,
+                             context: grpc.aio.ServicerContext) -> None:
         deliveries = await self._call(context, lambda: self.core.release(
             request.worker_id, request.group_id, request.ok, request.error, self.clock()))
         assert isinstance(deliveries, dict)
@@ -235,7 +256,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             logger.warning("worker %d reports group %d failed: %s",
                            request.worker_id, request.group_id, request.error)
         self._resolve(deliveries)
-        return pb.ReleaseReply()
 
     # ------------------------------------------------------------------ lock-step
     async def GetStaticSchedule(self, request: pb.StaticScheduleRequest,

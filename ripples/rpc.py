@@ -14,8 +14,8 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Long-polls (RequestGroup, AwaitStart) keep calls open for seconds: ping so that a
-    # dead coordinator is noticed by the transport, not only by the call deadline.
+    # Long-polls (AwaitStart) and streams (Synchronize) stay open for a long time: ping so
+    # that a dead coordinator is noticed by the transport, not only by a deadline.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -55,6 +55,14 @@ def parse_target(target: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT for the coordinator address, got {target!r}")
     return host.strip("[]"), int(port)
+
+
+class CoordinatorCallError(RuntimeError):
+    """A coordinator call failed; the message says what to check."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def describe_rpc_error(err: grpc.RpcError, target: str) -> str:

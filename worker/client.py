@@ -9,19 +9,14 @@ from collections.abc import Callable
 
 import grpc
 
-from ripples.rpc import describe_rpc_error, insecure_channel
+from ripples.rpc import CoordinatorCallError, describe_rpc_error, insecure_channel
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
+from ripples.worker.group_stream import GroupStream
 
 logger = logging.getLogger(__name__)
 
-
-class CoordinatorCallError(RuntimeError):
-    """A coordinator call failed; the message says what to check."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None) -> None:
-        super().__init__(message)
-        self.code = code
+__all__ = ["CoordinatorCallError", "CoordinatorClient", "GroupStream", "HeartbeatThread"]
 
 
 class CoordinatorClient:
@@ -73,19 +68,10 @@ class CoordinatorClient:
         req = pb.LeaveRequest(worker_id=worker_id, progress=progress, error=error)
         self._call(self._stub.Leave, req, self.rpc_timeout)
 
-    def request_group(self, worker_id: int, iteration: int, wait_seconds: float,
-                      progress: pb.Progress | None = None) -> pb.GroupReply:
-        req = pb.GroupRequest(worker_id=worker_id, iteration=iteration,
-                              timeout_seconds=wait_seconds, progress=progress)
-        reply = self._call(self._stub.RequestGroup, req, wait_seconds + self.rpc_timeout)
-        assert isinstance(reply, pb.GroupReply)
-        return reply
-
-    def release_group(self, worker_id: int, group_id: int, ok: bool, error: str = "",
-                      preduce_seconds: float = 0.0) -> None:
-        req = pb.ReleaseRequest(worker_id=worker_id, group_id=group_id, ok=ok, error=error,
-                                preduce_seconds=preduce_seconds)
-        self._call(self._stub.ReleaseGroup, req, self.rpc_timeout)
+    def open_group_stream(self, worker_id: int) -> GroupStream:
+        """The worker's Synchronize stream (group requests and releases)."""
+        return GroupStream(self._stub, worker_id, self.target,
+                           reply_margin_seconds=self.rpc_timeout)
 
     def static_schedule(self, worker_id: int) -> pb.StaticScheduleReply:
         req = pb.StaticScheduleRequest(worker_id=worker_id)

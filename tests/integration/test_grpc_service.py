@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -16,6 +17,15 @@ from ripples.worker.client import CoordinatorCallError, CoordinatorClient
 
 def _register(client: CoordinatorClient, n: int, host: str = "node0") -> list[int]:
     return [client.register(host, i, "cpu", 1000 + i).worker_id for i in range(n)]
+
+
+def _wait_for_status(client: CoordinatorClient, done: Callable[[pb.RunStatus], bool],
+                     timeout_seconds: float = 5.0) -> pb.RunStatus:
+    deadline = time.monotonic() + timeout_seconds
+    while not done(status := client.run_status()):
+        assert time.monotonic() < deadline, f"status never got there: {status}"
+        time.sleep(0.02)
+    return status
 
 
 def _start_all(
@@ -86,11 +96,12 @@ def test_group_reaches_all_members_at_once_and_release_frees_them() -> None:
         a, b = _register(client, 2)
         starts = _start_all(client, [a, b])
         assert sorted(s.rank for s in starts) == [0, 1]
+        sa, sb = client.open_group_stream(a), client.open_group_stream(b)
         with ThreadPoolExecutor(2) as pool:
-            fa = pool.submit(client.request_group, a, 1, 5.0)
+            fa = pool.submit(sa.request, 1, 5.0)
             time.sleep(0.2)
             assert not fa.done(), "a group is delivered only once every member asked"
-            fb = pool.submit(client.request_group, b, 1, 5.0)
+            fb = pool.submit(sb.request, 1, 5.0)
             ra, rb = fa.result(), fb.result()
         assert ra.outcome == rb.outcome == pb.GROUP_OUTCOME_GROUP
         assert ra.group.group_id == rb.group.group_id
@@ -99,11 +110,13 @@ def test_group_reaches_all_members_at_once_and_release_frees_them() -> None:
         status = client.run_status()
         assert status.num_groups_executing == 1
         assert {w.state for w in status.workers} == {pb.WORKER_STATE_REDUCING}
-        client.release_group(a, ra.group.group_id, ok=True)
-        client.release_group(b, rb.group.group_id, ok=True)
-        status = client.run_status()
-        assert status.num_groups_executing == 0
+        sa.release(ra.group.group_id, ok=True)
+        sb.release(rb.group.group_id, ok=True)  # one-way: the status shows it shortly
+        status = _wait_for_status(client, lambda st: st.num_groups_executing == 0)
         assert status.num_groups_formed == 1
+        assert {w.state for w in status.workers} == {pb.WORKER_STATE_COMPUTING}
+        sa.close()
+        sb.close()
         client.close()
 
 
@@ -112,13 +125,16 @@ def test_wait_runs_out_with_retry_then_peer_arrives() -> None:
         client = CoordinatorClient(server.address)
         a, b = _register(client, 2)
         _start_all(client, [a, b])
-        reply = client.request_group(a, 1, 0.3)
+        sa, sb = client.open_group_stream(a), client.open_group_stream(b)
+        reply = sa.request(1, 0.3)
         assert reply.outcome == pb.GROUP_OUTCOME_RETRY
         assert f"[{b}]" in reply.detail  # says whom the group waits for
         with ThreadPoolExecutor(2) as pool:
-            fa = pool.submit(client.request_group, a, 1, 5.0)
-            rb = client.request_group(b, 1, 5.0)
+            fa = pool.submit(sa.request, 1, 5.0)
+            rb = sb.request(1, 5.0)
             assert fa.result().group.group_id == rb.group.group_id
+        sa.close()
+        sb.close()
         client.close()
 
 
@@ -140,7 +156,9 @@ def test_lease_expiry_cancels_the_group_and_tells_the_waiting_member() -> None:
             t.start()
         try:
             t0 = time.monotonic()
-            reply = client.request_group(ids[0], 1, 8.0)  # ids[2] never comes: lease runs out
+            stream = client.open_group_stream(ids[0])
+            reply = stream.request(1, 8.0)  # ids[2] never comes: its lease runs out
+            stream.close()
             assert reply.outcome == pb.GROUP_OUTCOME_CANCELLED
             assert f"worker {ids[2]} expired" in reply.detail
             assert time.monotonic() - t0 < 5.0
@@ -164,12 +182,15 @@ def test_stop_run_releases_waiting_workers() -> None:
         client = CoordinatorClient(server.address)
         a, b = _register(client, 2)
         _start_all(client, [a, b])
+        sa, sb = client.open_group_stream(a), client.open_group_stream(b)
         with ThreadPoolExecutor(1) as pool:
-            fa = pool.submit(client.request_group, a, 1, 5.0)
+            fa = pool.submit(sa.request, 1, 5.0)
             time.sleep(0.2)
             client.stop_run("test says stop")
             assert fa.result().outcome == pb.GROUP_OUTCOME_STOP
-        assert client.request_group(b, 1, 1.0).outcome == pb.GROUP_OUTCOME_STOP
+        assert sb.request(1, 1.0).outcome == pb.GROUP_OUTCOME_STOP
+        sa.close()
+        sb.close()
         status = client.run_status()
         assert status.stopped and status.stop_reason == "test says stop"
         client.close()
@@ -190,9 +211,11 @@ def test_static_schedule_parameters_and_lockstep_stop() -> None:
         client.stop_run("enough")
         stops = {client.checkpoint(w, 4).stop_at_iteration for w in ids}
         assert stops == {8}  # the largest grant given: 4 + interval
+        stream = client.open_group_stream(ids[0])
         with pytest.raises(CoordinatorCallError) as err:
-            client.request_group(ids[0], 1, 1.0)
+            stream.request(1, 1.0)
         assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        stream.close()
         client.close()
 
 
@@ -203,4 +226,26 @@ def test_static_protocol_rejects_uneven_nodes() -> None:
         ids = _register(client, 2, "node0") + _register(client, 1, "node1")
         with pytest.raises(CoordinatorCallError, match="exactly 2 workers on every host"):
             _start_all(client, ids)
+        client.close()
+
+
+def test_a_stream_serves_one_worker_and_breaks_for_good_on_a_refusal() -> None:
+    with running_coordinator(num_workers=2, protocol="ripples-smart", group_size=2) as server:
+        client = CoordinatorClient(server.address)
+        a, b = _register(client, 2)
+        _start_all(client, [a, b])
+        stream = client.open_group_stream(a)
+        assert stream.request(1, 0.2).outcome == pb.GROUP_OUTCOME_RETRY
+        stream.worker_id = b  # a buggy client: the next message names another worker
+        with pytest.raises(CoordinatorCallError, match="belongs to worker") as err:
+            stream.request(1, 0.2)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(CoordinatorCallError, match="belongs to worker"):
+            stream.release(1, ok=True)  # the stream stays broken
+        stream.close()
+        unknown = client.open_group_stream(999)
+        with pytest.raises(CoordinatorCallError) as err:
+            unknown.request(1, 0.2)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        unknown.close()
         client.close()

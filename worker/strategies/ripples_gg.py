@@ -11,7 +11,7 @@ from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
 
 logger = logging.getLogger(__name__)
 
-# Server-side bound on one RequestGroup long-poll; the worker then asks again.
+# Server-side bound on the wait for one group reply; the worker then asks again.
 GROUP_POLL_SECONDS = 10.0
 
 
@@ -31,6 +31,7 @@ class GroupGeneratorStrategy(SyncStrategy):
         # A group may wait for slow peers' iterations; give up only after this long.
         self.max_group_wait_seconds = max(300.0, 5 * self.timeout)
         self.num_failed_groups = 0
+        self.stream = ctx.client.open_group_stream(ctx.worker_id)
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.ctx.stop_requested.is_set():
@@ -43,8 +44,7 @@ class GroupGeneratorStrategy(SyncStrategy):
         waited_since = time.perf_counter()
         while True:
             t0 = time.perf_counter()
-            reply = self.ctx.client.request_group(self.ctx.worker_id, completed,
-                                                  GROUP_POLL_SECONDS, self.ctx.progress())
+            reply = self.stream.request(completed, GROUP_POLL_SECONDS, self.ctx.progress())
             result.wait_seconds += time.perf_counter() - t0
             for comm_id in reply.evict_comm_ids:
                 self.ctx.comms.drop(f"gg/{self.ctx.config.run_id}/{comm_id}")
@@ -83,10 +83,12 @@ class GroupGeneratorStrategy(SyncStrategy):
             self.num_failed_groups += 1
             self.ctx.comms.drop(key)
             logger.warning("P-Reduce of group %d %s failed: %s", group.group_id, members, err)
-            self.ctx.client.release_group(self.ctx.worker_id, group.group_id, ok=False,
-                                          error=str(err)[:500], preduce_seconds=seconds)
+            self.stream.release(group.group_id, ok=False, error=str(err)[:500],
+                                preduce_seconds=seconds)
             return seconds
         seconds = time.perf_counter() - t0
-        self.ctx.client.release_group(self.ctx.worker_id, group.group_id, ok=True,
-                                      preduce_seconds=seconds)
+        self.stream.release(group.group_id, ok=True, preduce_seconds=seconds)
         return seconds
+
+    def close(self) -> None:
+        self.stream.close()

@@ -235,9 +235,13 @@ class ReleaseRequest(_message.Message):
     preduce_seconds: float
     def __init__(self, worker_id: _Optional[int] = ..., group_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., preduce_seconds: _Optional[float] = ...) -> None: ...
 
-class ReleaseReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class SyncMessage(_message.Message):
+    __slots__ = ("request", "release")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    request: GroupRequest
+    release: ReleaseRequest
+    def __init__(self, request: _Optional[_Union[GroupRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class StaticScheduleRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -54,15 +54,10 @@ class CoordinatorStub:
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartReply.FromString,
                 _registered_method=True)
-        self.RequestGroup = channel.unary_unary(
-                '/ripples.v1.Coordinator/RequestGroup',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.GroupRequest.SerializeToString,
+        self.Synchronize = channel.stream_stream(
+                '/ripples.v1.Coordinator/Synchronize',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.SyncMessage.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
-                _registered_method=True)
-        self.ReleaseGroup = channel.unary_unary(
-                '/ripples.v1.Coordinator/ReleaseGroup',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.GetStaticSchedule = channel.unary_unary(
                 '/ripples.v1.Coordinator/GetStaticSchedule',
@@ -115,17 +110,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RequestGroup(self, request, context):
-        """Synchronisation for group-generator protocols (ripples-random, ripples-smart).
-        RequestGroup long-polls until the caller's next group may execute and every member
-        has asked for it; the reply then reaches all members at once.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReleaseGroup(self, request, context):
-        """Acknowledge a group (releases the caller's lock) or report that it failed.
+    def Synchronize(self, request_iterator, context):
+        """Synchronisation for group-generator protocols (ripples-random, ripples-smart), over
+        one long-lived stream per worker (a stream message costs a fraction of a unary call:
+        measured 3.3x more messages/s on a 2-core machine). Each GroupRequest on the stream
+        is answered by exactly one GroupReply, in order: the reply long-polls until the
+        caller's next group may execute and every member has asked for it, and then reaches
+        all members at once. A ReleaseRequest acknowledges a group (releasing the caller's
+        lock) or reports that it failed; it gets no reply. Every message of a stream carries
+        the same worker id. A request the coordinator refuses ends the stream with a status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,15 +173,10 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartRequest.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartReply.SerializeToString,
             ),
-            'RequestGroup': grpc.unary_unary_rpc_method_handler(
-                    servicer.RequestGroup,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.GroupRequest.FromString,
+            'Synchronize': grpc.stream_stream_rpc_method_handler(
+                    servicer.Synchronize,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.SyncMessage.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.SerializeToString,
-            ),
-            'ReleaseGroup': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseGroup,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.ReleaseRequest.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.ReleaseReply.SerializeToString,
             ),
             'GetStaticSchedule': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStaticSchedule,
@@ -330,7 +318,7 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
-    def RequestGroup(request,
+    def Synchronize(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -340,39 +328,12 @@ class Coordinator:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/ripples.v1.Coordinator/RequestGroup',
-            ripples_dot_v1_dot_coordinator__pb2.GroupRequest.SerializeToString,
+            '/ripples.v1.Coordinator/Synchronize',
+            ripples_dot_v1_dot_coordinator__pb2.SyncMessage.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReleaseGroup(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ripples.v1.Coordinator/ReleaseGroup',
-            ripples_dot_v1_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
-            ripples_dot_v1_dot_coordinator__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
