@@ -17,9 +17,14 @@ from ripples.worker.strategies.lockstep import LockstepStop
 class AllReduceStrategy(SyncStrategy):
     """Gradients are all-reduced by DDP inside backward; every worker waits for the slowest.
 
-    The all-reduce overlaps the backward pass, so its time is measured with a DDP
-    communication hook (first bucket launched to last bucket done) and reported as
-    preduce_seconds; it includes the wait for late peers.
+    DDP synchronises twice per step, and both count as preduce_seconds (they include the
+    wait for late peers), not as compute:
+    - the gradient all-reduce overlaps the backward pass, timed with a communication hook
+      (first bucket launched to last bucket done);
+    - before each forward, DDP broadcasts rank 0's buffers (BatchNorm statistics). That
+      is where a fast worker waits for a straggler whose gradients arrive late; it is
+      timed as the gap between a forward pre-hook on the DDP wrapper and one on the
+      wrapped model.
     """
 
     name = "allreduce"
@@ -36,7 +41,16 @@ class AllReduceStrategy(SyncStrategy):
         self.ddp = DistributedDataParallel(ctx.model, device_ids=device_ids)
         self._window: list[float] = []
         self.ddp.register_comm_hook(self._window, _timed_allreduce_hook)
+        self._forward_marks: list[float] = []  # [DDP forward entered, model forward entered]
+        self.ddp.register_forward_pre_hook(self._mark_ddp_forward)
+        ctx.model.register_forward_pre_hook(self._mark_model_forward)
         self.stopper = LockstepStop(ctx)
+
+    def _mark_ddp_forward(self, _module: torch.nn.Module, _args: object) -> None:
+        self._forward_marks[:] = [time.perf_counter()]
+
+    def _mark_model_forward(self, _module: torch.nn.Module, _args: object) -> None:
+        self._forward_marks.append(time.perf_counter())
 
     def training_model(self) -> torch.nn.Module:
         return self.ddp
@@ -47,6 +61,9 @@ class AllReduceStrategy(SyncStrategy):
     def after_step(self, completed: int) -> SyncResult:
         window, self._window[:] = list(self._window), []
         seconds = (max(window) - min(window)) if len(window) >= 2 else 0.0
+        marks, self._forward_marks[:] = list(self._forward_marks), []
+        if len(marks) == 2:
+            seconds += marks[1] - marks[0]
         return SyncResult(preduce_seconds=seconds, num_groups=1, inside_step=True,
                           group_sizes=(self.ctx.num_workers,))
 
