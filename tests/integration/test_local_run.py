@@ -14,7 +14,9 @@ from ripples.worker.tasks import TaskOptions, build_task, evaluate
 pytestmark = pytest.mark.slow
 
 PROTOCOLS = ["allreduce", "ripples-random", "ripples-smart", "ripples-static"]
-TARGET_LOSS = 0.5
+# A smoothed training loss of 0.5 left the consensus model at 0.84-0.92 accuracy (the stop
+# lands on a noisy dip); at 0.2 it measured 0.93-0.95 over eight runs, and takes ~2 s.
+TARGET_LOSS = 0.2
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
