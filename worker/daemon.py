@@ -103,7 +103,7 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
             client=client, worker_id=worker_id, rank=start.rank, num_workers=start.num_workers,
             config=run, start=start, model=task.model, params=FlatParameters(task.model),
             comms=comms, store=store, device=device, stop_requested=heartbeat.stop_requested,
-            progress=stats.snapshot)
+            progress=stats.snapshot, optimizer=task.optimizer)
         strategy = create_strategy(run.protocol, ctx)
         sampler = ShardSampler(len(task.train_inputs), start.rank, start.num_workers,
                                task.batch_size, run.seed)

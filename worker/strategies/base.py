@@ -33,6 +33,7 @@ class SyncContext:
     device: torch.device
     stop_requested: threading.Event  # raised by the heartbeat when the coordinator stops the run
     progress: Callable[[], pb.Progress]  # this worker's progress, sent along with sync RPCs
+    optimizer: torch.optim.Optimizer
 
 
 @dataclass(kw_only=True)
@@ -59,6 +60,16 @@ class SyncStrategy(abc.ABC):
 
     def __init__(self, ctx: SyncContext) -> None:
         self.ctx = ctx
+        self._state_adopted = False
+
+    def averaged_state(self) -> FlatParameters:
+        """What a P-Reduce averages: the flat parameters, and with the run's
+        average_optimizer_state also the optimizer's per-parameter state, which exists
+        only after the first step and is adopted into the flat buffer at the first call."""
+        if self.ctx.config.average_optimizer_state and not self._state_adopted:
+            self.ctx.params.adopt_optimizer_state(self.ctx.optimizer)
+            self._state_adopted = True
+        return self.ctx.params
 
     def training_model(self) -> torch.nn.Module:
         """The module the loop runs forward/backward on (DDP wraps it)."""

@@ -77,7 +77,7 @@ class GroupGeneratorStrategy(SyncStrategy):
         try:
             comm = self.ctx.comms.get(key, members.index(self.ctx.worker_id), len(members),
                                       create=group.create_comm)
-            preduce(self.ctx.params, comm, self.timeout)
+            preduce(self.averaged_state(), comm, self.timeout)
         except (RuntimeError, TimeoutError, ValueError) as err:
             seconds = time.perf_counter() - t0
             self.num_failed_groups += 1

@@ -42,7 +42,7 @@ WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate")
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class RunConfig(_message.Message):
     CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol: str
     task: str
@@ -75,7 +76,8 @@ class RunConfig(_message.Message):
     checkpoint_interval: int
     batch_size: int
     learning_rate: float
-    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+    average_optimizer_state: bool
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("host", "local_rank", "device", "pid")
