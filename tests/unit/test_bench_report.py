@@ -33,8 +33,11 @@ def test_medians_and_speedups_relate_protocols_and_scenarios() -> None:
                record("slow-5x", "ripples-smart", None, 3.0, repeat=1)]
     harness.add_speedups(records)
     assert records[1].speedup_vs_allreduce == pytest.approx(10.0 / 8.0)
-    assert records[4].speedup_vs_allreduce == pytest.approx(50.0 / 12.5)  # median of 40, 60
+    assert records[4].speedup_vs_allreduce == pytest.approx(40.0 / 12.5)  # same repeat
     assert records[5].speedup_vs_allreduce is None  # never reached the target
+    records.append(record("slow-5x", "ripples-static", 30.0, 4.0, repeat=1))
+    harness.add_speedups(records)
+    assert records[6].speedup_vs_allreduce == pytest.approx(60.0 / 30.0)
     rows = {(r["scenario"], r["protocol"]): r for r in harness.medians(records)}
     slow_smart = rows[("slow-5x", "ripples-smart")]
     assert slow_smart["reached_target"] == 1 and slow_smart["runs"] == 2
