@@ -44,7 +44,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
         default = defaults.get(f.name, f.default)
         if default is dataclasses.MISSING:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        help_text = docs.get(f.name, "")
+        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help
         kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str,
                                                         "bool": bool}.get(str(f.type), str)
         if kind is bool:
