@@ -14,7 +14,9 @@ target (statistical efficiency).
     ripples bench                          # the full matrix (docs/benchmarks.md)
 
 Writes DIR/results.json (one record per run, plus the medians), DIR/loss.png and
-DIR/iteration_split.png, and prints a table.
+DIR/iteration_split.png, and prints a table. Each finished run is appended to
+DIR/records.jsonl as it ends, so an interrupted matrix keeps its runs:
+`ripples bench --resume` (same options) runs only the missing ones.
 """
 
 from __future__ import annotations
@@ -171,18 +173,65 @@ def medians(records: list[RunRecord]) -> list[dict]:
     return rows
 
 
-def run_matrix(cfg: HarnessConfig) -> list[RunRecord]:
+RECORDS_FILE = "records.jsonl"
+CONFIG_FILE = "config.json"
+
+
+def _config_dict(cfg: HarnessConfig) -> dict[str, object]:
+    return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+            for k, v in asdict(cfg).items()}
+
+
+def load_finished(cfg: HarnessConfig) -> list[RunRecord]:
+    """The runs an earlier, interrupted `ripples bench` with the same options finished."""
+    config_path, records_path = cfg.output / CONFIG_FILE, cfg.output / RECORDS_FILE
+    if not records_path.exists():
+        return []
+    if config_path.exists():
+        before = json.loads(config_path.read_text())
+        now = _config_dict(cfg)
+        changed = sorted(k for k in now if k != "output" and before.get(k) != now[k])
+        if changed:
+            raise ValueError(f"cannot resume {cfg.output}: it was run with other options "
+                             f"({', '.join(f'{k}={before.get(k)!r}' for k in changed)})")
+    records = []
+    for number, line in enumerate(records_path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(RunRecord(**json.loads(line)))
+        except (ValueError, TypeError) as err:  # a line cut short by the interruption
+            print(f"{records_path}:{number}: skipped an unreadable record ({err})",
+                  file=sys.stderr)
+    return records
+
+
+def run_matrix(cfg: HarnessConfig, finished: list[RunRecord] | None = None) -> list[RunRecord]:
+    """Run every (repeat, scenario, protocol) not in `finished`, appending each record to
+    DIR/records.jsonl as it ends."""
     cfg.validate()
-    records: list[RunRecord] = []
+    records = list(finished or [])
+    have = {(r.scenario, r.protocol, r.repeat) for r in records}
+    cfg.output.mkdir(parents=True, exist_ok=True)
+    (cfg.output / CONFIG_FILE).write_text(json.dumps(_config_dict(cfg), indent=2) + "\n")
+    records_path = cfg.output / RECORDS_FILE
+    if not records:
+        records_path.write_text("")
     total = cfg.repeats * len(cfg.scenarios) * len(cfg.protocols)
-    started = time.monotonic()
+    if records:
+        print(f"resuming: {len(records)} of {total} runs already in {records_path}",
+              file=sys.stderr, flush=True)
+    started, ran, position = time.monotonic(), 0, 0
     for repeat in range(cfg.repeats):
         for scenario_name in cfg.scenarios:
-            shift = (repeat + len(records)) % len(cfg.protocols)
+            shift = (repeat + position) % len(cfg.protocols)
             order = cfg.protocols[shift:] + cfg.protocols[:shift]  # rotate: no fixed first
             for protocol in order:
+                position += 1
+                if (scenario_name, protocol, repeat) in have:
+                    continue
                 done = len(records)
-                eta = ((time.monotonic() - started) / done * (total - done)) if done else None
+                eta = ((time.monotonic() - started) / ran * (total - done)) if ran else None
                 print(f"[{done + 1}/{total}] {scenario_name} {protocol} (repeat {repeat + 1})"
                       + (f", about {eta / 60:.0f} min left" if eta else ""),
                       file=sys.stderr, flush=True)
@@ -191,7 +240,10 @@ def run_matrix(cfg: HarnessConfig) -> list[RunRecord]:
                        else "not reached")
                 print(f"    target {ttt}, {rec.seconds_per_iteration:.3f} s/iteration",
                       file=sys.stderr, flush=True)
+                with records_path.open("a") as f:
+                    f.write(json.dumps(asdict(rec)) + "\n")
                 records.append(rec)
+                ran += 1
     add_speedups(records)
     return records
 
@@ -221,8 +273,7 @@ def format_table(rows: list[dict]) -> str:
 
 def write_results(cfg: HarnessConfig, records: list[RunRecord], rows: list[dict]) -> Path:
     path = cfg.output / "results.json"
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    path.write_text(json.dumps({"config": config, "medians": rows,
+    path.write_text(json.dumps({"config": _config_dict(cfg), "medians": rows,
                                 "records": [asdict(r) for r in records]}, indent=2) + "\n")
     return path
 
@@ -247,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help=f"default {defaults.repeats}")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--output", type=Path, default=defaults.output)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in OUTPUT/records.jsonl (an interrupted "
+                             "bench with the same options) and run only the missing ones")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else defaults
     cfg = replace(
@@ -261,10 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg.validate()
+        finished = load_finished(cfg) if args.resume else []
     except ValueError as err:
         parser.error(str(err))
-    cfg.output.mkdir(parents=True, exist_ok=True)
-    records = run_matrix(cfg)
+    records = run_matrix(cfg, finished)
     rows = medians(records)
     print(format_table(rows))
     path = write_results(cfg, records, rows)

@@ -24,16 +24,37 @@ def test_preduce_benchmark_measures_every_method(capsys: pytest.CaptureFixture[s
     assert all(row["ms_per_call"] > 0 for row in rows) and rows[0]["ratio"] == 1.0
 
 
-def test_bench_runs_a_tiny_matrix_and_writes_results_and_plots(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_bench_runs_a_tiny_matrix_resumes_it_and_writes_results_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    code = harness.main(["--workers", "2", "--workers-per-node", "2",
-                         "--protocols", "allreduce,ripples-smart", "--scenarios",
-                         "homogeneous,slow-2x", "--task", "digits", "--batch-size", "16",
-                         "--target-loss", "1.5", "--max-epochs", "3", "--repeats", "1",
-                         "--output", str(tmp_path)])
+    args = ["--workers", "2", "--workers-per-node", "2",
+            "--protocols", "allreduce,ripples-smart", "--scenarios",
+            "homogeneous,slow-2x", "--task", "digits", "--batch-size", "16",
+            "--target-loss", "1.5", "--max-epochs", "3", "--repeats", "1",
+            "--output", str(tmp_path)]
+    # An interrupted bench: the matrix dies after its first run ...
+    real_run_one, calls = harness.run_one, []
+
+    def run_one_then_die(*a: object) -> harness.RunRecord:
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(a)
+        return real_run_one(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(harness, "run_one", run_one_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        harness.main(args)
+    monkeypatch.setattr(harness, "run_one", real_run_one)
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 1
+    # ... resuming with other options is refused; with the same ones it runs the other 3.
+    with pytest.raises(SystemExit):
+        harness.main([*args[:-4], "--target-loss", "1.0", *args[-4:], "--resume"])
+    assert "target_loss=1.5" in capsys.readouterr().err
+    code = harness.main([*args, "--resume"])
     assert code == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "resuming: 1 of 4 runs" in captured.err
+    table = captured.out
     assert "allreduce" in table and "ripples-smart" in table and "slow-2x" in table
     results = json.loads((tmp_path / "results.json").read_text())
     records = results["records"]
