@@ -19,7 +19,9 @@ import grpc
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore
+from ripples.coordinator.http import build_app
 from ripples.coordinator.service import CoordinatorService
+from ripples.http_server import HttpEndpoint, bind
 from ripples.rpc import SERVER_OPTIONS
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -36,6 +38,9 @@ class ServerConfig:
     """gRPC port (0: pick a free one)."""
     store_port: int = 0
     """Rendezvous TCPStore port (0: pick a free one)."""
+    metrics_port: int = 0
+    """HTTP port for /metrics and Prometheus service discovery at /sd (0: pick a free one;
+    `ripples coordinator serve` defaults to 9400)."""
     advertise_host: str = ""
     """Address workers use to reach the store (default: this host's name, or 127.0.0.1
     when listening on loopback)."""
@@ -59,6 +64,7 @@ class CoordinatorServer:
         self.config = config
         self.port = 0
         self.store_port = 0
+        self.metrics_port = 0
         self.service: CoordinatorService | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -88,16 +94,25 @@ class CoordinatorServer:
             self.port = server.add_insecure_port(address)
         except RuntimeError as err:
             raise OSError(f"cannot listen on {address}: {err}; is the port in use?") from err
+        metrics_socket = bind(cfg.host, cfg.metrics_port, what="metrics",
+                              option="--metrics-port")
         await server.start()
+        http = HttpEndpoint(build_app(self.service.metrics.registry, self.service.discovery),
+                            metrics_socket, what="metrics endpoint")
+        self.metrics_port = http.port
+        self.service.metrics_address = f"{_advertised(cfg)}:{http.port}"
+        await http.start()
         self.service.start_background()
         self._done = asyncio.Event()
-        logger.info("coordinator listening on %s:%d (store %d), protocol %s, %d workers",
-                    cfg.host, self.port, self.store_port, cfg.run.protocol, cfg.run.num_workers)
+        logger.info("coordinator listening on %s:%d (store %d, metrics %d), protocol %s, "
+                    "%d workers", cfg.host, self.port, self.store_port, self.metrics_port,
+                    cfg.run.protocol, cfg.run.num_workers)
         self._ready.set()
         try:
             await self._done.wait()
         finally:
             await self.service.close()
+            await http.stop()
             await server.stop(grace=1.0)
 
     def _run_thread(self) -> None:
@@ -120,7 +135,9 @@ class CoordinatorServer:
         return self
 
     def stop(self, timeout_seconds: float = 10.0) -> None:
-        if self._loop is not None and self._done is not None and self._thread is not None:
+        """Idempotent: a second call (or one after a failed start) does nothing."""
+        if (self._loop is not None and self._done is not None and self._thread is not None
+                and self._thread.is_alive()):
             self._loop.call_soon_threadsafe(self._done.set)
             self._thread.join(timeout_seconds)
 
@@ -134,6 +151,10 @@ class CoordinatorServer:
         host = _advertised(self.config)
         return f"{host}:{self.port}"
 
+    @property
+    def metrics_address(self) -> str:
+        return f"{_advertised(self.config)}:{self.metrics_port}"
+
 
 def serve(config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM (or, with exit_when_done, until the run is over)."""
@@ -142,7 +163,8 @@ def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"ripples coordinator listening on {server.address} "
-          f"(protocol {config.run.protocol}, waiting for {config.run.num_workers} workers)",
+          f"(protocol {config.run.protocol}, waiting for {config.run.num_workers} workers); "
+          f"metrics and Prometheus discovery on http://{server.metrics_address}/sd",
           flush=True)
     while not stop.wait(0.5):
         if config.exit_when_done and server.run_finished():

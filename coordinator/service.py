@@ -24,6 +24,9 @@ from ripples.coordinator.core import (
     Progress,
     WorkerState,
 )
+from ripples.coordinator.groups import GroupRecord, GroupState
+from ripples.coordinator.http import SdTargets
+from ripples.coordinator.metrics import CoordinatorMetrics
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -45,7 +48,22 @@ _STATES = {
     WorkerState.EXPIRED: pb.WORKER_STATE_EXPIRED,
     WorkerState.FAILED: pb.WORKER_STATE_FAILED,
 }
+_GROUP_STATES = {
+    GroupState.PENDING: pb.GROUP_STATE_PENDING,
+    GroupState.EXECUTING: pb.GROUP_STATE_EXECUTING,
+}
 MAX_GROUP_WAIT_SECONDS = 30.0
+
+
+def peer_host(peer: str) -> str:
+    """The address part of a gRPC peer string ("ipv4:10.0.0.5:4242" -> "10.0.0.5",
+    "ipv6:[::1]:4242" -> "[::1]"); "" when it is not an IP peer."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0] if rest.startswith("[") else f"[{rest.rpartition(':')[0]}]"
+    return ""
 
 
 def progress_from_proto(p: pb.Progress) -> Progress:
@@ -90,6 +108,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._waiters: dict[int, asyncio.Future[GroupDecision]] = {}
         self._started = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
+        self.metrics = CoordinatorMetrics(core, clock)
+        self.metrics_address = ""  # the coordinator's own HOST:PORT, set by the server
+        self.metrics_targets: dict[int, str] = {}  # worker id -> HOST:PORT
 
     # ------------------------------------------------------------------ plumbing
     def start_background(self) -> None:
@@ -132,6 +153,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             request.host, request.local_rank, request.device or "cpu", request.pid, now))
         assert isinstance(worker_id, int)
         w = self.core.workers[worker_id]
+        if request.metrics_port:
+            host = request.metrics_host or peer_host(context.peer()) or w.host
+            self.metrics_targets[worker_id] = f"{host}:{request.metrics_port}"
         logger.info("registered worker %d (host %s, local rank %d, %s)",
                     worker_id, w.host, w.local_rank, w.device)
         return pb.RegisterReply(worker_id=worker_id, config=self.core.settings.to_proto(),
@@ -210,6 +234,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def _request_group(self, request: pb.GroupRequest,
                              context: grpc.aio.ServicerContext) -> pb.GroupReply:
         wid = request.worker_id
+        arrived = time.perf_counter()
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         result = await self._call(context, lambda: self.core.request_group(
             wid, request.iteration, self.clock(), progress))
@@ -218,6 +243,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._resolve(deliveries)
         if decision is None:
             decision = await self._wait_for_group(wid, request.timeout_seconds)
+        self.metrics.group_request_duration.observe(time.perf_counter() - arrived)
         return self._group_reply(decision)
 
     async def _wait_for_group(self, wid: int, timeout_seconds: float) -> GroupDecision:
@@ -296,7 +322,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 rank=max(w.rank, 0), state=_STATES[w.state], iteration=w.progress.iteration,
                 request_count=w.request_count,
                 loss=w.progress.loss if math.isfinite(w.progress.loss) else 0.0,
-                progress=progress_to_proto(w.progress), error=w.error)
+                progress=progress_to_proto(w.progress), error=w.error,
+                metrics_address=self.metrics_targets.get(w.worker_id, ""))
             for w in core.workers.values()
         ]
         return pb.RunStatus(
@@ -312,13 +339,32 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             time_to_target_seconds=core.time_to_target if core.time_to_target is not None else -1,
             loss_curve=[pb.LossPoint(seconds=s, loss=v, mean_iterations=i)
                         for s, v, i in core.loss_curve],
-            recent_groups=[pb.Group(group_id=g.group_id, members=g.members,
-                                    initiator=g.initiator, comm_id=g.comm_id)
-                           for g in core.recent_groups],
+            recent_groups=[self._group_view(g, now, finished=True) for g in core.recent_groups],
+            active_groups=[self._group_view(g, now) for g in core.table.unfinished()],
+            metrics_address=self.metrics_address,
             num_lease_expirations=core.num_lease_expirations,
             iterations_to_target=(core.iterations_to_target
                                   if core.iterations_to_target is not None else -1),
         )
+
+    def _group_view(self, g: GroupRecord, now: float, *, finished: bool = False) -> pb.Group:
+        live = self.core.table.get(g.group_id) is g
+        state = _GROUP_STATES[g.state] if live or not finished else pb.GROUP_STATE_FINISHED
+        return pb.Group(group_id=g.group_id, members=g.members, initiator=g.initiator,
+                        comm_id=g.comm_id, state=state, age_seconds=max(0.0, now - g.created_at))
+
+    def discovery(self) -> SdTargets:
+        """Prometheus HTTP service discovery: the coordinator and each live worker."""
+        groups: SdTargets = []
+        if self.metrics_address:
+            groups.append({"targets": [self.metrics_address], "labels": {"role": "coordinator"}})
+        for w in self.core.live():
+            target = self.metrics_targets.get(w.worker_id)
+            if target:
+                groups.append({"targets": [target], "labels": {
+                    "role": "worker", "__meta_ripples_worker": str(w.worker_id),
+                    "__meta_ripples_host": w.host}})
+        return groups
 
     async def StopRun(self, request: pb.StopRunRequest, context: grpc.aio.ServicerContext
                       ) -> pb.StopRunReply:

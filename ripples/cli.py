@@ -3,6 +3,7 @@
     ripples run ...                 coordinator + N local workers, start to summary
     ripples coordinator serve ...   the gRPC coordinator of a real cluster
     ripples worker run ...          one worker daemon
+    ripples dashboard serve ...     the live web dashboard of a run
     ripples schedule ...            print the static schedule
 """
 
@@ -54,6 +55,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = LocalRunConfig(run=run, slowdowns=slowdowns, output=Path(args.output),
                             threads_per_worker=args.threads_per_worker,
                             timeout_seconds=args.timeout_seconds, progress=not args.quiet,
+                            dashboard_port=args.dashboard_port if args.dashboard else None,
                             worker_log_level=logging.INFO if args.verbose else logging.WARNING)
     try:
         summary = run_local(config)
@@ -74,6 +76,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         run = _run_settings(args)
         config = ServerConfig(host=args.host, port=args.port, store_port=args.store_port,
+                              metrics_port=args.metrics_port,
                               advertise_host=args.advertise_host, run=run,
                               exit_when_done=args.exit_when_done)
         return serve(config)
@@ -100,8 +103,24 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(config, stop)
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from ripples.dashboard.app import DashboardConfig
+    from ripples.dashboard.server import serve
+
+    _setup_logging(not args.quiet)
+    try:
+        if not args.coordinator:
+            raise ValueError(f"give --coordinator HOST:PORT or set {ENV_COORDINATOR}")
+        config = dataclass_from_args(DashboardConfig, args)
+        return serve(config)
+    except (ValueError, OSError) as err:
+        print(f"ripples dashboard serve: error: {err}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ripples.coordinator.config import RunSettings
+    from ripples.dashboard.app import DashboardConfig
     from ripples.worker.daemon import WorkerConfig
 
     parser = argparse.ArgumentParser(prog="ripples", description=__doc__.splitlines()[0])
@@ -118,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch threads per worker process (default: 1)")
     run.add_argument("--timeout-seconds", type=float, default=3600.0,
                      help="give up if the run has not finished after this long (default: 3600)")
+    run.add_argument("--dashboard", action="store_true",
+                     help="serve the live dashboard during the run (see --dashboard-port)")
+    run.add_argument("--dashboard-port", type=int, default=8080,
+                     help="port of the dashboard on 127.0.0.1 (0: any free port; default: 8080)")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--verbose", action="store_true", help="log coordinator and worker events")
     run.set_defaults(func=_cmd_run)
@@ -129,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
     serve.add_argument("--store-port", type=int, default=0,
                        help="rendezvous store port (default: any free port)")
+    serve.add_argument("--metrics-port", type=int, default=9400,
+                       help="HTTP port for /metrics and Prometheus service discovery at /sd "
+                            "(0: any free port; default: 9400)")
     serve.add_argument("--advertise-host", default="",
                        help="address workers use to reach the store (default: host name)")
     serve.add_argument("--exit-when-done", action="store_true",
@@ -144,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         "coordinator": os.environ.get(ENV_COORDINATOR, "")})
     wrun.add_argument("--quiet", action="store_true", help="log warnings only")
     wrun.set_defaults(func=_cmd_worker)
+
+    dash = sub.add_parser("dashboard", help="the live web dashboard")
+    dash_sub = dash.add_subparsers(dest="dashboard_command", required=True)
+    dserve = dash_sub.add_parser("serve", help="serve the dashboard of a coordinator's run")
+    add_dataclass_arguments(dserve, DashboardConfig, defaults={
+        "coordinator": os.environ.get(ENV_COORDINATOR, "")})
+    dserve.add_argument("--quiet", action="store_true", help="log warnings only")
+    dserve.set_defaults(func=_cmd_dashboard)
 
     # Listed for --help; main() hands `ripples bench ...` to the harness's own parser.
     sub.add_parser("bench", add_help=False,

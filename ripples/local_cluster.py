@@ -20,6 +20,8 @@ import torch
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
+from ripples.dashboard.app import DashboardConfig
+from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from ripples.worker.daemon import WorkerConfig, run_worker
@@ -38,6 +40,7 @@ class LocalRunConfig:
     timeout_seconds: float = 3600.0
     progress: bool = True
     worker_log_level: int = logging.WARNING
+    dashboard_port: int | None = None  # serve the dashboard on 127.0.0.1:PORT (0: any)
 
 
 def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
@@ -91,12 +94,23 @@ class LocalCluster:
         self.server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=cfg.run))
         self.server.start()
         client = CoordinatorClient(self.server.address)
+        dashboard = None
         try:
+            if cfg.dashboard_port is not None:
+                dashboard = DashboardServer(DashboardConfig(
+                    coordinator=self.server.address, host="127.0.0.1",
+                    port=cfg.dashboard_port)).start()
+                print(f"dashboard: {dashboard.url}", file=sys.stderr, flush=True)
+            if cfg.progress:
+                print(f"metrics: http://{self.server.metrics_address}/metrics (Prometheus "
+                      "discovery: /sd)", file=sys.stderr, flush=True)
             self._spawn()
             status = self._monitor(client)
         finally:
             self._terminate()
             client.close()
+            if dashboard is not None:
+                dashboard.stop()
             self.server.stop()
         return self._summarise(status)
 
@@ -109,7 +123,7 @@ class LocalCluster:
                 coordinator=self.server.address, host=f"node{rank // k}", local_rank=rank % k,
                 device="cpu", slowdown=cfg.slowdowns.get(rank, ""),
                 save_model=str(cfg.output / "workers" / f"rank{rank}.pt"),
-                num_threads=cfg.threads_per_worker)
+                num_threads=cfg.threads_per_worker, metrics_bind="127.0.0.1")
             proc = ctx.Process(target=_worker_entry, args=(wc, cfg.worker_log_level),
                                name=f"ripples-worker-{rank}", daemon=False)
             proc.start()

@@ -67,8 +67,9 @@ class CoordinatorCallError(RuntimeError):
 
 def describe_rpc_error(err: grpc.RpcError, target: str) -> str:
     """A one-line explanation of a failed call, naming what to check."""
-    code = err.code() if isinstance(err, grpc.Call) else None
-    detail = err.details() if isinstance(err, grpc.Call) else str(err)
+    is_call = isinstance(err, grpc.Call | grpc.aio.AioRpcError)
+    code = err.code() if is_call else None  # type: ignore[attr-defined]
+    detail = err.details() if is_call else str(err)  # type: ignore[attr-defined]
     if code == grpc.StatusCode.UNAVAILABLE:
         return f"coordinator at {target} is unreachable ({detail}); is it running?"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -44,8 +44,10 @@ class CoordinatorClient:
             code = err.code() if isinstance(err, grpc.Call) else None
             raise CoordinatorCallError(describe_rpc_error(err, self.target), code) from err
 
-    def register(self, host: str, local_rank: int, device: str, pid: int) -> pb.RegisterReply:
-        req = pb.RegisterRequest(host=host, local_rank=local_rank, device=device, pid=pid)
+    def register(self, host: str, local_rank: int, device: str, pid: int, *,
+                 metrics_port: int = 0, metrics_host: str = "") -> pb.RegisterReply:
+        req = pb.RegisterRequest(host=host, local_rank=local_rank, device=device, pid=pid,
+                                 metrics_port=metrics_port, metrics_host=metrics_host)
         reply = self._call(self._stub.Register, req, self.rpc_timeout)
         assert isinstance(reply, pb.RegisterReply)
         return reply

@@ -16,6 +16,7 @@ from ripples.worker.client import CoordinatorCallError, CoordinatorClient, Heart
 from ripples.worker.communicators import CommunicatorCache, CommunicatorFactory, connect_store
 from ripples.worker.flat_params import FlatParameters
 from ripples.worker.loop import ShardSampler, WorkerStats, iterations_per_epoch, train
+from ripples.worker.metrics import WorkerMetrics
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 from ripples.worker.strategies import SyncContext, create_strategy
 from ripples.worker.tasks import TaskOptions, build_task
@@ -43,6 +44,14 @@ class WorkerConfig:
     """Write the final model's state_dict here."""
     num_threads: int = 1
     """torch intra-op threads (several workers usually share a host's cores)."""
+    metrics_port: int = 0
+    """Port of this worker's Prometheus endpoint (0: any free port; -1: no endpoint). The
+    coordinator lists it in its service discovery."""
+    metrics_bind: str = "0.0.0.0"
+    """Interface the metrics endpoint listens on."""
+    metrics_host: str = ""
+    """Address Prometheus scrapes this worker at (default: the address the coordinator
+    sees it connect from)."""
     connect_timeout_seconds: float = 30.0
     """How long to wait for the coordinator to be reachable."""
     start_timeout_seconds: float = 120.0
@@ -53,6 +62,9 @@ class WorkerConfig:
             raise ValueError("local rank must not be negative")
         if self.num_threads < 1:
             raise ValueError("num_threads must be at least 1")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port {self.metrics_port} is out of range: give 0-65535, "
+                             "or -1 for no metrics endpoint")
         if self.slowdown:
             SlowdownSpec.parse(self.slowdown)  # fail early with the parse message
 
@@ -77,11 +89,15 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
     worker_id: int | None = None
     stats = WorkerStats()
     heartbeat: HeartbeatThread | None = None
+    metrics = WorkerMetrics()
     error = ""
     try:
         client.wait_until_reachable(config.connect_timeout_seconds)
         host = config.host or socket.gethostname()
-        reg = client.register(host, config.local_rank, str(device), os.getpid())
+        metrics_port = (metrics.serve(config.metrics_bind, config.metrics_port)
+                        if config.metrics_port >= 0 else 0)
+        reg = client.register(host, config.local_rank, str(device), os.getpid(),
+                              metrics_port=metrics_port, metrics_host=config.metrics_host)
         worker_id, run = reg.worker_id, reg.config
         logger.info("registered as worker %d for run %s (%s)", worker_id, run.run_id, run.protocol)
         heartbeat = HeartbeatThread(client, worker_id, run.heartbeat_interval_seconds,
@@ -99,6 +115,7 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
         factory = CommunicatorFactory(store, device, run.collective_timeout_seconds,
                                       gloo_hostname="127.0.0.1" if loopback else "")
         comms = CommunicatorCache(factory)
+        metrics.attach(worker_id=worker_id, host=host, protocol=run.protocol, cache=comms)
         ctx = SyncContext(
             client=client, worker_id=worker_id, rank=start.rank, num_workers=start.num_workers,
             config=run, start=start, model=task.model, params=FlatParameters(task.model),
@@ -110,7 +127,8 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
         spec = SlowdownSpec.parse(config.slowdown, seed=run.seed * 1000 + start.rank) \
             if config.slowdown else SlowdownSpec()
         try:
-            reason = train(task, strategy, sampler, stats, Slowdown(spec), device, local_stop)
+            reason = train(task, strategy, sampler, stats, Slowdown(spec), device, local_stop,
+                           metrics)
         finally:
             strategy.close()
             comms.close()
@@ -122,7 +140,7 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
             Path(config.save_model).parent.mkdir(parents=True, exist_ok=True)
             torch.save(task.model.state_dict(), config.save_model)
     except (CoordinatorCallError, ConnectionError, ValueError, RuntimeError, TimeoutError,
-            FloatingPointError) as err:
+            FloatingPointError, OSError) as err:
         error = f"{type(err).__name__}: {err}"
         logger.error("worker %s failed: %s", worker_id if worker_id is not None else "-", error)
     finally:
@@ -134,6 +152,7 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
             except CoordinatorCallError as err:
                 logger.warning("could not leave cleanly: %s", err)
         client.close()
+        metrics.close()
     return 1 if error else 0
 
 

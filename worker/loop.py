@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.metrics import WorkerMetrics
 from ripples.worker.slowdown import Slowdown
 from ripples.worker.strategies.base import SyncStrategy
 from ripples.worker.tasks import Task
@@ -43,11 +44,15 @@ class WorkerStats:
         self._recent_losses.append(loss)
         self.last_loss = loss
 
+    def smoothed_loss(self) -> float:
+        """Mean loss of the last LOSS_WINDOW iterations (nan before the first); hold `lock`."""
+        recent = self._recent_losses
+        return sum(recent) / len(recent) if recent else float("nan")
+
     def snapshot(self) -> pb.Progress:
         """Progress for a heartbeat; the loss is the mean of the last LOSS_WINDOW iterations."""
         with self.lock:
-            recent = self._recent_losses
-            loss = sum(recent) / len(recent) if recent else float("nan")
+            loss = self.smoothed_loss()
             return pb.Progress(
                 iteration=self.iteration, loss=loss if math.isfinite(loss) else 0.0,
                 samples=self.samples, compute_seconds=self.compute_seconds,
@@ -85,7 +90,8 @@ def iterations_per_epoch(num_samples: int, num_workers: int, batch_size: int) ->
 
 
 def train(task: Task, strategy: SyncStrategy, sampler: ShardSampler, stats: WorkerStats,
-          slowdown: Slowdown, device: torch.device, local_stop: threading.Event) -> str:
+          slowdown: Slowdown, device: torch.device, local_stop: threading.Event,
+          metrics: WorkerMetrics | None = None) -> str:
     """Run until the strategy says stop; returns the reason."""
     model = strategy.training_model()
     model.train()
@@ -120,6 +126,9 @@ def train(task: Task, strategy: SyncStrategy, sampler: ShardSampler, stats: Work
             stats.wait_seconds += result.wait_seconds
             stats.preduce_seconds += result.preduce_seconds
             stats.num_groups += result.num_groups
+            smoothed_loss = stats.smoothed_loss()
+        if metrics is not None:
+            metrics.observe_iteration(compute_seconds=compute, result=result, loss=smoothed_loss)
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"training loss became {loss_value} at iteration "
                                      f"{completed + 1}; lower the learning rate")

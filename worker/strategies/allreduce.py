@@ -65,7 +65,8 @@ class AllReduceStrategy(SyncStrategy):
         if len(marks) == 2:
             seconds += marks[1] - marks[0]
         return SyncResult(preduce_seconds=seconds, num_groups=1, inside_step=True,
-                          group_sizes=(self.ctx.num_workers,))
+                          group_sizes=(self.ctx.num_workers,), preduce_durations=(seconds,),
+                          preduce_bytes=self.ctx.params.size_bytes)
 
     def close(self) -> None:
         if dist.is_initialized():

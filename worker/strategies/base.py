@@ -43,7 +43,10 @@ class SyncResult:
     wait_seconds: float = 0.0  # waiting for a group to form
     preduce_seconds: float = 0.0  # inside the collective(s)
     num_groups: int = 0
-    group_sizes: tuple[int, ...] = ()
+    group_sizes: tuple[int, ...] = ()  # one per collective
+    preduce_durations: tuple[float, ...] = ()  # one per collective, seconds
+    preduce_bytes: int = 0  # bytes this worker fed into the collectives
+    num_failed_groups: int = 0
     inside_step: bool = False  # the sync ran inside the gradient step (DDP's backward)
     stop: bool = False
     stop_reason: str = ""

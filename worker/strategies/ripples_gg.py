@@ -41,6 +41,7 @@ class GroupGeneratorStrategy(SyncStrategy):
     def after_step(self, completed: int) -> SyncResult:
         result = SyncResult()
         sizes: list[int] = []
+        durations: list[float] = []
         waited_since = time.perf_counter()
         while True:
             t0 = time.perf_counter()
@@ -61,16 +62,22 @@ class GroupGeneratorStrategy(SyncStrategy):
                 if reply.outcome == pb.GROUP_OUTCOME_CANCELLED:
                     logger.warning("group cancelled: %s", reply.detail)
                 break
-            result.preduce_seconds += self._execute(reply.group)
+            seconds, ok = self._execute(reply.group)
+            result.preduce_seconds += seconds
             result.num_groups += 1
+            result.num_failed_groups += not ok
+            result.preduce_bytes += self.ctx.params.size_bytes
             sizes.append(len(reply.group.members))
+            durations.append(seconds)
             if not reply.more:
                 break
             waited_since = time.perf_counter()
         result.group_sizes = tuple(sizes)
+        result.preduce_durations = tuple(durations)
         return result
 
-    def _execute(self, group: pb.Group) -> float:
+    def _execute(self, group: pb.Group) -> tuple[float, bool]:
+        """Run one P-Reduce; returns its seconds and whether it succeeded."""
         members = list(group.members)
         key = f"gg/{self.ctx.config.run_id}/{group.comm_id}"
         t0 = time.perf_counter()
@@ -85,10 +92,10 @@ class GroupGeneratorStrategy(SyncStrategy):
             logger.warning("P-Reduce of group %d %s failed: %s", group.group_id, members, err)
             self.stream.release(group.group_id, ok=False, error=str(err)[:500],
                                 preduce_seconds=seconds)
-            return seconds
+            return seconds, False
         seconds = time.perf_counter() - t0
         self.stream.release(group.group_id, ok=True, preduce_seconds=seconds)
-        return seconds
+        return seconds, True
 
     def close(self) -> None:
         self.stream.close()

@@ -40,6 +40,8 @@ class StaticScheduleStrategy(SyncStrategy):
         key = f"static/{self.run_id}/{'-'.join(map(str, group))}"
         t0 = time.perf_counter()
         comm = self.ctx.comms.get(key, group.index(self.rank), len(group), create=True)
-        preduce(self.averaged_state(), comm, self.ctx.config.collective_timeout_seconds)
-        return SyncResult(preduce_seconds=time.perf_counter() - t0, num_groups=1,
-                          group_sizes=(len(group),))
+        state = self.averaged_state()
+        preduce(state, comm, self.ctx.config.collective_timeout_seconds)
+        seconds = time.perf_counter() - t0
+        return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(len(group),),
+                          preduce_durations=(seconds,), preduce_bytes=state.size_bytes)

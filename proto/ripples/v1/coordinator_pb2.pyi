@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GroupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_STATE_UNSPECIFIED: _ClassVar[GroupState]
+    GROUP_STATE_PENDING: _ClassVar[GroupState]
+    GROUP_STATE_EXECUTING: _ClassVar[GroupState]
+    GROUP_STATE_FINISHED: _ClassVar[GroupState]
+
 class GroupOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     GROUP_OUTCOME_UNSPECIFIED: _ClassVar[GroupOutcome]
@@ -26,6 +33,10 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_LEFT: _ClassVar[WorkerState]
     WORKER_STATE_EXPIRED: _ClassVar[WorkerState]
     WORKER_STATE_FAILED: _ClassVar[WorkerState]
+GROUP_STATE_UNSPECIFIED: GroupState
+GROUP_STATE_PENDING: GroupState
+GROUP_STATE_EXECUTING: GroupState
+GROUP_STATE_FINISHED: GroupState
 GROUP_OUTCOME_UNSPECIFIED: GroupOutcome
 GROUP_OUTCOME_GROUP: GroupOutcome
 GROUP_OUTCOME_STOP: GroupOutcome
@@ -80,16 +91,20 @@ class RunConfig(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("host", "local_rank", "device", "pid")
+    __slots__ = ("host", "local_rank", "device", "pid", "metrics_port", "metrics_host")
     HOST_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_HOST_FIELD_NUMBER: _ClassVar[int]
     host: str
     local_rank: int
     device: str
     pid: int
-    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    metrics_port: int
+    metrics_host: str
+    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., metrics_host: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("worker_id", "config", "store_host", "store_port")
@@ -184,18 +199,22 @@ class WorkerRank(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "members", "initiator", "comm_id", "create_comm")
+    __slots__ = ("group_id", "members", "initiator", "comm_id", "create_comm", "state", "age_seconds")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     INITIATOR_FIELD_NUMBER: _ClassVar[int]
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
     CREATE_COMM_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     members: _containers.RepeatedScalarFieldContainer[int]
     initiator: int
     comm_id: int
     create_comm: bool
-    def __init__(self, group_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., initiator: _Optional[int] = ..., comm_id: _Optional[int] = ..., create_comm: _Optional[bool] = ...) -> None: ...
+    state: GroupState
+    age_seconds: float
+    def __init__(self, group_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., initiator: _Optional[int] = ..., comm_id: _Optional[int] = ..., create_comm: _Optional[bool] = ..., state: _Optional[_Union[GroupState, str]] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class GroupRequest(_message.Message):
     __slots__ = ("worker_id", "iteration", "timeout_seconds", "progress")
@@ -284,7 +303,7 @@ class CheckpointReply(_message.Message):
     def __init__(self, stop_at_iteration: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "host", "local_rank", "device", "rank", "state", "iteration", "request_count", "loss", "progress", "error")
+    __slots__ = ("worker_id", "host", "local_rank", "device", "rank", "state", "iteration", "request_count", "loss", "progress", "error", "metrics_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +315,7 @@ class WorkerStatus(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     host: str
     local_rank: int
@@ -307,7 +327,8 @@ class WorkerStatus(_message.Message):
     loss: float
     progress: Progress
     error: str
-    def __init__(self, worker_id: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., iteration: _Optional[int] = ..., request_count: _Optional[int] = ..., loss: _Optional[float] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[int] = ..., host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., iteration: _Optional[int] = ..., request_count: _Optional[int] = ..., loss: _Optional[float] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class LossPoint(_message.Message):
     __slots__ = ("seconds", "loss", "mean_iterations")
@@ -324,7 +345,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target")
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +366,8 @@ class RunStatus(_message.Message):
     RECENT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASE_EXPIRATIONS_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_TO_TARGET_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     elapsed_seconds: float
@@ -365,7 +388,9 @@ class RunStatus(_message.Message):
     recent_groups: _containers.RepeatedCompositeFieldContainer[Group]
     num_lease_expirations: int
     iterations_to_target: float
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ...) -> None: ...
+    active_groups: _containers.RepeatedCompositeFieldContainer[Group]
+    metrics_address: str
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class StopRunRequest(_message.Message):
     __slots__ = ("reason",)

@@ -1,0 +1,209 @@
+"""The dashboard: a FastAPI app that reads the coordinator over gRPC.
+
+    GET /                   the live page (server-rendered HTML + vendored vanilla JS)
+    GET /api/status         the current snapshot (see Snapshot)
+    GET /api/workers/{id}   one worker
+    GET /api/loss           the mean training-loss curve, optionally since a time
+    GET /api/events         server-sent events: one `status` event per new snapshot
+    GET /healthz            200 while serving (the coordinator may be down)
+    GET /docs, /openapi.json
+
+One poller per app asks the coordinator for its run status every `poll_interval_seconds`
+(however many pages are open, the coordinator sees one reader). When the coordinator
+cannot be reached the snapshot keeps the last known state with connected=false, and the
+poller keeps trying: the page shows "disconnected" and recovers when it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Annotated, Any
+
+import grpc
+from fastapi import FastAPI, HTTPException, Path, Query, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from ripples.dashboard.models import LossPoint, Snapshot, WorkerView
+from ripples.dashboard.view import RunView, disconnected
+from ripples.rpc import aio_channel, describe_rpc_error, parse_target
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.v1 import coordinator_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class DashboardConfig:
+    """The dashboard service."""
+
+    coordinator: str
+    """Coordinator address, HOST:PORT."""
+    host: str = "127.0.0.1"
+    """Interface to listen on (0.0.0.0 to reach it from other machines)."""
+    port: int = 8080
+    """HTTP port of the page and the API (0: any free port)."""
+    poll_interval_seconds: float = 0.5
+    """How often the dashboard asks the coordinator for the run status."""
+    rpc_timeout_seconds: float = 2.0
+    """Deadline of one status request; past it the coordinator shows as disconnected."""
+
+    def __post_init__(self) -> None:
+        parse_target(self.coordinator)  # ValueError says what a valid address looks like
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is out of range 0-65535")
+        if not 0.05 <= self.poll_interval_seconds <= 60:
+            raise ValueError("poll interval must be between 0.05 and 60 seconds")
+        if self.rpc_timeout_seconds <= 0:
+            raise ValueError("rpc timeout must be positive")
+
+
+class StatusPoller:
+    """Polls the coordinator; holds the latest snapshot and wakes SSE streams on change."""
+
+    def __init__(self, config: DashboardConfig) -> None:
+        self.config = config
+        self.view = RunView()
+        self.snapshot: dict[str, Any] = disconnected(
+            f"coordinator at {config.coordinator} not asked yet", None)
+        self.version = 0
+        self._changed = asyncio.Condition()
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._channel = aio_channel(self.config.coordinator)
+        await self.poll_once()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_seconds)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        assert self._channel is not None
+        stub = pb_grpc.CoordinatorStub(self._channel)
+        try:
+            status = await stub.GetRunStatus(pb.RunStatusRequest(),
+                                             timeout=self.config.rpc_timeout_seconds)
+            snapshot = self.view.update(status, time.monotonic())
+        except grpc.RpcError as err:
+            was_connected = self.snapshot.get("connected")
+            snapshot = disconnected(describe_rpc_error(err, self.config.coordinator),
+                                    self.snapshot if self.snapshot.get("run") else None)
+            if was_connected:
+                logger.warning("%s", snapshot["error"])
+        snapshot["coordinator"] = self.config.coordinator
+        snapshot["updated_at"] = time.time()
+        async with self._changed:
+            self.snapshot = snapshot
+            self.version += 1
+            self._changed.notify_all()
+
+    async def wait_newer(self, version: int, timeout_seconds: float) -> bool:
+        """Wait until a snapshot newer than `version` exists; False on timeout."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self.version > version), timeout_seconds)
+            except TimeoutError:
+                return False
+        return True
+
+
+def _page() -> str:
+    return resources.files("ripples.dashboard").joinpath("static/index.html").read_text()
+
+
+def create_app(config: DashboardConfig) -> FastAPI:
+    poller = StatusPoller(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await poller.start()
+        try:
+            yield
+        finally:
+            await poller.stop()
+
+    app = FastAPI(title="Ripples dashboard", version="1",
+                  description="Live view of a Ripples training run, read from its coordinator "
+                              f"({config.coordinator}).", lifespan=lifespan)
+    app.state.poller = poller
+    static = resources.files("ripples.dashboard").joinpath("static")
+    app.mount("/static", StaticFiles(directory=str(static)), name="static")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> str:
+        return _page()
+
+    @app.get("/healthz", response_class=PlainTextResponse, include_in_schema=False)
+    async def healthz() -> str:
+        return "ok\n"
+
+    @app.get("/api/status", response_model=Snapshot, summary="The run as last seen")
+    async def status() -> dict[str, Any]:
+        return poller.snapshot
+
+    @app.get("/api/workers/{worker_id}", response_model=WorkerView, summary="One worker",
+             responses={404: {"description": "No such worker in this run"}})
+    async def worker(worker_id: Annotated[int, Path(ge=0, description="Worker id")]
+                     ) -> dict[str, Any]:
+        workers = poller.snapshot.get("workers", [])
+        for w in workers:
+            if w["worker_id"] == worker_id:
+                return w  # type: ignore[no-any-return]
+        known = ", ".join(str(w["worker_id"]) for w in workers) or "none yet"
+        raise HTTPException(404, f"no worker {worker_id} in this run (known: {known})")
+
+    @app.get("/api/loss", response_model=list[LossPoint], summary="Mean training loss curve")
+    async def loss(
+        since: Annotated[float, Query(ge=0, description="Only points after this many "
+                                                         "seconds of training")] = 0.0,
+        max_points: Annotated[int, Query(ge=2, le=10_000, description="Thin the curve to "
+                                                                       "at most this many")] = 500,
+    ) -> list[dict[str, Any]]:
+        points = [p for p in poller.snapshot.get("loss_curve", []) if p["seconds"] >= since]
+        if len(points) > max_points:
+            step = len(points) / max_points
+            points = [points[int(i * step)] for i in range(max_points - 1)] + [points[-1]]
+        return points
+
+    @app.get("/api/events", summary="Server-sent events: a `status` event per new snapshot",
+             response_class=StreamingResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
+    async def events(request: Request) -> StreamingResponse:
+        async def stream() -> AsyncIterator[str]:
+            version = -1
+            yield "retry: 2000\n\n"  # the browser reconnects after 2 s if the dashboard restarts
+            while not await request.is_disconnected():
+                if poller.version > version:
+                    version = poller.version
+                    data = json.dumps(poller.snapshot, separators=(",", ":"))
+                    yield f"event: status\nid: {version}\ndata: {data}\n\n"
+                elif not await poller.wait_newer(version, 15.0):
+                    yield ": keepalive\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+
+    return app

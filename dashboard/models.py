@@ -1,0 +1,93 @@
+"""The dashboard's JSON API types: they document the API in its OpenAPI schema, and
+responses are validated against them."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class RunInfo(BaseModel):
+    run_id: str
+    protocol: str
+    task: str
+    num_workers: int = Field(description="Workers the run waits for before it starts")
+    workers_per_node: int
+    group_size: int
+    target_loss: float | None
+    started: bool
+    stopped: bool
+    stop_reason: str
+    elapsed_seconds: float = Field(description="Since training started")
+    mean_loss: float | None = Field(description="Mean of the live workers' training losses")
+    time_to_target_seconds: float | None
+    groups_formed: int
+    groups_executing: int
+    groups_pending: int = Field(description="Groups in the pending queue")
+    conflicts: int = Field(description="Groups that overlapped an unfinished group")
+    pending_waits: int
+    groups_cancelled: int
+    groups_failed: int
+    lease_expirations: int
+    metrics_address: str = Field(description="HOST:PORT of the coordinator's /metrics and /sd")
+
+
+class WorkerView(BaseModel):
+    worker_id: int
+    host: str
+    local_rank: int
+    rank: int
+    device: str
+    state: str = Field(description="registered, computing, waiting, reducing, left, expired "
+                                   "or failed")
+    iteration: int
+    planned_iterations: int
+    loss: float | None
+    iterations_per_second: float | None = Field(description="Over the last few seconds")
+    slow: bool = Field(description="Below half the median speed of the live workers")
+    request_count: int = Field(description="Group requests: the slowdown counter c_w")
+    compute_seconds: float
+    wait_seconds: float
+    preduce_seconds: float
+    error: str
+    metrics_address: str
+
+
+class HostView(BaseModel):
+    host: str
+    worker_ids: list[int]
+
+
+class Edge(BaseModel):
+    a: int
+    b: int
+    weight: float = Field(description="1 for a fixed topology; recency of the last shared "
+                                      "group (1 = now, 0 = forgotten) for generated groups")
+
+
+class GroupView(BaseModel):
+    group_id: int
+    members: list[int]
+    initiator: int
+    state: str = Field(description="pending, executing or finished")
+    age_seconds: float
+
+
+class LossPoint(BaseModel):
+    seconds: float
+    loss: float
+
+
+class Snapshot(BaseModel):
+    connected: bool = Field(description="False while the coordinator cannot be reached; the "
+                                        "rest is then the last known state")
+    error: str
+    coordinator: str
+    updated_at: float = Field(description="Unix time of this snapshot")
+    run: RunInfo | None
+    workers: list[WorkerView]
+    hosts: list[HostView]
+    edges: list[Edge]
+    active_groups: list[GroupView]
+    recent_groups: list[GroupView]
+    loss_curve: list[LossPoint]
+    worker_loss_curves: dict[str, list[LossPoint]]

@@ -1,0 +1,238 @@
+// Ripples dashboard: renders the snapshots of /api/events (server-sent events).
+// Vanilla JS, no build step, no external library.
+"use strict";
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+const W = 800, H = 520;
+let lastGroupId = 0;
+let lastSnapshot = null;
+
+function el(tag, attrs = {}, text = null) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== null) node.textContent = text;
+  return node;
+}
+
+function fmt(x, digits = 3) {
+  return x === null || x === undefined || Number.isNaN(x) ? "–" : Number(x).toFixed(digits);
+}
+
+// Host boxes on a grid, workers on a circle inside their host's box.
+function layout(snapshot) {
+  const hosts = snapshot.hosts;
+  const cols = Math.max(1, Math.ceil(Math.sqrt(hosts.length)));
+  const rows = Math.max(1, Math.ceil(hosts.length / cols));
+  const bw = W / cols, bh = H / rows, pos = {}, boxes = [];
+  hosts.forEach((h, i) => {
+    const x0 = (i % cols) * bw, y0 = Math.floor(i / cols) * bh;
+    boxes.push({host: h.host, x: x0 + 8, y: y0 + 8, w: bw - 16, h: bh - 16});
+    const cx = x0 + bw / 2, cy = y0 + bh / 2 + 8;
+    const n = h.worker_ids.length;
+    const r = n === 1 ? 0 : Math.min(bw, bh) / 2 - 48;
+    h.worker_ids.forEach((wid, j) => {
+      const a = -Math.PI / 2 + (2 * Math.PI * j) / n;
+      pos[wid] = {x: cx + r * Math.cos(a), y: cy + r * Math.sin(a)};
+    });
+  });
+  return {pos, boxes};
+}
+
+function drawTopology(s) {
+  const svg = document.getElementById("topology-svg");
+  svg.replaceChildren();
+  const {pos, boxes} = layout(s);
+  for (const b of boxes) {
+    svg.append(el("rect", {class: "host-box", x: b.x, y: b.y, width: b.w, height: b.h, rx: 10}));
+    svg.append(el("text", {class: "host-label", x: b.x + 10, y: b.y + 20}, b.host));
+  }
+  for (const e of s.edges) {
+    const a = pos[e.a], b = pos[e.b];
+    if (!a || !b) continue;
+    svg.append(el("line", {class: "edge", x1: a.x, y1: a.y, x2: b.x, y2: b.y,
+                           "stroke-width": 1 + 2 * e.weight, "stroke-opacity": 0.15 + 0.6 * e.weight,
+                           "data-a": e.a, "data-b": e.b}));
+  }
+  const inGroup = {};
+  for (const g of s.active_groups) {
+    for (const m of g.members) inGroup[m] = g.state;
+    for (let i = 0; i < g.members.length; i++) {
+      for (let j = i + 1; j < g.members.length; j++) {
+        const a = pos[g.members[i]], b = pos[g.members[j]];
+        if (!a || !b) continue;
+        svg.append(el("line", {class: `group-edge ${g.state}`, x1: a.x, y1: a.y, x2: b.x, y2: b.y,
+                               "data-group-id": g.group_id}));
+      }
+    }
+  }
+  // Workers in a group formed since the previous snapshot flash once.
+  const flashing = new Set();
+  let newest = lastGroupId;
+  for (const g of [...s.recent_groups, ...s.active_groups]) {
+    if (g.group_id > lastGroupId) g.members.forEach((m) => flashing.add(m));
+    newest = Math.max(newest, g.group_id);
+  }
+  lastGroupId = newest;
+  for (const w of s.workers) {
+    const p = pos[w.worker_id];
+    if (!p) continue;
+    const classes = ["worker"];
+    if (inGroup[w.worker_id]) classes.push(`in-${inGroup[w.worker_id]}`);
+    if (w.slow) classes.push("slow");
+    if (["left", "expired", "failed"].includes(w.state)) classes.push("gone");
+    if (flashing.has(w.worker_id)) classes.push("flash");
+    const g = el("g", {class: classes.join(" "), "data-worker-id": w.worker_id,
+                       transform: `translate(${p.x},${p.y})`});
+    g.append(el("title", {}, `worker ${w.worker_id} (${w.host}/${w.local_rank}), ${w.state}`));
+    g.append(el("circle", {r: 30}));
+    g.append(el("text", {class: "wid", y: -4}, `w${w.worker_id}`));
+    g.append(el("text", {y: 12}, `it ${w.iteration}`));
+    if (w.slow) g.append(el("text", {class: "slow-tag", y: 46}, "slow"));
+    svg.append(g);
+  }
+}
+
+function drawCounters(s) {
+  const r = s.run || {};
+  const items = [
+    ["groups formed", r.groups_formed], ["executing", r.groups_executing],
+    ["pending (queue)", r.groups_pending], ["conflicts", r.conflicts],
+    ["pending waits", r.pending_waits], ["cancelled", r.groups_cancelled],
+    ["failed", r.groups_failed], ["lease expirations", r.lease_expirations],
+  ];
+  const dl = document.getElementById("counters");
+  dl.replaceChildren();
+  for (const [k, v] of items) {
+    const dt = document.createElement("dt"); dt.textContent = k;
+    const dd = document.createElement("dd"); dd.textContent = v ?? "–";
+    dd.dataset.counter = k;
+    dl.append(dt, dd);
+  }
+  const ol = document.getElementById("groups");
+  ol.replaceChildren();
+  const groups = [...s.active_groups, ...s.recent_groups.filter(
+    (g) => !s.active_groups.some((a) => a.group_id === g.group_id)).reverse()];
+  for (const g of groups.slice(0, 12)) {
+    const li = document.createElement("li");
+    li.className = g.state;
+    li.dataset.groupId = g.group_id;
+    li.textContent = `#${g.group_id} {${g.members.join(", ")}} ${g.state}, ` +
+                     `by w${g.initiator}, ${fmt(g.age_seconds, 1)} s ago`;
+    ol.append(li);
+  }
+  if (!groups.length) {
+    const li = document.createElement("li");
+    li.className = "none";
+    li.textContent = r.protocol === "allreduce" || r.protocol === "ripples-static"
+      ? `${r.protocol} forms its groups without the coordinator` : "none yet";
+    ol.append(li);
+  }
+}
+
+function drawWorkers(s) {
+  const tbody = document.querySelector("#workers tbody");
+  tbody.replaceChildren();
+  for (const w of s.workers) {
+    const tr = document.createElement("tr");
+    tr.dataset.workerId = w.worker_id;
+    if (w.slow) tr.className = "slow";
+    const cells = [
+      w.worker_id, `${w.host}/${w.local_rank}`, w.rank, w.state,
+      `${w.iteration}${w.planned_iterations ? " / " + w.planned_iterations : ""}`,
+      fmt(w.iterations_per_second, 1), fmt(w.loss, 4), w.request_count,
+      `${fmt(w.compute_seconds, 1)} / ${fmt(w.wait_seconds, 1)} / ${fmt(w.preduce_seconds, 1)}`,
+    ];
+    cells.forEach((c, i) => {
+      const td = document.createElement("td");
+      td.textContent = c;
+      if (i === 3) td.className = `state-${w.state}`;
+      tr.append(td);
+    });
+    const flag = document.createElement("td");
+    if (w.slow) { const t = document.createElement("span"); t.className = "tag-slow"; t.textContent = "slow"; flag.append(t); }
+    if (w.error) flag.append(document.createTextNode(" " + w.error));
+    tr.append(flag);
+    tbody.append(tr);
+  }
+}
+
+function drawLoss(s) {
+  const canvas = document.getElementById("loss-chart");
+  const ratio = window.devicePixelRatio || 1;
+  const cw = canvas.clientWidth || canvas.width, ch = canvas.clientHeight || canvas.height;
+  canvas.width = cw * ratio; canvas.height = ch * ratio;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(ratio, ratio);
+  ctx.clearRect(0, 0, cw, ch);
+  const curves = Object.entries(s.worker_loss_curves).map(([wid, pts]) => ({wid, pts}));
+  const all = [...s.loss_curve, ...curves.flatMap((c) => c.pts)].filter((p) => Number.isFinite(p.loss));
+  if (!all.length) { ctx.fillStyle = "#6b7687"; ctx.fillText("no loss reported yet", 20, 30); return; }
+  const pad = {l: 50, r: 10, t: 10, b: 30};
+  const xmax = Math.max(1e-9, ...all.map((p) => p.seconds));
+  const ymin = Math.min(...all.map((p) => p.loss)), ymax = Math.max(...all.map((p) => p.loss));
+  const yspan = ymax - ymin || 1;
+  const X = (t) => pad.l + (t / xmax) * (cw - pad.l - pad.r);
+  const Y = (v) => pad.t + (1 - (v - ymin) / yspan) * (ch - pad.t - pad.b);
+  ctx.strokeStyle = "#d9dee6"; ctx.fillStyle = "#6b7687"; ctx.lineWidth = 1; ctx.font = "12px system-ui";
+  for (let i = 0; i <= 4; i++) {
+    const v = ymin + (yspan * i) / 4;
+    ctx.beginPath(); ctx.moveTo(pad.l, Y(v)); ctx.lineTo(cw - pad.r, Y(v)); ctx.stroke();
+    ctx.fillText(v.toFixed(3), 4, Y(v) + 4);
+  }
+  ctx.fillText(`${xmax.toFixed(0)} s`, cw - pad.r - 40, ch - 8);
+  ctx.fillText("0 s", pad.l, ch - 8);
+  const line = (pts, color, width) => {
+    ctx.strokeStyle = color; ctx.lineWidth = width; ctx.beginPath();
+    pts.forEach((p, i) => (i ? ctx.lineTo(X(p.seconds), Y(p.loss)) : ctx.moveTo(X(p.seconds), Y(p.loss))));
+    ctx.stroke();
+  };
+  const palette = ["#4c6ef5", "#12b886", "#fab005", "#e64980", "#7950f2", "#15aabf", "#82c91e", "#fd7e14"];
+  curves.forEach((c, i) => line(c.pts, palette[i % palette.length] + "99", 1));
+  if (s.run && s.run.target_loss) {
+    ctx.setLineDash([5, 4]); line([{seconds: 0, loss: s.run.target_loss}, {seconds: xmax, loss: s.run.target_loss}], "#868e96", 1);
+    ctx.setLineDash([]);
+  }
+  line(s.loss_curve, "#1d2430", 2.5);
+}
+
+function drawHeader(s) {
+  const badge = document.getElementById("status-badge");
+  const banner = document.getElementById("banner");
+  if (s.connected) {
+    badge.className = "badge live"; badge.textContent = "live";
+    banner.hidden = true;
+  } else {
+    badge.className = "badge down"; badge.textContent = "disconnected";
+    banner.hidden = false; banner.textContent = `${s.error} — retrying; showing the last known state`;
+  }
+  const r = s.run;
+  document.getElementById("run-info").textContent = r
+    ? `${r.protocol} · ${r.task} · ${s.workers.length}/${r.num_workers} workers · ` +
+      (r.started ? `${fmt(r.elapsed_seconds, 1)} s` : "waiting for workers") +
+      ` · mean loss ${fmt(r.mean_loss, 4)}` + (r.target_loss ? ` (target ${r.target_loss})` : "") +
+      (r.stopped ? ` · stopped: ${r.stop_reason}` : "") + ` · coordinator ${s.coordinator}`
+    : `coordinator ${s.coordinator}`;
+}
+
+function render(s) {
+  lastSnapshot = s;
+  drawHeader(s);
+  drawTopology(s);
+  drawCounters(s);
+  drawWorkers(s);
+  drawLoss(s);
+  document.body.dataset.version = (Number(document.body.dataset.version || 0) + 1).toString();
+}
+
+function connect() {
+  const source = new EventSource("/api/events");
+  source.addEventListener("status", (ev) => render(JSON.parse(ev.data)));
+  source.onerror = () => {
+    // The dashboard itself is gone: EventSource retries on its own (retry: 2000).
+    const badge = document.getElementById("status-badge");
+    badge.className = "badge down"; badge.textContent = "dashboard unreachable";
+  };
+}
+
+window.addEventListener("resize", () => lastSnapshot && drawLoss(lastSnapshot));
+connect();

@@ -1,0 +1,206 @@
+"""What the dashboard shows, computed from successive run-status replies (pure code).
+
+`RunView.update(status, now)` turns one `RunStatus` from the coordinator into the JSON
+snapshot the page and the API serve. The view keeps the little history the coordinator
+does not: each worker's recent iterations (for its speed), each worker's loss curve, and
+the pairs of workers that averaged together lately (the edges of the topology graph).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ripples.static_schedule import static_groups
+from ripples.v1 import coordinator_pb2 as pb
+
+# A worker is flagged slow when its speed falls below this fraction of the median speed.
+SLOW_FRACTION = 0.5
+# Speed is measured over this window of status polls.
+SPEED_WINDOW_SECONDS = 5.0
+# Edges fade out this long after the pair last averaged together.
+EDGE_MEMORY_SECONDS = 10.0
+# Points kept per worker loss curve (one per poll with a new iteration).
+MAX_CURVE_POINTS = 600
+
+STATE_NAMES = {
+    pb.WORKER_STATE_REGISTERED: "registered",
+    pb.WORKER_STATE_COMPUTING: "computing",
+    pb.WORKER_STATE_WAITING: "waiting",
+    pb.WORKER_STATE_REDUCING: "reducing",
+    pb.WORKER_STATE_LEFT: "left",
+    pb.WORKER_STATE_EXPIRED: "expired",
+    pb.WORKER_STATE_FAILED: "failed",
+}
+GONE_STATES = ("left", "expired", "failed")
+GROUP_STATE_NAMES = {
+    pb.GROUP_STATE_PENDING: "pending",
+    pb.GROUP_STATE_EXECUTING: "executing",
+    pb.GROUP_STATE_FINISHED: "finished",
+}
+
+
+@dataclass
+class _WorkerHistory:
+    samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
+    curve: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=MAX_CURVE_POINTS))
+
+
+def _group(g: pb.Group) -> dict[str, Any]:
+    return {"group_id": g.group_id, "members": list(g.members), "initiator": g.initiator,
+            "state": GROUP_STATE_NAMES.get(g.state, "unknown"),
+            "age_seconds": round(g.age_seconds, 3)}
+
+
+class RunView:
+    """History across polls of one coordinator, and the snapshot built from it."""
+
+    def __init__(self) -> None:
+        self._run_id = ""
+        self._workers: dict[int, _WorkerHistory] = {}
+        self._edges: dict[tuple[int, int], float] = {}  # pair -> last time seen averaging
+
+    def _reset_if_new_run(self, run_id: str) -> None:
+        """A coordinator restarted with a new run: forget the old run's history."""
+        if run_id != self._run_id:
+            self._run_id = run_id
+            self._workers.clear()
+            self._edges.clear()
+
+    def update(self, status: pb.RunStatus, now: float) -> dict[str, Any]:
+        """Fold one status into the history; returns the snapshot (JSON-able)."""
+        self._reset_if_new_run(status.config.run_id)
+        speeds = self._record_progress(status, now)
+        self._record_groups(status, now)
+        live_speeds = [speed for w in status.workers
+                       if STATE_NAMES.get(w.state) not in GONE_STATES
+                       and (speed := speeds.get(w.worker_id)) is not None]
+        median = statistics.median(live_speeds) if len(live_speeds) >= 2 else None
+        workers = []
+        for w in sorted(status.workers, key=lambda x: (x.rank, x.worker_id)):
+            state = STATE_NAMES.get(w.state, "unknown")
+            speed = speeds.get(w.worker_id)
+            slow = bool(median and speed is not None and state not in GONE_STATES
+                        and speed < SLOW_FRACTION * median)
+            workers.append({
+                "worker_id": w.worker_id, "host": w.host, "local_rank": w.local_rank,
+                "rank": w.rank, "device": w.device, "state": state,
+                "iteration": w.iteration, "planned_iterations": w.progress.planned_iterations,
+                "loss": w.loss if w.iteration > 0 else None,
+                "iterations_per_second": round(speed, 3) if speed is not None else None,
+                "slow": slow, "request_count": w.request_count,
+                "compute_seconds": round(w.progress.compute_seconds, 3),
+                "wait_seconds": round(w.progress.wait_seconds, 3),
+                "preduce_seconds": round(w.progress.preduce_seconds, 3),
+                "error": w.error, "metrics_address": w.metrics_address,
+            })
+        hosts: dict[str, list[int]] = {}
+        for w in workers:
+            hosts.setdefault(w["host"], []).append(w["worker_id"])
+        c = status.config
+        return {
+            "connected": True,
+            "error": "",
+            "run": {
+                "run_id": c.run_id, "protocol": c.protocol, "task": c.task,
+                "num_workers": c.num_workers, "workers_per_node": c.workers_per_node,
+                "group_size": c.group_size, "target_loss": c.target_loss or None,
+                "started": status.started, "stopped": status.stopped,
+                "stop_reason": status.stop_reason,
+                "elapsed_seconds": round(status.elapsed_seconds, 3),
+                "mean_loss": status.mean_loss if status.mean_loss else None,
+                "time_to_target_seconds": (status.time_to_target_seconds
+                                           if status.time_to_target_seconds >= 0 else None),
+                "groups_formed": status.num_groups_formed,
+                "groups_executing": status.num_groups_executing,
+                "groups_pending": status.num_groups_pending,
+                "conflicts": status.num_conflicts,
+                "pending_waits": status.num_pending_waits,
+                "groups_cancelled": status.num_groups_cancelled,
+                "groups_failed": status.num_groups_failed,
+                "lease_expirations": status.num_lease_expirations,
+                "metrics_address": status.metrics_address,
+            },
+            "workers": workers,
+            "hosts": [{"host": h, "worker_ids": ids} for h, ids in hosts.items()],
+            "edges": self._edge_list(status, now),
+            "active_groups": [_group(g) for g in status.active_groups],
+            "recent_groups": [_group(g) for g in list(status.recent_groups)[-16:]],
+            "loss_curve": [{"seconds": round(p.seconds, 3), "loss": p.loss}
+                           for p in status.loss_curve],
+            "worker_loss_curves": {
+                str(wid): [{"seconds": s, "loss": v} for s, v in h.curve]
+                for wid, h in self._workers.items()},
+        }
+
+    def _record_progress(self, status: pb.RunStatus, now: float) -> dict[int, float | None]:
+        speeds: dict[int, float | None] = {}
+        for w in status.workers:
+            h = self._workers.setdefault(w.worker_id, _WorkerHistory())
+            if not h.samples or h.samples[-1][1] != w.iteration or now - h.samples[-1][0] > 1:
+                h.samples.append((now, w.iteration))
+            while len(h.samples) > 2 and now - h.samples[1][0] >= SPEED_WINDOW_SECONDS:
+                h.samples.popleft()
+            (t0, i0), i1 = h.samples[0], h.samples[-1][1]
+            speeds[w.worker_id] = (i1 - i0) / (now - t0) if now - t0 > 0.2 else None
+            if w.iteration > 0 and (not h.curve or h.curve[-1][0] < status.elapsed_seconds):
+                h.curve.append((round(status.elapsed_seconds, 3), w.loss))
+        return speeds
+
+    def _record_groups(self, status: pb.RunStatus, now: float) -> None:
+        for g in [*status.recent_groups, *status.active_groups]:
+            members = sorted(g.members)
+            for i, a in enumerate(members):
+                for b in members[i + 1:]:
+                    self._edges[(a, b)] = max(self._edges.get((a, b), 0.0),
+                                              now - g.age_seconds)
+        for pair, seen in list(self._edges.items()):
+            if now - seen > EDGE_MEMORY_SECONDS:
+                del self._edges[pair]
+
+    def _edge_list(self, status: pb.RunStatus, now: float) -> list[dict[str, Any]]:
+        """Edges of the topology graph: who averages with whom.
+
+        Group-generator protocols: the pairs that shared a group lately, weighted by
+        recency. Lock-step protocols form their groups without the coordinator, so their
+        edges come from the protocol itself (all pairs for allreduce; the pairs of one
+        period of the static schedule)."""
+        protocol = status.config.protocol
+        ids = {w.rank: w.worker_id for w in status.workers
+               if STATE_NAMES.get(w.state) not in GONE_STATES}
+        if protocol == "allreduce" and status.started:
+            ranks = sorted(ids)
+            return [{"a": ids[a], "b": ids[b], "weight": 1.0}
+                    for i, a in enumerate(ranks) for b in ranks[i + 1:]]
+        if protocol == "ripples-static" and status.started and ids:
+            return self._static_edges(status, ids)
+        return [{"a": a, "b": b, "weight": round(max(0.0, 1 - (now - seen)
+                                                     / EDGE_MEMORY_SECONDS), 3)}
+                for (a, b), seen in sorted(self._edges.items())]
+
+    @staticmethod
+    def _static_edges(status: pb.RunStatus, ids: dict[int, int]) -> list[dict[str, Any]]:
+        k = max(1, status.config.workers_per_node)
+        num_nodes = max(1, len(ids) // k)
+        if num_nodes * k != len(ids):
+            return []
+        pairs: set[tuple[int, int]] = set()
+        for iteration in range(2 * (k + num_nodes)):
+            for group in static_groups(iteration, num_nodes, k):
+                members = sorted(ids[r] for r in group if r in ids)
+                pairs.update((a, b) for i, a in enumerate(members) for b in members[i + 1:])
+        return [{"a": a, "b": b, "weight": 1.0} for a, b in sorted(pairs)]
+
+
+def disconnected(error: str, last: dict[str, Any] | None) -> dict[str, Any]:
+    """The snapshot while the coordinator cannot be reached: the last known state, marked
+    with `error` (which names the coordinator)."""
+    snapshot = dict(last) if last else {"run": None, "workers": [], "hosts": [], "edges": [],
+                                        "active_groups": [], "recent_groups": [],
+                                        "loss_curve": [], "worker_loss_curves": {}}
+    snapshot["connected"] = False
+    snapshot["error"] = error
+    return snapshot

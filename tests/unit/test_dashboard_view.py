@@ -1,0 +1,87 @@
+"""The dashboard's view of a run, built from run-status replies with a fake clock."""
+
+from __future__ import annotations
+
+from ripples.dashboard.view import EDGE_MEMORY_SECONDS, RunView, disconnected
+from ripples.static_schedule import static_groups
+from ripples.v1 import coordinator_pb2 as pb
+
+
+def _status(iterations: dict[int, int], *, protocol: str = "ripples-smart", run_id: str = "r1",
+            gone: tuple[int, ...] = (), groups: list[tuple[int, ...]] | None = None,
+            age: float = 0.0, elapsed: float = 1.0, workers_per_node: int = 2) -> pb.RunStatus:
+    workers = [
+        pb.WorkerStatus(worker_id=wid, host=f"node{wid // workers_per_node}",
+                        local_rank=wid % workers_per_node, rank=wid, iteration=it,
+                        loss=2.0 / (1 + it),
+                        state=pb.WORKER_STATE_LEFT if wid in gone else pb.WORKER_STATE_COMPUTING)
+        for wid, it in iterations.items()]
+    return pb.RunStatus(
+        config=pb.RunConfig(run_id=run_id, protocol=protocol, num_workers=len(iterations),
+                            workers_per_node=workers_per_node),
+        workers=workers, started=True, elapsed_seconds=elapsed,
+        recent_groups=[pb.Group(group_id=i + 1, members=list(g), age_seconds=age,
+                                state=pb.GROUP_STATE_FINISHED)
+                       for i, g in enumerate(groups or [])])
+
+
+def _run(view: RunView, rates: dict[int, int], seconds: int, **kw: object) -> dict:
+    snapshot: dict = {}
+    for t in range(seconds + 1):
+        snapshot = view.update(_status({w: r * t for w, r in rates.items()}, elapsed=t,
+                                       **kw), now=float(t))  # type: ignore[arg-type]
+    return snapshot
+
+
+def test_a_worker_under_half_the_median_speed_is_flagged_slow() -> None:
+    snapshot = _run(RunView(), {0: 10, 1: 10, 2: 9, 3: 2}, seconds=6)
+    by_id = {w["worker_id"]: w for w in snapshot["workers"]}
+    assert by_id[0]["iterations_per_second"] == 10
+    assert by_id[3]["iterations_per_second"] == 2
+    assert [w["slow"] for w in snapshot["workers"]] == [False, False, False, True]
+
+
+def test_workers_that_left_are_neither_flagged_nor_counted_in_the_median() -> None:
+    # Two gone workers at speed 0 would pull the median down to the slow worker's speed.
+    snapshot = _run(RunView(), {0: 10, 1: 10, 2: 3, 3: 0, 4: 0}, seconds=6, gone=(3, 4))
+    slow = {w["worker_id"] for w in snapshot["workers"] if w["slow"]}
+    assert slow == {2}
+
+
+def test_edges_are_pairs_that_averaged_lately_and_fade_out() -> None:
+    view = RunView()
+    s = view.update(_status({0: 1, 1: 1, 2: 1}, groups=[(0, 1, 2)]), now=100.0)
+    assert {(e["a"], e["b"]) for e in s["edges"]} == {(0, 1), (0, 2), (1, 2)}
+    assert all(e["weight"] == 1.0 for e in s["edges"])
+    half = view.update(_status({0: 2, 1: 2, 2: 2}), now=100.0 + EDGE_MEMORY_SECONDS / 2)
+    assert all(e["weight"] == 0.5 for e in half["edges"])
+    gone = view.update(_status({0: 3, 1: 3, 2: 3}), now=101.0 + EDGE_MEMORY_SECONDS)
+    assert gone["edges"] == []
+
+
+def test_lockstep_protocols_show_their_fixed_topology() -> None:
+    allreduce = RunView().update(_status({0: 1, 1: 1, 2: 1}, protocol="allreduce"), now=0.0)
+    assert {(e["a"], e["b"]) for e in allreduce["edges"]} == {(0, 1), (0, 2), (1, 2)}
+    static = RunView().update(_status({0: 1, 1: 1, 2: 1, 3: 1}, protocol="ripples-static"),
+                              now=0.0)
+    expected = {(a, b) for it in range(16) for g in static_groups(it, 2, 2)
+                for a in g for b in g if a < b}
+    assert {(e["a"], e["b"]) for e in static["edges"]} == expected
+
+
+def test_a_new_run_on_the_same_dashboard_starts_a_fresh_history() -> None:
+    view = RunView()
+    first = _run(view, {0: 5, 1: 5}, seconds=3)
+    assert len(first["worker_loss_curves"]["0"]) == 3
+    second = view.update(_status({0: 0, 1: 0}, run_id="r2", elapsed=0.0), now=10.0)
+    assert second["worker_loss_curves"] == {"0": [], "1": []}
+    assert second["run"]["run_id"] == "r2"
+
+
+def test_disconnected_keeps_the_last_state_and_says_why() -> None:
+    last = RunView().update(_status({0: 1}), now=0.0)
+    down = disconnected("coordinator at h:1 is unreachable", last)
+    assert down["connected"] is False and down["error"].startswith("coordinator at h:1")
+    assert down["workers"] == last["workers"] and last["connected"] is True
+    empty = disconnected("coordinator at h:1 not asked yet", None)
+    assert empty["run"] is None and empty["workers"] == []

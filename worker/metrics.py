@@ -1,0 +1,157 @@
+"""A worker daemon's Prometheus metrics, served over HTTP from the worker process.
+
+The endpoint starts before the worker registers (the coordinator lists its address in
+its service discovery); the metrics appear once the worker knows its id, and carry the
+labels worker, host and protocol (low cardinality: never a group id or an iteration).
+Observations are made by the compute loop once per iteration, off the collective's path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ripples.worker.strategies.base import SyncResult
+
+# `_created` series double every counter and histogram and are of no use to the dashboards.
+disable_created_metrics()
+
+logger = logging.getLogger(__name__)
+
+LABELS = ("worker", "host", "protocol")
+# One iteration takes milliseconds on a GPU and up to seconds for a CPU straggler.
+ITERATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# A cached-communicator P-Reduce of a small model is ~1 ms; a new communicator or a big
+# model over gloo takes tens to hundreds of milliseconds.
+PREDUCE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)
+GROUP_SIZE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128)
+
+
+class CacheCounts(Protocol):
+    """What the metrics read from the communicator cache (worker.communicators)."""
+
+    num_hits: int
+    num_misses: int
+
+    def __len__(self) -> int: ...
+
+
+class _CacheCollector(Collector):
+    def __init__(self, cache: CacheCounts, labels: list[str]) -> None:
+        self.cache = cache
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        hits = CounterMetricFamily("ripples_worker_communicator_cache_hits",
+                                   "P-Reduces that reused a cached communicator.",
+                                   labels=LABELS)
+        hits.add_metric(self.labels, float(self.cache.num_hits))
+        misses = CounterMetricFamily("ripples_worker_communicator_cache_misses",
+                                     "P-Reduces that had to build a communicator.",
+                                     labels=LABELS)
+        misses.add_metric(self.labels, float(self.cache.num_misses))
+        cached = GaugeMetricFamily("ripples_worker_cached_communicators",
+                                   "Communicators held in the cache.", labels=LABELS)
+        cached.add_metric(self.labels, float(len(self.cache)))
+        yield from (hits, misses, cached)
+
+
+class WorkerMetrics:
+    """The worker's registry and HTTP endpoint. serve() first, then attach(), then observe."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.port = 0
+        self._server: object | None = None
+        self._thread: threading.Thread | None = None
+        self._attached = False
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint (port 0: a free one); returns the port."""
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise OSError(f"cannot serve metrics on {host}:{port}: {err}; "
+                          "pick another --metrics-port (0: any free port)") from err
+        self._server, self._thread = server, thread
+        self.port = int(server.server_port)
+        return self.port
+
+    def attach(self, *, worker_id: int, host: str, protocol: str, cache: CacheCounts) -> None:
+        """Create the labelled metrics once the worker knows its id."""
+        values = [str(worker_id), host, protocol]
+        reg = self.registry
+        self.iterations = Counter("ripples_worker_iterations", "Training iterations completed.",
+                                  LABELS, registry=reg).labels(*values)
+        phase = Counter(
+            "ripples_worker_time_seconds",
+            "Time spent per phase of an iteration: compute (forward, backward, step, and an "
+            "injected slowdown), group_wait (waiting for a group), preduce (in collectives).",
+            [*LABELS, "phase"], registry=reg)
+        self.compute_seconds = phase.labels(*values, "compute")
+        self.wait_seconds = phase.labels(*values, "group_wait")
+        self.preduce_seconds = phase.labels(*values, "preduce")
+        self.iteration_duration = Histogram(
+            "ripples_worker_iteration_duration_seconds",
+            "Wall time of one iteration (compute + group wait + P-Reduce).",
+            LABELS, buckets=ITERATION_BUCKETS, registry=reg).labels(*values)
+        self.loss = Gauge("ripples_worker_training_loss",
+                          "Training loss, mean over the last iterations' mini-batches.",
+                          LABELS, registry=reg).labels(*values)
+        self.group_size = Histogram("ripples_worker_group_size",
+                                    "Members of each group this worker averaged in.",
+                                    LABELS, buckets=GROUP_SIZE_BUCKETS,
+                                    registry=reg).labels(*values)
+        self.preduce_duration = Histogram(
+            "ripples_worker_preduce_duration_seconds",
+            "Duration of one P-Reduce (or all-reduce), communicator lookup included.",
+            LABELS, buckets=PREDUCE_BUCKETS, registry=reg).labels(*values)
+        self.preduce_bytes = Counter("ripples_worker_preduce_bytes",
+                                     "Bytes this worker fed into P-Reduce collectives.",
+                                     LABELS, registry=reg).labels(*values)
+        self.preduce_failures = Counter("ripples_worker_preduce_failures",
+                                        "P-Reduces that failed (timeout, dead peer).",
+                                        LABELS, registry=reg).labels(*values)
+        reg.register(_CacheCollector(cache, values))
+        self._attached = True
+
+    def observe_iteration(self, *, compute_seconds: float, result: SyncResult,
+                          loss: float) -> None:
+        if not self._attached:
+            return
+        self.iterations.inc()
+        self.compute_seconds.inc(compute_seconds)
+        self.wait_seconds.inc(result.wait_seconds)
+        self.preduce_seconds.inc(result.preduce_seconds)
+        self.iteration_duration.observe(compute_seconds + result.wait_seconds
+                                        + result.preduce_seconds)
+        if math.isfinite(loss):
+            self.loss.set(loss)
+        for size in result.group_sizes:
+            self.group_size.observe(size)
+        for seconds in result.preduce_durations:
+            self.preduce_duration.observe(seconds)
+        self.preduce_bytes.inc(result.preduce_bytes)
+        if result.num_failed_groups:
+            self.preduce_failures.inc(result.num_failed_groups)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()  # type: ignore[attr-defined]
+            self._server.server_close()  # type: ignore[attr-defined]
+            self._server = None
