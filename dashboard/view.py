@@ -80,7 +80,7 @@ class RunView:
                        and (speed := speeds.get(w.worker_id)) is not None]
         median = statistics.median(live_speeds) if len(live_speeds) >= 2 else None
         workers = []
-        for w in sorted(status.workers, key=lambda x: (x.rank, x.worker_id)):
+        for w in sorted(status.workers, key=lambda x: x.worker_id):
             state = STATE_NAMES.get(w.state, "unknown")
             speed = speeds.get(w.worker_id)
             slow = bool(median and speed is not None and state not in GONE_STATES
@@ -111,7 +111,8 @@ class RunView:
                 "started": status.started, "stopped": status.stopped,
                 "stop_reason": status.stop_reason,
                 "elapsed_seconds": round(status.elapsed_seconds, 3),
-                "mean_loss": status.mean_loss if status.mean_loss else None,
+                "mean_loss": (status.mean_loss if status.mean_loss else
+                              status.loss_curve[-1].loss if status.loss_curve else None),
                 "time_to_target_seconds": (status.time_to_target_seconds
                                            if status.time_to_target_seconds >= 0 else None),
                 "groups_formed": status.num_groups_formed,
@@ -137,16 +138,24 @@ class RunView:
         }
 
     def _record_progress(self, status: pb.RunStatus, now: float) -> dict[int, float | None]:
+        """Per worker: the iterations/s over the last SPEED_WINDOW_SECONDS (None until two
+        polls have seen it training), and a loss-curve point per poll with a new iteration."""
         speeds: dict[int, float | None] = {}
         for w in status.workers:
             h = self._workers.setdefault(w.worker_id, _WorkerHistory())
-            if not h.samples or h.samples[-1][1] != w.iteration or now - h.samples[-1][0] > 1:
+            gone = STATE_NAMES.get(w.state) in GONE_STATES
+            if w.iteration == 0 or gone:
+                h.samples.clear()  # not training: no speed, and no pre-start baseline
+                speeds[w.worker_id] = None
+                continue
+            new_iteration = not h.samples or h.samples[-1][1] != w.iteration
+            if new_iteration or now - h.samples[-1][0] > 1:
                 h.samples.append((now, w.iteration))
             while len(h.samples) > 2 and now - h.samples[1][0] >= SPEED_WINDOW_SECONDS:
                 h.samples.popleft()
             (t0, i0), i1 = h.samples[0], h.samples[-1][1]
             speeds[w.worker_id] = (i1 - i0) / (now - t0) if now - t0 > 0.2 else None
-            if w.iteration > 0 and (not h.curve or h.curve[-1][0] < status.elapsed_seconds):
+            if new_iteration and (not h.curve or h.curve[-1][0] < status.elapsed_seconds):
                 h.curve.append((round(status.elapsed_seconds, 3), w.loss))
         return speeds
 

@@ -38,7 +38,7 @@ def _run_settings(args: argparse.Namespace):  # -> RunSettings (import kept lazy
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ripples.local_cluster import LocalRunConfig, parse_slowdowns, run_local
+    from ripples.local_cluster import INTERRUPTED, LocalRunConfig, parse_slowdowns, run_local
 
     _setup_logging(args.verbose)
     try:
@@ -66,7 +66,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(json.dumps(shown, indent=2))
     print(f"wrote {config.output / 'summary.json'} and {config.output / 'model.pt'}",
           file=sys.stderr)
-    return 0
+    return 130 if summary.get("stop_reason") == INTERRUPTED else 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

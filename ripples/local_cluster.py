@@ -11,6 +11,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,13 @@ def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
     return result
 
 
+INTERRUPTED = "interrupted by the user"
+
+
 def _worker_entry(config: WorkerConfig, log_level: int) -> None:
+    # Ctrl-C reaches the whole process group: the parent stops the run through the
+    # coordinator and the workers leave after their current iteration, saving their models.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s worker[{config.host}/{config.local_rank}] "
                                "%(levelname)s %(name)s: %(message)s")
@@ -105,13 +112,19 @@ class LocalCluster:
                 print(f"metrics: http://{self.server.metrics_address}/metrics (Prometheus "
                       "discovery: /sd)", file=sys.stderr, flush=True)
             self._spawn()
-            status = self._monitor(client)
+            try:
+                status = self._monitor(client)
+            except KeyboardInterrupt:  # Ctrl-C: stop the run cleanly; a second one aborts
+                print("interrupted: the workers finish their iteration and leave "
+                      "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
+                client.stop_run(INTERRUPTED)
+                status = self._monitor(client)
         finally:
             self._terminate()
             client.close()
-            if dashboard is not None:
-                dashboard.stop()
             self.server.stop()
+            if dashboard is not None:  # after the coordinator: the page shows it went away
+                dashboard.stop()
         return self._summarise(status)
 
     def _spawn(self) -> None:

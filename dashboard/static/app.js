@@ -60,8 +60,13 @@ function drawTopology(s) {
       for (let j = i + 1; j < g.members.length; j++) {
         const a = pos[g.members[i]], b = pos[g.members[j]];
         if (!a || !b) continue;
-        svg.append(el("line", {class: `group-edge ${g.state}`, x1: a.x, y1: a.y, x2: b.x, y2: b.y,
-                               "data-group-id": g.group_id}));
+        // Pending groups are drawn a few pixels aside, so that a pair in both an executing
+        // and a pending group shows two lines instead of one striped line.
+        const off = g.state === "pending" ? 6 : 0;
+        const len = Math.hypot(b.x - a.x, b.y - a.y) || 1;
+        const dx = (-(b.y - a.y) / len) * off, dy = ((b.x - a.x) / len) * off;
+        svg.append(el("line", {class: `group-edge ${g.state}`, x1: a.x + dx, y1: a.y + dy,
+                               x2: b.x + dx, y2: b.y + dy, "data-group-id": g.group_id}));
       }
     }
   }
@@ -84,9 +89,9 @@ function drawTopology(s) {
     const g = el("g", {class: classes.join(" "), "data-worker-id": w.worker_id,
                        transform: `translate(${p.x},${p.y})`});
     g.append(el("title", {}, `worker ${w.worker_id} (${w.host}/${w.local_rank}), ${w.state}`));
-    g.append(el("circle", {r: 30}));
+    g.append(el("circle", {r: 34}));
     g.append(el("text", {class: "wid", y: -4}, `w${w.worker_id}`));
-    g.append(el("text", {y: 12}, `it ${w.iteration}`));
+    g.append(el("text", {y: 12}, `r${w.rank} · it ${w.iteration}`));
     if (w.slow) g.append(el("text", {class: "slow-tag", y: 46}, "slow"));
     svg.append(g);
   }
@@ -179,7 +184,7 @@ function drawLoss(s) {
     ctx.beginPath(); ctx.moveTo(pad.l, Y(v)); ctx.lineTo(cw - pad.r, Y(v)); ctx.stroke();
     ctx.fillText(v.toFixed(3), 4, Y(v) + 4);
   }
-  ctx.fillText(`${xmax.toFixed(0)} s`, cw - pad.r - 40, ch - 8);
+  ctx.fillText(`${xmax.toFixed(xmax < 10 ? 1 : 0)} s of training`, cw - pad.r - 110, ch - 8);
   ctx.fillText("0 s", pad.l, ch - 8);
   const line = (pts, color, width) => {
     ctx.strokeStyle = color; ctx.lineWidth = width; ctx.beginPath();
@@ -216,6 +221,7 @@ function drawHeader(s) {
 
 function render(s) {
   lastSnapshot = s;
+  document.querySelector("main").classList.remove("stale");
   drawHeader(s);
   drawTopology(s);
   drawCounters(s);
@@ -231,6 +237,11 @@ function connect() {
     // The dashboard itself is gone: EventSource retries on its own (retry: 2000).
     const badge = document.getElementById("status-badge");
     badge.className = "badge down"; badge.textContent = "dashboard unreachable";
+    const banner = document.getElementById("banner");
+    banner.hidden = false;
+    const when = lastSnapshot ? new Date(lastSnapshot.updated_at * 1000).toLocaleTimeString() : "never";
+    banner.textContent = `the dashboard server is unreachable — retrying; showing the state of ${when}`;
+    document.querySelector("main").classList.add("stale");
   };
 }
 

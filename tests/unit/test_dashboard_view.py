@@ -85,3 +85,19 @@ def test_disconnected_keeps_the_last_state_and_says_why() -> None:
     assert down["workers"] == last["workers"] and last["connected"] is True
     empty = disconnected("coordinator at h:1 not asked yet", None)
     assert empty["run"] is None and empty["workers"] == []
+
+
+def test_curves_and_speeds_only_follow_workers_that_train() -> None:
+    view = RunView()
+    waiting = view.update(_status({0: 0, 1: 0}, elapsed=0.0), now=0.0)
+    assert [w["iterations_per_second"] for w in waiting["workers"]] == [None, None]
+    # Started at t=10: the first speed counts from the first poll that saw it training,
+    # not from the registration at t=0.
+    view.update(_status({0: 5, 1: 5}, elapsed=1.0), now=10.0)
+    s = view.update(_status({0: 25, 1: 25}, elapsed=2.0), now=11.0)
+    assert [w["iterations_per_second"] for w in s["workers"]] == [20, 20]
+    left = view.update(_status({0: 25, 1: 25}, gone=(0, 1), elapsed=3.0), now=12.0)
+    later = view.update(_status({0: 25, 1: 25}, gone=(0, 1), elapsed=4.0), now=13.0)
+    assert left["worker_loss_curves"] == later["worker_loss_curves"]
+    assert len(later["worker_loss_curves"]["0"]) == 2
+    assert [w["iterations_per_second"] for w in later["workers"]] == [None, None]
