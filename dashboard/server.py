@@ -28,7 +28,9 @@ class DashboardServer:
 
     async def _main(self) -> None:
         cfg = self.config
-        endpoint = HttpEndpoint(create_app(cfg), bind(cfg.host, cfg.port, what="the dashboard"),
+        endpoint = HttpEndpoint(create_app(cfg), bind(cfg.host, cfg.port, what="the dashboard",
+                                                           option="port (--port; --dashboard-port "
+                                                                  "for ripples run)"),
                                 what="dashboard")
         self.port = endpoint.port
         await endpoint.start()

@@ -44,6 +44,24 @@ def test_serve_reports_a_port_in_use() -> None:
     assert "port in use" in proc.stderr
 
 
+def test_run_reports_a_dashboard_port_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = ripples_cli("run", "--workers", "2", "--dashboard", "--dashboard-port",
+                           str(port), "--quiet", timeout=120)
+    assert proc.returncode == 1
+    assert f"cannot listen for the dashboard on 127.0.0.1:{port}" in proc.stderr
+    assert "--dashboard-port" in proc.stderr
+
+
+def test_dashboard_rejects_a_malformed_coordinator_address() -> None:
+    proc = ripples_cli("dashboard", "serve", "--coordinator", "nohost", timeout=60)
+    assert proc.returncode == 2
+    assert "ripples dashboard serve: error:" in proc.stderr
+
+
 def test_worker_reports_an_unreachable_coordinator() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
