@@ -7,11 +7,8 @@ tests).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +19,7 @@ from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.http import build_app
 from ripples.coordinator.service import CoordinatorService
 from ripples.http_server import HttpEndpoint, bind
+from ripples.loop_thread import LoopThreadService, serve_until_signal
 from ripples.rpc import SERVER_OPTIONS
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -57,20 +55,18 @@ def _advertised(config: ServerConfig) -> str:
     return socket.gethostname()
 
 
-class CoordinatorServer:
+class CoordinatorServer(LoopThreadService):
     """The coordinator on its own event loop thread. Use start() / stop()."""
 
+    thread_name = "coordinator"
+
     def __init__(self, config: ServerConfig) -> None:
+        super().__init__()
         self.config = config
         self.port = 0
         self.store_port = 0
         self.metrics_port = 0
         self.service: CoordinatorService | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._done: asyncio.Event | None = None
         self._store: object | None = None
 
     async def _main(self) -> None:
@@ -103,43 +99,15 @@ class CoordinatorServer:
         self.service.metrics_address = f"{_advertised(cfg)}:{http.port}"
         await http.start()
         self.service.start_background()
-        self._done = asyncio.Event()
         logger.info("coordinator listening on %s:%d (store %d, metrics %d), protocol %s, "
                     "%d workers", cfg.host, self.port, self.store_port, self.metrics_port,
                     cfg.run.protocol, cfg.run.num_workers)
-        self._ready.set()
         try:
-            await self._done.wait()
+            await self._until_stopped()
         finally:
             await self.service.close()
             await http.stop()
             await server.stop(grace=1.0)
-
-    def _run_thread(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        try:
-            self._loop.run_until_complete(self._main())
-        except BaseException as err:  # surfaced by start()
-            self._error = err
-            self._ready.set()
-        finally:
-            self._loop.close()
-
-    def start(self, timeout_seconds: float = 30.0) -> CoordinatorServer:
-        self._thread = threading.Thread(target=self._run_thread, name="coordinator", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_seconds):
-            raise TimeoutError(f"coordinator did not start within {timeout_seconds} s")
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def stop(self, timeout_seconds: float = 10.0) -> None:
-        """Idempotent: a second call (or one after a failed start) does nothing."""
-        if (self._loop is not None and self._done is not None and self._thread is not None
-                and self._thread.is_alive()):
-            self._loop.call_soon_threadsafe(self._done.set)
-            self._thread.join(timeout_seconds)
 
     def run_finished(self) -> bool:
         """True once the run stopped and no worker is still live."""
@@ -159,15 +127,9 @@ class CoordinatorServer:
 def serve(config: ServerConfig) -> int:
     """Serve until SIGINT/SIGTERM (or, with exit_when_done, until the run is over)."""
     server = CoordinatorServer(config).start()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"ripples coordinator listening on {server.address} "
           f"(protocol {config.run.protocol}, waiting for {config.run.num_workers} workers); "
           f"metrics and Prometheus discovery on http://{server.metrics_address}/sd",
           flush=True)
-    while not stop.wait(0.5):
-        if config.exit_when_done and server.run_finished():
-            break
-    server.stop()
-    return 0
+    return serve_until_signal(
+        server, lambda: config.exit_when_done and server.run_finished())

@@ -129,10 +129,6 @@ class StatusPoller:
         return True
 
 
-def _page() -> str:
-    return resources.files("ripples.dashboard").joinpath("static/index.html").read_text()
-
-
 def create_app(config: DashboardConfig) -> FastAPI:
     poller = StatusPoller(config)
 
@@ -150,10 +146,11 @@ def create_app(config: DashboardConfig) -> FastAPI:
     app.state.poller = poller
     static = resources.files("ripples.dashboard").joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
+    index_html = static.joinpath("index.html").read_text()  # read once, not per request
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> str:
-        return _page()
+        return index_html
 
     @app.get("/healthz", response_class=PlainTextResponse, include_in_schema=False)
     async def healthz() -> str:

@@ -85,15 +85,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def _cmd_worker(args: argparse.Namespace) -> int:
+def _check_coordinator(address: str) -> None:
+    """ValueError unless the coordinator address (option or environment) is HOST:PORT."""
     from ripples.rpc import parse_target
+
+    if not address:
+        raise ValueError(f"give --coordinator HOST:PORT or set {ENV_COORDINATOR}")
+    parse_target(address)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
     from ripples.worker.daemon import WorkerConfig, install_signal_handlers, run_worker
 
     _setup_logging(not args.quiet)
     try:
-        if not args.coordinator:
-            raise ValueError(f"give --coordinator HOST:PORT or set {ENV_COORDINATOR}")
-        parse_target(args.coordinator)
+        _check_coordinator(args.coordinator)
         config = dataclass_from_args(WorkerConfig, args)
     except ValueError as err:
         print(f"ripples worker run: error: {err}", file=sys.stderr)
@@ -109,8 +115,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 
     _setup_logging(not args.quiet)
     try:
-        if not args.coordinator:
-            raise ValueError(f"give --coordinator HOST:PORT or set {ENV_COORDINATOR}")
+        _check_coordinator(args.coordinator)
         config = dataclass_from_args(DashboardConfig, args)
         return serve(config)
     except (ValueError, OSError) as err:
