@@ -6,17 +6,22 @@ import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
+from ripples.coordinator.topology import TOPOLOGIES, Edge, build_topology, parse_edge_list
 from ripples.v1 import coordinator_pb2 as pb
 
 # Protocol name -> how the coordinator takes part. "group:<policy>" protocols ask the
 # Group Generator for every P-Reduce; "lockstep" protocols compute their groups locally
-# and use the coordinator only to agree on when to stop.
+# and use the coordinator only to agree on when to stop. "gossip:<pairing>" protocols
+# average in pairs of graph neighbours that the coordinator matches.
 PROTOCOLS: dict[str, str] = {
     "allreduce": "lockstep",
     "ripples-random": "group:random",
     "ripples-smart": "group:smart",
     "ripples-static": "lockstep",
+    "adpsgd": "gossip:adpsgd",
+    "a2cid2": "gossip:a2cid2",
 }
+ADPSGD_MODES = ("serialised", "bipartite")
 
 
 @dataclass(kw_only=True)
@@ -24,7 +29,8 @@ class RunSettings:
     """One training run. Every field is documented once, here."""
 
     protocol: str = "ripples-smart"
-    """Synchronisation protocol: allreduce, ripples-random, ripples-smart or ripples-static."""
+    """Synchronisation protocol: allreduce, ripples-random, ripples-smart, ripples-static,
+    adpsgd or a2cid2."""
     task: str = "digits"
     """Training task: a built-in name (digits, synthetic-cnn, synthetic-vgg16) or
     module:function."""
@@ -64,6 +70,20 @@ class RunSettings:
     """A worker silent for this long is removed and its groups are cancelled."""
     checkpoint_interval: int = 8
     """Lock-step protocols agree on a common stop iteration every this many iterations."""
+    topology: str = "complete"
+    """Who may average with whom (ripples-random, ripples-smart, adpsgd, a2cid2): complete,
+    ring, ring-based, double-ring, exponential, hierarchical (a clique per host, hosts in a
+    ring) or file (see topology_file)."""
+    topology_file: str = ""
+    """Edge list for topology "file": one `i j` pair of ranks per line, # comments."""
+    rate_com: float = 1.0
+    """Gossip: expected pairwise averagings per worker per gradient step (a2cid2 draws a
+    Poisson number per step; below 1, one every Poisson(1/rate_com) steps)."""
+    momentum: bool = True
+    """a2cid2: continuous momentum (--no-momentum: the asynchronous gossip baseline)."""
+    adpsgd_mode: str = "serialised"
+    """adpsgd pairing: serialised (any connected graph; the coordinator orders overlapping
+    pairs, so no deadlock) or bipartite (the paper's active/passive split)."""
     max_comms_per_worker: int = 64
     """Communicators cached per worker before the coordinator orders evictions."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -80,6 +100,23 @@ class RunSettings:
     def policy_name(self) -> str | None:
         kind = PROTOCOLS[self.protocol]
         return kind.split(":", 1)[1] if kind.startswith("group:") else None
+
+    @property
+    def gossip_pairing(self) -> str | None:
+        """"adpsgd" or "a2cid2" for gossip protocols, else None."""
+        kind = PROTOCOLS[self.protocol]
+        return kind.split(":", 1)[1] if kind.startswith("gossip:") else None
+
+    def topology_edges(self) -> list[Edge]:
+        """The edges of topology "file" (empty for the built-in graphs)."""
+        if self.topology != "file":
+            return []
+        try:
+            text = open(self.topology_file, encoding="utf-8").read()  # noqa: SIM115
+        except OSError as err:
+            raise ValueError(f"cannot read topology_file {self.topology_file!r}: "
+                             f"{err.strerror}") from None
+        return parse_edge_list(text, self.topology_file)
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix."""
@@ -108,6 +145,33 @@ class RunSettings:
             raise ValueError("lease_seconds must exceed twice heartbeat_interval_seconds")
         if self.checkpoint_interval < 1:
             raise ValueError("checkpoint_interval must be at least 1")
+        self._validate_topology()
+
+    def _validate_topology(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"unknown topology {self.topology!r}; choose one of "
+                             f"{', '.join(TOPOLOGIES)}")
+        if self.topology == "file" and not self.topology_file:
+            raise ValueError("topology 'file' needs topology_file: a file of `i j` edges")
+        if self.topology_file and self.topology != "file":
+            raise ValueError("topology_file is given: set topology to 'file' to use it")
+        if self.is_lockstep and self.topology != "complete":
+            raise ValueError(f"{self.protocol} synchronises all workers together and takes "
+                             "no topology; use ripples-random, ripples-smart, adpsgd or a2cid2")
+        if not (self.rate_com > 0 and self.rate_com <= 100):
+            raise ValueError(f"rate_com must be in (0, 100], got {self.rate_com}")
+        if self.adpsgd_mode not in ADPSGD_MODES:
+            raise ValueError(f"unknown adpsgd_mode {self.adpsgd_mode!r}; choose one of "
+                             f"{', '.join(ADPSGD_MODES)}")
+        if self.topology != "hierarchical":  # needs the hosts, checked when the run starts
+            topology = build_topology(self.topology, self.num_workers,
+                                      edges=self.topology_edges())
+            if (self.protocol == "adpsgd" and self.adpsgd_mode == "bipartite"
+                    and not topology.is_bipartite()):
+                raise ValueError(
+                    f"adpsgd_mode bipartite needs a bipartite graph; the {self.topology} "
+                    f"topology on {self.num_workers} workers has an odd cycle (use an even "
+                    "ring, or adpsgd_mode serialised, which works on any connected graph)")
 
     def to_proto(self) -> pb.RunConfig:
         return pb.RunConfig(
@@ -128,6 +192,10 @@ class RunSettings:
             batch_size=self.batch_size,
             learning_rate=self.learning_rate,
             average_optimizer_state=self.average_optimizer_state,
+            topology=self.topology,
+            rate_com=self.rate_com,
+            momentum=self.momentum,
+            adpsgd_mode=self.adpsgd_mode,
         )
 
     def replace(self, **changes: object) -> RunSettings:

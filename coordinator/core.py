@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 from ripples.coordinator.comm_directory import CommDirectory
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.groups import GroupRecord, GroupTable
-from ripples.coordinator.policies import ClusterView, GroupPolicy, make_policy
+from ripples.coordinator.pairing import FifoPairing
+from ripples.coordinator.policies import ClusterView, GroupPolicy, RandomPolicy, make_policy
+from ripples.coordinator.topology import A2cid2Constants, Topology, build_topology
 
 LOSS_CURVE_MIN_STEP_SECONDS = 0.2
+# The consensus-distance estimate averages the pairwise distances of this many recent
+# exchanges per worker.
+DISTANCE_WINDOW_PER_WORKER = 4
 
 
 def _natural_key(text: str) -> list[int | str]:
@@ -83,6 +88,7 @@ class WorkerRecord:
     wait_started_at: float | None = None
     checkpoint_grant: int = 0
     ready: bool = False  # built its task and waits in AwaitStart
+    listening: bool = False  # gossip: waits only to serve partners (GroupRequest.listen)
 
 
 @dataclass(kw_only=True)
@@ -106,16 +112,23 @@ class CoordinatorCore:
         self.settings = settings
         self.rng = random.Random(settings.seed)
         policy_name = settings.policy_name
-        self.policy: GroupPolicy | None = (
-            make_policy(
-                policy_name,
-                group_size=settings.group_size,
-                c_thres=settings.c_thres,
-                inter_intra=settings.inter_intra,
-            )
-            if policy_name
-            else None
-        )
+        self.policy: GroupPolicy | None = None
+        if policy_name:
+            self.policy = make_policy(policy_name, group_size=settings.group_size,
+                                      c_thres=settings.c_thres,
+                                      inter_intra=settings.inter_intra)
+        elif settings.gossip_pairing == "adpsgd":
+            # AD-PSGD: each averaging pairs the initiator with one random neighbour; the
+            # group table serialises overlapping pairs in one global order.
+            self.policy = RandomPolicy(group_size=2)
+        self.pairing = FifoPairing() if settings.gossip_pairing == "a2cid2" else None
+        self.topology: Topology | None = None  # on ranks; built when the run starts
+        self.neighbours: dict[int, tuple[int, ...]] | None = None  # worker id -> ids
+        self.gossip_constants: A2cid2Constants | None = None
+        self.spectral_gap = 0.0  # of the topology, once the run has started
+        self.passive: frozenset[int] = frozenset()  # adpsgd bipartite: never initiate
+        self.pair_sq_distances: deque[float] = deque(
+            maxlen=DISTANCE_WINDOW_PER_WORKER * settings.num_workers)
         self.table = GroupTable()
         self.comms = CommDirectory(max_comms_per_worker=settings.max_comms_per_worker)
         self.workers: dict[int, WorkerRecord] = {}
@@ -196,6 +209,43 @@ class CoordinatorCore:
             w.rank = rank
             w.state = WorkerState.COMPUTING
         self.started_at = now
+        try:
+            self._build_topology(ordered)
+        except ValueError as err:
+            self.stop(f"invalid topology: {err}", now)
+
+    def _build_topology(self, ordered: list[WorkerRecord]) -> None:
+        s = self.settings
+        self.topology = build_topology(s.topology, len(ordered),
+                                       nodes=[w.node for w in ordered],
+                                       edges=s.topology_edges())
+        self.spectral_gap = self.topology.spectral_gap()
+        by_rank = [w.worker_id for w in ordered]
+        if s.topology != "complete":
+            self.neighbours = {by_rank[r]: tuple(by_rank[j] for j in ns)
+                               for r, ns in enumerate(self.topology.neighbours)}
+        if s.gossip_pairing is not None:
+            self.gossip_constants = self.topology.a2cid2_constants(s.rate_com)
+        if s.gossip_pairing == "adpsgd" and s.adpsgd_mode == "bipartite":
+            colours = self.topology.two_colouring()
+            if colours is None:
+                raise ValueError(f"adpsgd_mode bipartite needs a bipartite graph; the "
+                                 f"{s.topology} topology here has an odd cycle")
+            self.passive = frozenset(by_rank[r] for r, c in enumerate(colours) if c == 1)
+
+    def neighbours_of(self, worker_id: int) -> tuple[int, ...]:
+        """The worker ids `worker_id` may average with (all others on a complete graph)."""
+        if self.neighbours is None:
+            return tuple(w.worker_id for w in self.live() if w.worker_id != worker_id)
+        return self.neighbours.get(worker_id, ())
+
+    def topology_edges(self) -> list[tuple[int, int]]:
+        """Edges as worker-id pairs (a < b), once the run has started."""
+        if self.topology is None:
+            return []
+        by_rank = {w.rank: w.worker_id for w in self.workers.values() if w.rank >= 0}
+        return sorted(tuple(sorted((by_rank[i], by_rank[j])))  # type: ignore[misc]
+                      for i, j in self.topology.edges())
 
     def static_layout_error(self) -> str | None:
         """Why the static schedule cannot run on the registered workers, or None."""
@@ -250,6 +300,8 @@ class CoordinatorCore:
             head = self.table.head(peer.worker_id)
             if peer.state is WorkerState.WAITING and head is not None:
                 awaited[peer.worker_id] = head.group_id
+        if self.pairing is not None:
+            self.pairing.withdraw(w.worker_id)
         cancelled, ready = self.table.cancel_where(w.worker_id)
         self.num_cancelled += len(cancelled)
         self.comms.retire_worker(w.worker_id)
@@ -276,19 +328,29 @@ class CoordinatorCore:
 
     # ------------------------------------------------------------------ groups
     def request_group(
-        self, worker_id: int, iteration: int, now: float, progress: Progress | None = None
+        self, worker_id: int, iteration: int, now: float, progress: Progress | None = None,
+        *, listen: bool = False,
     ) -> tuple[GroupDecision | None, Deliveries]:
         """A worker asks for its next group, reporting its progress on the way.
 
-        Returns (the caller's decision, or None if it must wait; decisions for other
-        waiting workers that this request completed).
+        `listen` (gossip protocols): the worker owes no averaging and only serves
+        partners; no group is generated for it. Returns (the caller's decision, or None if
+        it must wait; decisions for other waiting workers that this request completed).
         """
         w = self.worker(worker_id)
-        if self.policy is None:
+        if self.policy is None and self.pairing is None:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
                 f"protocol {self.settings.protocol} does not use the group generator",
             )
+        if listen and self.settings.gossip_pairing != "adpsgd":
+            raise CoordinatorError(
+                "INVALID_ARGUMENT",
+                f"listen requests belong to adpsgd, not to {self.settings.protocol}")
+        if not listen and worker_id in self.passive:
+            raise CoordinatorError(
+                "FAILED_PRECONDITION",
+                f"worker {worker_id} is passive in adpsgd's bipartite mode: it only listens")
         if self.started_at is None:
             raise CoordinatorError("FAILED_PRECONDITION", "the run has not started yet")
         if progress is not None:
@@ -300,11 +362,17 @@ class CoordinatorCore:
         head = self.table.head(worker_id)
         if head is not None and head.delivered and worker_id not in head.released:
             return self._group_decision(w, head), deliveries  # a retried request
+        if self.pairing is not None or listen:
+            decision, more = self._offer_pair(w, now) if self.pairing else self._listen(w, now)
+            deliveries.update(more)
+            return decision, deliveries
+        assert self.policy is not None
         continuing = w.round_target is not None and w.round_target in self.table.buffer(worker_id)
         if not continuing:
             w.request_count += 1
             if self.table.is_idle(worker_id) or self.policy.drain_to_own_group:
                 created = self._generate(w, now)
+                deliveries.update(self._arrive_listeners(created, now))
                 own = next((g for g in created if worker_id in g.members), None)
                 if self.policy.drain_to_own_group and own is not None:
                     w.round_target = own.group_id
@@ -323,9 +391,46 @@ class CoordinatorCore:
         deliveries.update(self._deliver([ready], now))
         return deliveries.pop(worker_id), deliveries
 
+    def _offer_pair(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
+        """A2CiD2: the worker is available; pair it first-in-first-out with a neighbour."""
+        assert self.pairing is not None
+        w.request_count += 1
+        w.state = WorkerState.WAITING
+        w.wait_started_at = now
+        self.pairing.withdraw(w.worker_id)  # defensive: one place in the queue per worker
+        live = {x.worker_id for x in self.live()}
+        neighbours = [n for n in self.neighbours_of(w.worker_id) if n in live]
+        if not neighbours:
+            return self._decide(w, Outcome.NO_GROUP, now, detail="no live neighbour"), {}
+        partner = self.pairing.offer(w.worker_id, neighbours)
+        if partner is None:
+            self.num_pending_waits += 1
+            return None, {}
+        group = self._add_group((w.worker_id, partner), w.worker_id, now)
+        self.table.arrive(partner)
+        ready = self.table.arrive(w.worker_id)
+        assert ready is group, "a pair of two idle workers executes at once"
+        deliveries = self._deliver([group], now)
+        return deliveries.pop(w.worker_id), deliveries
+
+    def _listen(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
+        """AD-PSGD's passive side: arrive at the head of the buffer, or wait until a
+        partner's group lands in it (see _generate)."""
+        w.state = WorkerState.WAITING
+        w.wait_started_at = now
+        ready = self.table.arrive(w.worker_id)
+        if ready is None:
+            w.listening = True
+            return None, {}
+        deliveries = self._deliver([ready], now)
+        return deliveries.pop(w.worker_id), deliveries
+
     def abandon_wait(self, worker_id: int, now: float) -> GroupDecision:
         """The caller's server-side wait ran out: forget its arrival, tell it to retry."""
         w = self.worker(worker_id)
+        w.listening = False
+        if self.pairing is not None:
+            self.pairing.withdraw(worker_id)
         head = self.table.head(worker_id)
         if head is not None and not head.delivered:
             head.arrived.discard(worker_id)
@@ -337,9 +442,15 @@ class CoordinatorCore:
             f"group {head.group_id if head else '-'} still waits for workers {waiting_on}"))
 
     def release(
-        self, worker_id: int, group_id: int, ok: bool, error: str, now: float
+        self, worker_id: int, group_id: int, ok: bool, error: str, now: float,
+        squared_distance: float | None = None,
     ) -> Deliveries:
         w = self.worker(worker_id)
+        if squared_distance is not None and ok:
+            if not squared_distance >= 0:  # also rejects NaN
+                raise CoordinatorError("INVALID_ARGUMENT",
+                                       f"squared_distance must be >= 0, got {squared_distance}")
+            self.pair_sq_distances.append(squared_distance)
         group = self.table.get(group_id)
         if group is not None and worker_id in group.members and not group.delivered:
             raise CoordinatorError(
@@ -371,16 +482,31 @@ class CoordinatorCore:
             idle=frozenset(x.worker_id for x in live if self.table.is_idle(x.worker_id)),
             request_counts={x.worker_id: x.request_count for x in live},
             node_of={x.worker_id: x.node for x in live},
+            neighbours=self.neighbours,
         )
         created = []
         for members in self.policy.generate(w.worker_id, view, self.rng):
             initiator = w.worker_id if w.worker_id in members else members[0]
-            group = self.table.add(members, initiator, now)
-            group.comm_id, group.create_comm = self.comms.acquire(
-                group.members, self.table.comm_ids_in_use()
-            )
-            created.append(group)
+            created.append(self._add_group(members, initiator, now))
         return created
+
+    def _arrive_listeners(self, created: list[GroupRecord], now: float) -> Deliveries:
+        """Listening workers (adpsgd) arrive at once at the new groups that reach their
+        head, so a partner's request completes the pair without waiting for them."""
+        ready = []
+        for group in created:
+            for m in group.members:
+                if self.workers[m].listening:
+                    found = self.table.arrive(m)
+                    if found is not None:
+                        ready.append(found)
+        return self._deliver(ready, now)
+
+    def _add_group(self, members: tuple[int, ...], initiator: int, now: float) -> GroupRecord:
+        group = self.table.add(members, initiator, now)
+        group.comm_id, group.create_comm = self.comms.acquire(
+            group.members, self.table.comm_ids_in_use())
+        return group
 
     def _deliver(self, groups: list[GroupRecord], now: float) -> Deliveries:
         deliveries: Deliveries = {}
@@ -390,6 +516,7 @@ class CoordinatorCore:
                 deliveries[m] = self._group_decision(self.workers[m], g)
                 self._account_wait(self.workers[m], now)
                 self.workers[m].state = WorkerState.REDUCING
+                self.workers[m].listening = False
         return deliveries
 
     def _group_decision(self, w: WorkerRecord, g: GroupRecord) -> GroupDecision:
@@ -407,6 +534,7 @@ class CoordinatorCore:
 
     def _decide(self, w: WorkerRecord, outcome: Outcome, now: float, detail: str) -> GroupDecision:
         self._account_wait(w, now)
+        w.listening = False
         if w.state not in GONE:
             w.state = WorkerState.COMPUTING
         w.round_target = None
@@ -444,6 +572,8 @@ class CoordinatorCore:
             return {}
         self.stopped = True
         self.stop_reason = reason
+        if self.pairing is not None:
+            self.pairing.clear()
         for g in self.table.cancel_all_undelivered():
             self.num_cancelled += 1
             del g
@@ -501,6 +631,18 @@ class CoordinatorCore:
         if not losses or any(loss != loss for loss in losses):  # NaN: not reported yet
             return None
         return sum(losses) / len(losses)
+
+    def consensus_distance(self) -> float | None:
+        """Estimated mean squared distance of the models to their average, from recent
+        pairwise exchanges: for distinct workers i, j drawn uniformly,
+        E||x_i - x_j||^2 = 2n/(n-1) * D. Gossip pairs are graph neighbours, which are
+        closer than random pairs on sparse graphs, so this reads low there; it compares
+        protocols on one graph fairly. None before any exchange."""
+        if not self.pair_sq_distances:
+            return None
+        n = max(2, len(self.live()))
+        mean = sum(self.pair_sq_distances) / len(self.pair_sq_distances)
+        return (n - 1) / (2 * n) * mean
 
     def mean_iterations(self) -> float:
         """Iterations of an average worker: all iterations done, over the run's workers."""

@@ -118,6 +118,16 @@ class CoreCollector(Collector):
                                 value=core.elapsed(self.clock()))
         yield GaugeMetricFamily("ripples_coordinator_run_stopped",
                                 "1 once the run has stopped.", value=float(core.stopped))
+        yield GaugeMetricFamily("ripples_coordinator_topology_spectral_gap",
+                                "1 - lambda_2 of the expected pairwise-gossip matrix of the "
+                                "run's topology (0 before the run starts).",
+                                value=core.spectral_gap)
+        distance = core.consensus_distance()
+        yield GaugeMetricFamily("ripples_coordinator_consensus_distance",
+                                "Gossip protocols: estimated mean squared distance of the "
+                                "workers' parameters to their average, from recent pairwise "
+                                "exchanges (NaN before any).",
+                                value=distance if distance is not None else math.nan)
 
 
 class CoordinatorMetrics:

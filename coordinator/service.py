@@ -203,11 +203,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             problem = self.core.static_layout_error()
             if problem:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        me = self.core.workers[request.worker_id]
+        if self.core.stopped:  # e.g. the topology does not fit the registered hosts
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the run stopped before training: {self.core.stop_reason}")
+        core = self.core
+        me = core.workers[request.worker_id]
         ranks = [pb.WorkerRank(worker_id=w.worker_id, rank=w.rank, node=w.node)
-                 for w in sorted(self.core.live(), key=lambda x: x.rank)]
-        return pb.AwaitStartReply(num_workers=len(ranks), ranks=ranks, rank=me.rank,
-                                  num_nodes=self.core.num_nodes())
+                 for w in sorted(core.live(), key=lambda x: x.rank)]
+        reply = pb.AwaitStartReply(
+            num_workers=len(ranks), ranks=ranks, rank=me.rank, num_nodes=core.num_nodes(),
+            neighbours=core.neighbours_of(me.worker_id),
+            spectral_gap=core.spectral_gap)
+        if core.gossip_constants is not None:
+            c = core.gossip_constants
+            reply.gossip.CopyFrom(pb.GossipConstants(
+                chi_1=c.chi_1, chi_2=c.chi_2, eta=c.eta, alpha_tilde=c.alpha_tilde,
+                passive=me.worker_id in core.passive))
+        return reply
 
     # ------------------------------------------------------------------ groups
     async def Synchronize(self, request_iterator: AsyncIterator[pb.SyncMessage],
@@ -237,7 +249,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         arrived = time.perf_counter()
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         result = await self._call(context, lambda: self.core.request_group(
-            wid, request.iteration, self.clock(), progress))
+            wid, request.iteration, self.clock(), progress, listen=request.listen))
         assert isinstance(result, tuple)
         decision, deliveries = result
         self._resolve(deliveries)
@@ -275,8 +287,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def _release_group(self, request: pb.ReleaseRequest,
                              context: grpc.aio.ServicerContext) -> None:
+        distance = (request.squared_distance if request.HasField("squared_distance")
+                    else None)
         deliveries = await self._call(context, lambda: self.core.release(
-            request.worker_id, request.group_id, request.ok, request.error, self.clock()))
+            request.worker_id, request.group_id, request.ok, request.error, self.clock(),
+            squared_distance=distance))
         assert isinstance(deliveries, dict)
         if not request.ok:
             logger.warning("worker %d reports group %d failed: %s",
@@ -316,6 +331,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def run_status(self) -> pb.RunStatus:
         core, now = self.core, self.clock()
         mean = core.mean_loss()
+        distance = core.consensus_distance()
         workers = [
             pb.WorkerStatus(
                 worker_id=w.worker_id, host=w.host, local_rank=w.local_rank, device=w.device,
@@ -345,6 +361,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             num_lease_expirations=core.num_lease_expirations,
             iterations_to_target=(core.iterations_to_target
                                   if core.iterations_to_target is not None else -1),
+            topology_edges=[pb.TopologyEdge(a=a, b=b) for a, b in core.topology_edges()],
+            spectral_gap=core.spectral_gap,
+            consensus_distance=distance if distance is not None else -1.0,
         )
 
     def _group_view(self, g: GroupRecord, now: float, *, finished: bool = False) -> pb.Group:

@@ -53,7 +53,7 @@ WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state")
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "rate_com", "momentum", "adpsgd_mode")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,10 @@ class RunConfig(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    RATE_COM_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    ADPSGD_MODE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol: str
     task: str
@@ -88,7 +92,11 @@ class RunConfig(_message.Message):
     batch_size: int
     learning_rate: float
     average_optimizer_state: bool
-    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ...) -> None: ...
+    topology: str
+    rate_com: float
+    momentum: bool
+    adpsgd_mode: str
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., rate_com: _Optional[float] = ..., momentum: _Optional[bool] = ..., adpsgd_mode: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("host", "local_rank", "device", "pid", "metrics_port", "metrics_host")
@@ -177,16 +185,36 @@ class AwaitStartRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ...) -> None: ...
 
 class AwaitStartReply(_message.Message):
-    __slots__ = ("num_workers", "ranks", "rank", "num_nodes")
+    __slots__ = ("num_workers", "ranks", "rank", "num_nodes", "neighbours", "spectral_gap", "gossip")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    SPECTRAL_GAP_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
     ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
     rank: int
     num_nodes: int
-    def __init__(self, num_workers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., rank: _Optional[int] = ..., num_nodes: _Optional[int] = ...) -> None: ...
+    neighbours: _containers.RepeatedScalarFieldContainer[int]
+    spectral_gap: float
+    gossip: GossipConstants
+    def __init__(self, num_workers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., neighbours: _Optional[_Iterable[int]] = ..., spectral_gap: _Optional[float] = ..., gossip: _Optional[_Union[GossipConstants, _Mapping]] = ...) -> None: ...
+
+class GossipConstants(_message.Message):
+    __slots__ = ("chi_1", "chi_2", "eta", "alpha_tilde", "passive")
+    CHI_1_FIELD_NUMBER: _ClassVar[int]
+    CHI_2_FIELD_NUMBER: _ClassVar[int]
+    ETA_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_TILDE_FIELD_NUMBER: _ClassVar[int]
+    PASSIVE_FIELD_NUMBER: _ClassVar[int]
+    chi_1: float
+    chi_2: float
+    eta: float
+    alpha_tilde: float
+    passive: bool
+    def __init__(self, chi_1: _Optional[float] = ..., chi_2: _Optional[float] = ..., eta: _Optional[float] = ..., alpha_tilde: _Optional[float] = ..., passive: _Optional[bool] = ...) -> None: ...
 
 class WorkerRank(_message.Message):
     __slots__ = ("worker_id", "rank", "node")
@@ -217,16 +245,18 @@ class Group(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., initiator: _Optional[int] = ..., comm_id: _Optional[int] = ..., create_comm: _Optional[bool] = ..., state: _Optional[_Union[GroupState, str]] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class GroupRequest(_message.Message):
-    __slots__ = ("worker_id", "iteration", "timeout_seconds", "progress")
+    __slots__ = ("worker_id", "iteration", "timeout_seconds", "progress", "listen")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     iteration: int
     timeout_seconds: float
     progress: Progress
-    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    listen: bool
+    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., listen: _Optional[bool] = ...) -> None: ...
 
 class GroupReply(_message.Message):
     __slots__ = ("outcome", "group", "more", "evict_comm_ids", "detail")
@@ -243,18 +273,20 @@ class GroupReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[GroupOutcome, str]] = ..., group: _Optional[_Union[Group, _Mapping]] = ..., more: _Optional[bool] = ..., evict_comm_ids: _Optional[_Iterable[int]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("worker_id", "group_id", "ok", "error", "preduce_seconds")
+    __slots__ = ("worker_id", "group_id", "ok", "error", "preduce_seconds", "squared_distance")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SQUARED_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     group_id: int
     ok: bool
     error: str
     preduce_seconds: float
-    def __init__(self, worker_id: _Optional[int] = ..., group_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., preduce_seconds: _Optional[float] = ...) -> None: ...
+    squared_distance: float
+    def __init__(self, worker_id: _Optional[int] = ..., group_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., preduce_seconds: _Optional[float] = ..., squared_distance: _Optional[float] = ...) -> None: ...
 
 class SyncMessage(_message.Message):
     __slots__ = ("request", "release")
@@ -345,7 +377,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address")
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +400,9 @@ class RunStatus(_message.Message):
     ITERATIONS_TO_TARGET_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_EDGES_FIELD_NUMBER: _ClassVar[int]
+    SPECTRAL_GAP_FIELD_NUMBER: _ClassVar[int]
+    CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     elapsed_seconds: float
@@ -390,7 +425,18 @@ class RunStatus(_message.Message):
     iterations_to_target: float
     active_groups: _containers.RepeatedCompositeFieldContainer[Group]
     metrics_address: str
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    topology_edges: _containers.RepeatedCompositeFieldContainer[TopologyEdge]
+    spectral_gap: float
+    consensus_distance: float
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ...) -> None: ...
+
+class TopologyEdge(_message.Message):
+    __slots__ = ("a", "b")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    a: int
+    b: int
+    def __init__(self, a: _Optional[int] = ..., b: _Optional[int] = ...) -> None: ...
 
 class StopRunRequest(_message.Message):
     __slots__ = ("reason",)

@@ -1,0 +1,258 @@
+"""Communication graphs for gossip and group generation, and the numbers that judge them.
+
+Pure code on ranks 0..n-1 (ranks are ordered by node, then local rank). A topology says
+which workers may average together; the coordinator maps ranks to worker ids when the
+run starts. Every graph is checked to be connected: gossip on a disconnected graph never
+reaches consensus.
+
+The spectral quantities follow the papers:
+
+- Pairwise gossip where a uniformly random worker i averages with a uniformly random
+  neighbour j applies W = I - (e_i - e_j)(e_i - e_j)^T / 2, and W^T W = W, so the
+  AD-PSGD paper's rho = lambda_2(E[W^T W]) is lambda_2(E[W]) with
+  E[W] = I - L / n, where L is the Laplacian with edge weight (1/d_i + 1/d_j) / 2 (the
+  rate at which edge (i, j) is used when every worker averages once per unit time).
+  `spectral_gap` is 1 - rho = lambda_2(L) / n: the fraction of disagreement one
+  averaging per worker removes, in expectation. It is 0 exactly when the graph is
+  disconnected.
+- A2CiD2 (notes/a2cid2-algorithm.md): with rate_com averagings per worker per gradient
+  step the communication Laplacian is rate_com * L; chi_1 = 1 / lambda_2 of it, chi_2 the
+  largest half effective resistance over edges, and the momentum constants follow. For a
+  regular graph this L is the note's I - W with W_ij = 1/|N_i|.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+TOPOLOGIES = ("complete", "ring", "ring-based", "double-ring", "exponential",
+              "hierarchical", "file")
+"""Names accepted by `build_topology` ("file" reads an edge list)."""
+
+Edge = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class A2cid2Constants:
+    """A2CiD2's constants for one graph and communication rate."""
+
+    chi_1: float  # 1 / algebraic connectivity of the communication Laplacian
+    chi_2: float  # max over edges of half the effective resistance
+    eta: float  # momentum mixing rate, per gradient step
+    alpha: float  # weight of the partner's model in x (always 1/2)
+    alpha_tilde: float  # weight of the partner's model in the momentum copy x~
+
+
+@dataclass(frozen=True)
+class Topology:
+    """An undirected connected graph on ranks 0..n-1.
+
+    Invariant: `neighbours[i]` is sorted, excludes i, and j in neighbours[i] iff i in
+    neighbours[j]; the graph is connected (build_topology and from_edges check it).
+    """
+
+    name: str
+    neighbours: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.neighbours)
+
+    def edges(self) -> list[Edge]:
+        return [(i, j) for i, ns in enumerate(self.neighbours) for j in ns if i < j]
+
+    def degree(self, rank: int) -> int:
+        return len(self.neighbours[rank])
+
+    def laplacian(self) -> np.ndarray:
+        """L with edge weight (1/d_i + 1/d_j) / 2: the rate of edge (i, j) when every worker
+        averages once per unit time with a uniformly chosen neighbour."""
+        n = self.num_workers
+        lap = np.zeros((n, n))
+        for i, j in self.edges():
+            w = 0.5 * (1.0 / self.degree(i) + 1.0 / self.degree(j))
+            lap[i, j] -= w
+            lap[j, i] -= w
+            lap[i, i] += w
+            lap[j, j] += w
+        return lap
+
+    def spectral_gap(self) -> float:
+        """1 - lambda_2(E[W]) of uniform pairwise gossip (module docstring)."""
+        eigenvalues = np.linalg.eigvalsh(self.laplacian())
+        return float(max(0.0, eigenvalues[1]) / self.num_workers)
+
+    def a2cid2_constants(self, rate_com: float) -> A2cid2Constants:
+        """chi_1, chi_2, eta and alpha~ for `rate_com` averagings per gradient step."""
+        if rate_com <= 0:
+            raise ValueError(f"rate_com must be positive, got {rate_com}")
+        lap = rate_com * self.laplacian()
+        chi_1 = 1.0 / float(np.linalg.eigvalsh(lap)[1])
+        pinv = np.linalg.pinv(lap, hermitian=True)
+        chi_2 = max(0.5 * float(pinv[i, i] + pinv[j, j] - 2 * pinv[i, j])
+                    for i, j in self.edges())
+        return A2cid2Constants(
+            chi_1=chi_1, chi_2=chi_2, eta=1.0 / (2.0 * math.sqrt(chi_1 * chi_2)),
+            alpha=0.5, alpha_tilde=0.5 * math.sqrt(chi_1 / chi_2))
+
+    def is_bipartite(self) -> bool:
+        return self.two_colouring() is not None
+
+    def two_colouring(self) -> tuple[int, ...] | None:
+        """Colour 0/1 per rank with every edge joining two colours, or None if there is
+        none (an odd cycle). Rank 0 gets colour 0."""
+        colour = [-1] * self.num_workers
+        for start in range(self.num_workers):
+            if colour[start] >= 0:
+                continue
+            colour[start] = 0
+            stack = [start]
+            while stack:
+                i = stack.pop()
+                for j in self.neighbours[i]:
+                    if colour[j] < 0:
+                        colour[j] = 1 - colour[i]
+                        stack.append(j)
+                    elif colour[j] == colour[i]:
+                        return None
+        return tuple(colour)
+
+    @classmethod
+    def from_edges(cls, name: str, num_workers: int, edges: Sequence[Edge]) -> Topology:
+        """A topology from undirected edges; ValueError if an edge is out of range, a self
+        loop, or the graph is disconnected. Duplicate edges count once."""
+        if num_workers < 2:
+            raise ValueError(f"a topology needs at least 2 workers, got {num_workers}")
+        sets: list[set[int]] = [set() for _ in range(num_workers)]
+        for i, j in edges:
+            if not (0 <= i < num_workers and 0 <= j < num_workers):
+                raise ValueError(f"{name}: edge ({i}, {j}) names a rank outside "
+                                 f"0..{num_workers - 1}")
+            if i == j:
+                raise ValueError(f"{name}: edge ({i}, {j}) is a self loop")
+            sets[i].add(j)
+            sets[j].add(i)
+        topology = cls(name=name, neighbours=tuple(tuple(sorted(s)) for s in sets))
+        components = topology.components()
+        if len(components) > 1:
+            shown = "; ".join(
+                "{" + ", ".join(map(str, c[:8])) + (", ..." if len(c) > 8 else "") + "}"
+                for c in components[:4])
+            raise ValueError(
+                f"{name} topology on {num_workers} workers is disconnected "
+                f"({len(components)} components: {shown}); gossip would never reach "
+                "consensus: add edges that join them")
+        return topology
+
+    def components(self) -> list[list[int]]:
+        seen = [False] * self.num_workers
+        found = []
+        for start in range(self.num_workers):
+            if seen[start]:
+                continue
+            seen[start] = True
+            stack, members = [start], []
+            while stack:
+                i = stack.pop()
+                members.append(i)
+                for j in self.neighbours[i]:
+                    if not seen[j]:
+                        seen[j] = True
+                        stack.append(j)
+            found.append(sorted(members))
+        return found
+
+
+def _ring(ranks: Sequence[int]) -> list[Edge]:
+    n = len(ranks)
+    return [(ranks[i], ranks[(i + 1) % n]) for i in range(n)] if n > 1 else []
+
+
+def _ring_based(ranks: Sequence[int]) -> list[Edge]:
+    """A ring plus, for each node, an edge to the node furthest round the ring."""
+    n = len(ranks)
+    far = [(ranks[i], ranks[(i + n // 2) % n]) for i in range(n)] if n > 2 else []
+    return _ring(ranks) + far
+
+
+def parse_edge_list(text: str, source: str = "topology file") -> list[Edge]:
+    """Edges from text: one `i j` pair of ranks per line; `#` starts a comment."""
+    edges = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.replace(",", " ").split()
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            edges.append((int(parts[0]), int(parts[1])))
+        except ValueError:
+            raise ValueError(f"{source} line {number}: expected two ranks 'i j', got "
+                             f"{raw.strip()!r}") from None
+    if not edges:
+        raise ValueError(f"{source} holds no edges")
+    return edges
+
+
+def build_topology(name: str, num_workers: int, *, nodes: Sequence[int] | None = None,
+                   edges: Sequence[Edge] = ()) -> Topology:
+    """The named graph on `num_workers` ranks.
+
+    Args:
+        name: one of TOPOLOGIES.
+        num_workers: ranks 0..num_workers-1.
+        nodes: node index per rank (hierarchical; default: every rank its own node).
+        edges: the edge list of the "file" topology (see parse_edge_list).
+    """
+    n = num_workers
+    if n < 2:
+        raise ValueError(f"a topology needs at least 2 workers, got {n}")
+    ranks = list(range(n))
+    if name == "complete":
+        found = [(i, j) for i in ranks for j in ranks if i < j]
+    elif name == "ring":
+        found = _ring(ranks)
+    elif name == "ring-based":
+        found = _ring_based(ranks)
+    elif name == "double-ring":
+        if n % 2 or n < 4:
+            raise ValueError(f"double-ring joins two equal rings node to node: it needs an "
+                             f"even number of workers >= 4, got {n}")
+        half = n // 2
+        found = (_ring_based(ranks[:half]) + _ring_based(ranks[half:])
+                 + [(i, i + half) for i in range(half)])
+    elif name == "exponential":
+        # Each rank links to the ranks 2^k hops away in both directions, each neighbour
+        # once however many k reach it (the A2CiD2 constants use this simple graph).
+        found = []
+        hop = 1
+        while hop < n:
+            found += [(i, (i + hop) % n) for i in ranks]
+            hop *= 2
+    elif name == "hierarchical":
+        node_of = list(nodes) if nodes is not None else ranks
+        if len(node_of) != n:
+            raise ValueError(f"hierarchical: {len(node_of)} node indices for {n} workers")
+        by_node: dict[int, list[int]] = {}
+        for rank, node in enumerate(node_of):
+            by_node.setdefault(node, []).append(rank)
+        groups = [by_node[k] for k in sorted(by_node)]
+        found = [(a, b) for g in groups for a in g for b in g if a < b]
+        if len(groups) > 1:
+            # Hosts in a ring: the l-th worker of a host links to the l-th (modulo size)
+            # worker of the next host.
+            for k, g in enumerate(groups):
+                nxt = groups[(k + 1) % len(groups)]
+                if len(groups) == 2 and k == 1:
+                    break
+                found += [(g[i], nxt[i % len(nxt)]) for i in range(len(g))]
+    elif name == "file":
+        found = list(edges)
+    else:
+        raise ValueError(f"unknown topology {name!r}; choose one of {', '.join(TOPOLOGIES)}")
+    return Topology.from_edges(name, n, found)
