@@ -65,9 +65,12 @@ class HarnessConfig:
             raise ValueError("need workers >= 2, repeats >= 1, target_loss > 0, max_epochs > 0")
 
 
-# About 5 minutes here: two scenarios, one repeat, an easier target.
+# About 5 minutes here: two scenarios, one repeat, an easier target, and the baseline
+# against one protocol of each family (the full matrix runs them all).
 QUICK_SCENARIOS = ("homogeneous", "slow-5x")
-QUICK = HarnessConfig(scenarios=QUICK_SCENARIOS, repeats=1, max_epochs=4.0, target_loss=2.0)
+QUICK_PROTOCOLS = ("allreduce", "ripples-smart", "adpsgd", "a2cid2")
+QUICK = HarnessConfig(protocols=QUICK_PROTOCOLS, scenarios=QUICK_SCENARIOS, repeats=1,
+                      max_epochs=4.0, target_loss=2.0)
 
 
 @dataclass(kw_only=True)
@@ -286,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"{QUICK.target_loss} (about 5 minutes)")
     parser.add_argument("--workers", type=int, default=defaults.workers)
     parser.add_argument("--workers-per-node", type=int, default=defaults.workers_per_node)
-    parser.add_argument("--protocols", default=",".join(defaults.protocols))
+    parser.add_argument("--protocols", help=f"comma-separated (default: all of "
+                                            f"{', '.join(defaults.protocols)}; with --quick: "
+                                            f"{', '.join(QUICK.protocols)})")
     parser.add_argument("--scenarios", help=f"comma-separated, from {', '.join(SCENARIOS)} "
                                             "(default: all)")
     parser.add_argument("--task", default=defaults.task)
@@ -305,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     base = QUICK if args.quick else defaults
     cfg = replace(
         base, workers=args.workers, workers_per_node=args.workers_per_node,
-        protocols=tuple(p for p in args.protocols.split(",") if p),
+        protocols=(tuple(p for p in args.protocols.split(",") if p) if args.protocols
+                   else base.protocols),
         scenarios=(tuple(s for s in args.scenarios.split(",") if s) if args.scenarios
                    else base.scenarios),
         task=args.task, batch_size=args.batch_size,

@@ -200,6 +200,12 @@ class LocalCluster:
         consensus = {k: sum(s[k].float() for s in states) / len(states) if
                      states[0][k].is_floating_point() else states[0][k] for k in states[0]}
         task = build_task(cfg.run.task, TaskOptions(seed=cfg.run.seed, device="cpu"))
+        # Exact consensus distance of the final models: mean squared distance of the
+        # workers' parameters to their average (the model the run returns).
+        names = [name for name, _ in task.model.named_parameters()]
+        consensus_distance = sum(
+            float(sum((s[n].double() - consensus[n].double()).square().sum() for n in names))
+            for s in states) / len(states)
         task.model.load_state_dict(consensus)
         torch.save(task.model.state_dict(), cfg.output / "model.pt")
         final_loss, accuracy = (evaluate(task) if task.eval_inputs is not None
@@ -229,6 +235,11 @@ class LocalCluster:
             "num_groups_formed": status.num_groups_formed,
             "num_conflicts": status.num_conflicts,
             "num_pending_waits": status.num_pending_waits,
+            "topology": cfg.run.topology,
+            "spectral_gap": status.spectral_gap,
+            "consensus_distance_final": consensus_distance,
+            "consensus_distance_estimate": (status.consensus_distance
+                                            if status.consensus_distance >= 0 else None),
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
             "workers": [
                 {"rank": w.rank, "worker_id": w.worker_id, "host": w.host,

@@ -65,13 +65,13 @@ class GroupStream:
             raise self._broken
 
     def request(self, iteration: int, wait_seconds: float,
-                progress: pb.Progress | None = None) -> pb.GroupReply:
+                progress: pb.Progress | None = None, *, listen: bool = False) -> pb.GroupReply:
         """Ask for the next group; the coordinator answers within `wait_seconds` (RETRY
-        if the group is not ready by then)."""
+        if the group is not ready by then). `listen`: only serve partners (adpsgd)."""
         self._check()
         self._outbox.put(pb.SyncMessage(request=pb.GroupRequest(
             worker_id=self.worker_id, iteration=iteration, timeout_seconds=wait_seconds,
-            progress=progress)))
+            progress=progress, listen=listen)))
         deadline = wait_seconds + self.reply_margin
         try:
             item = self._replies.get(timeout=deadline)
@@ -86,12 +86,13 @@ class GroupStream:
         return item
 
     def release(self, group_id: int, ok: bool, error: str = "",
-                preduce_seconds: float = 0.0) -> None:
-        """Acknowledge a group (ok) or report it failed; returns without waiting."""
+                preduce_seconds: float = 0.0, squared_distance: float | None = None) -> None:
+        """Acknowledge a group (ok) or report it failed; returns without waiting.
+        `squared_distance`: gossip pairs report ||x_i - x_j||^2 of the models averaged."""
         self._check()
         self._outbox.put(pb.SyncMessage(release=pb.ReleaseRequest(
             worker_id=self.worker_id, group_id=group_id, ok=ok, error=error,
-            preduce_seconds=preduce_seconds)))
+            preduce_seconds=preduce_seconds, squared_distance=squared_distance)))
 
     def close(self, timeout_seconds: float = 5.0) -> None:
         """Finish the stream after the queued messages are sent; cancel it if stuck."""

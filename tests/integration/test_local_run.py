@@ -61,3 +61,25 @@ def test_short_smart_run_is_accurate_and_splits_time(tmp_path: Path) -> None:
     # The straggler does fewer iterations; the others are not held to its pace.
     assert slow["iterations"] < min(w["iterations"] for w in fast)
     assert all(w["wait_seconds"] >= 0 for w in summary["workers"])
+
+
+@pytest.mark.parametrize(("protocol", "topology"), [
+    ("adpsgd", "ring"), ("adpsgd", "complete"), ("a2cid2", "ring"), ("a2cid2", "complete")])
+def test_gossip_protocol_reaches_the_loss_target_on_digits(
+        protocol: str, topology: str, tmp_path: Path) -> None:
+    out = tmp_path / protocol
+    proc = ripples_cli("run", "--workers", "4", "--protocol", protocol, "--topology", topology,
+                       "--task", "digits", "--epochs", "20", "--target-loss", str(TARGET_LOSS),
+                       "--seed", "1", "--output", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
+    assert summary["final_accuracy"] >= 0.85
+    assert summary["topology"] == topology
+    assert 0 < summary["spectral_gap"] <= 1
+    # Workers averaged in pairs while training, so they ended near their average.
+    assert summary["num_groups_formed"] >= 4
+    assert summary["consensus_distance_estimate"] is not None
+    assert summary["consensus_distance_estimate"] >= 0
+    assert 0 < summary["consensus_distance_final"] < 10.0
+    assert all(w["iterations"] > 0 for w in summary["workers"])

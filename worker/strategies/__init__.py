@@ -13,6 +13,8 @@ STRATEGIES: dict[str, str] = {
     "ripples-random": "ripples.worker.strategies.ripples_gg:GroupGeneratorStrategy",
     "ripples-smart": "ripples.worker.strategies.ripples_gg:GroupGeneratorStrategy",
     "ripples-static": "ripples.worker.strategies.ripples_static:StaticScheduleStrategy",
+    "adpsgd": "ripples.worker.strategies.gossip:GossipStrategy",
+    "a2cid2": "ripples.worker.strategies.gossip:GossipStrategy",
 }
 
 

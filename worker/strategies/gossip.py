@@ -1,0 +1,216 @@
+"""`adpsgd` and `a2cid2`: wait-free pairwise gossip with graph neighbours.
+
+The compute loop never waits for communication. After each gradient step it adds the
+deltas of the exchanges finished meanwhile, mixes A2CiD2's momentum, publishes a snapshot
+and tells the communication thread how many averagings the step owes. The communication
+thread owns every collective and every coordinator request of the protocol:
+
+- `adpsgd` (AD-PSGD, the Ripples paper's Fig. 3): for each owed averaging it asks the
+  coordinator to pair it with a random neighbour (the coordinator's group table orders
+  overlapping pairs, so no cycle of waits exists on any graph); while it owes nothing it
+  *listens*, so a partner that picks it is served at once rather than after its next
+  step (AD-PSGD's passive side). Bipartite mode: passive workers only listen.
+- `a2cid2`: while it owes averagings it is *available*; the coordinator pairs available
+  neighbours first-in-first-out. With momentum (the default) the model also follows
+  A2CiD2's continuous mixing with its momentum copy (worker/gossip.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import torch
+
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.gossip import GossipState, MomentumParameters, StepCredit, exchange_delta
+from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
+
+logger = logging.getLogger(__name__)
+
+LISTEN_POLL_SECONDS = 0.05
+"""adpsgd: a listening request returns after this long with no partner, so an averaging
+owed by the next step starts at most this late."""
+REQUEST_WAIT_SECONDS = 5.0
+"""Server-side bound on one wait for a partner; the thread then asks again."""
+MAX_BACKLOG_STEPS = 2
+"""Owed averagings are capped at this many steps' worth: a worker whose partners are all
+busy drops the excess (counted) instead of averaging in a burst later."""
+JOIN_SECONDS = 30.0
+
+
+class GossipStrategy(SyncStrategy):
+    """Runs the communication thread and applies its results at step boundaries."""
+
+    name = "gossip"
+
+    def __init__(self, ctx: SyncContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.config
+        self.pairing = cfg.protocol  # adpsgd | a2cid2
+        if self.pairing not in ("adpsgd", "a2cid2"):
+            raise ValueError(f"GossipStrategy does not run protocol {cfg.protocol!r}")
+        constants = ctx.start.gossip
+        momentum = MomentumParameters(eta=constants.eta, alpha_tilde=constants.alpha_tilde) \
+            if self.pairing == "a2cid2" and cfg.momentum else MomentumParameters()
+        self.passive = constants.passive
+        self.timeout = cfg.collective_timeout_seconds
+        self.state = GossipState(ctx.params.flat, momentum)
+        self._mine = torch.empty_like(ctx.params.flat)  # this side of an exchange
+        self.credit = StepCredit(cfg.rate_com, torch.Generator().manual_seed(
+            cfg.seed * 1000 + ctx.rank + 17), poisson=self.pairing == "a2cid2")
+        self.max_backlog = max(2, MAX_BACKLOG_STEPS * math.ceil(cfg.rate_com))
+        self.num_dropped = 0  # owed averagings dropped at the backlog cap
+        self.step_seconds = 0.0  # A2CiD2's delta: running estimate of one step's duration
+        self._last_boundary = time.perf_counter()
+        # Shared with the communication thread, under _cond.
+        self._cond = threading.Condition()
+        self._owed = 0
+        self._iteration = 0
+        self._finished: list[tuple[float, float]] = []  # (seconds, squared distance)
+        self._num_failed = 0
+        self._stop_reason = ""
+        self._error: BaseException | None = None
+        self._closing = False
+        self.stream = ctx.client.open_group_stream(ctx.worker_id)
+        self._thread = threading.Thread(target=self._communicate, daemon=True,
+                                         name=f"gossip-{ctx.worker_id}")
+        self._thread.start()
+
+    # ------------------------------------------------------------ compute thread
+    def should_stop(self, completed: int, planned: int) -> SyncResult | None:
+        with self._cond:
+            if self._error is not None:
+                raise RuntimeError(f"gossip communication failed: {self._error}") \
+                    from self._error
+            reason = self._stop_reason
+        if reason:
+            return SyncResult(stop=True, stop_reason=reason)
+        if self.ctx.stop_requested.is_set():
+            return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+        return None
+
+    def after_step(self, completed: int) -> SyncResult:
+        t0 = time.perf_counter()
+        elapsed = t0 - self._last_boundary
+        self._last_boundary = t0
+        if completed > 1:  # the first step includes warm-up: it does not set the clock
+            self.step_seconds = elapsed if self.step_seconds == 0 else \
+                0.5 * elapsed + 0.5 * self.step_seconds
+        if self.step_seconds > 0:
+            self.state.mix(elapsed / self.step_seconds)
+        self.state.apply_and_publish()
+        owed = 0 if self.passive else self.credit.next_step()
+        with self._cond:
+            self._iteration = completed
+            total = self._owed + owed
+            self._owed = min(total, self.max_backlog)
+            self.num_dropped += total - self._owed
+            finished, self._finished = self._finished, []
+            failed, self._num_failed = self._num_failed, 0
+            self._cond.notify_all()
+        boundary = time.perf_counter() - t0
+        return SyncResult(
+            preduce_seconds=boundary, num_groups=len(finished) + failed,
+            num_failed_groups=failed, group_sizes=(2,) * len(finished),
+            preduce_durations=tuple(seconds for seconds, _ in finished),
+            preduce_bytes=len(finished) * self.ctx.params.size_bytes)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(JOIN_SECONDS)
+        if self._thread.is_alive():
+            logger.warning("gossip thread still busy after %.0f s; leaving it", JOIN_SECONDS)
+        self.stream.close()
+
+    # ------------------------------------------------------------ communication thread
+    def _communicate(self) -> None:
+        try:
+            with torch.no_grad():
+                self._serve()
+        except BaseException as err:  # handed to the compute thread, which raises it
+            logger.error("gossip thread failed: %s", err)
+            with self._cond:
+                self._error = err
+
+    def _next_request(self) -> tuple[bool, int] | None:
+        """Wait until there is something to ask for: (listen, iteration), or None to end."""
+        with self._cond:
+            while True:
+                if self._closing:
+                    return None
+                if self._owed > 0:
+                    return False, self._iteration
+                if self.pairing == "adpsgd":
+                    return True, self._iteration
+                self._cond.wait(1.0)
+
+    def _serve(self) -> None:
+        waited_since: float | None = None
+        while (request := self._next_request()) is not None:
+            listen, iteration = request
+            wait = LISTEN_POLL_SECONDS if listen else REQUEST_WAIT_SECONDS
+            reply = self.stream.request(iteration, wait, self.ctx.progress(), listen=listen)
+            for comm_id in reply.evict_comm_ids:
+                self.ctx.comms.drop(self._key(comm_id))
+            if reply.outcome == pb.GROUP_OUTCOME_STOP:
+                with self._cond:
+                    self._stop_reason = reply.detail or "stopped by the coordinator"
+                return
+            if reply.outcome == pb.GROUP_OUTCOME_RETRY:
+                if not listen:
+                    waited_since = waited_since or time.perf_counter()
+                    waited = time.perf_counter() - waited_since
+                    if waited > max(300.0, 5 * self.timeout):
+                        raise TimeoutError(f"no partner for {waited:.0f} s: {reply.detail}")
+                continue
+            waited_since = None
+            if reply.outcome == pb.GROUP_OUTCOME_GROUP:
+                self._exchange(reply.group)
+                settled = self.pairing == "a2cid2" or (not listen and not reply.more)
+            else:  # NO_GROUP (no live neighbour) or CANCELLED (the partner left)
+                logger.info("no averaging: %s", reply.detail)
+                settled = reply.outcome == pb.GROUP_OUTCOME_NO_GROUP
+                if settled:
+                    time.sleep(LISTEN_POLL_SECONDS)
+            if settled and not listen:
+                with self._cond:
+                    self._owed = max(0, self._owed - 1)
+
+    def _key(self, comm_id: int) -> str:
+        return f"gossip/{self.ctx.config.run_id}/{comm_id}"
+
+    def _exchange(self, group: pb.Group) -> None:
+        """Average with the partner; the result reaches the model at the next boundary."""
+        members = list(group.members)
+        key = self._key(group.comm_id)
+        mine = self._mine
+        t0 = time.perf_counter()
+        try:
+            comm = self.ctx.comms.get(key, members.index(self.ctx.worker_id), len(members),
+                                      create=group.create_comm)
+            self.state.current(out=mine)
+            # A fresh buffer per exchange: a failed collective may still write into its
+            # buffer later (notes/preduce-findings.md rule 4).
+            pair = torch.mul(mine, 1.0 / len(members))
+            comm.allreduce_sum_(pair, self.timeout)
+        except (RuntimeError, TimeoutError, ValueError) as err:
+            seconds = time.perf_counter() - t0
+            self.ctx.comms.drop(key)
+            logger.warning("exchange %d with %s failed: %s", group.group_id, members, err)
+            self.stream.release(group.group_id, ok=False, error=str(err)[:500],
+                                preduce_seconds=seconds)
+            with self._cond:
+                self._num_failed += 1
+            return
+        distance = exchange_delta(mine, pair)
+        self.state.add_delta(pair)
+        seconds = time.perf_counter() - t0
+        self.stream.release(group.group_id, ok=True, preduce_seconds=seconds,
+                            squared_distance=distance)
+        with self._cond:
+            self._finished.append((seconds, distance))
