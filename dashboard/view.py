@@ -173,8 +173,9 @@ class RunView:
     def _edge_list(self, status: pb.RunStatus, now: float) -> list[dict[str, Any]]:
         """Edges of the topology graph: who averages with whom.
 
-        Group-generator protocols: the pairs that shared a group lately, weighted by
-        recency. Lock-step protocols form their groups without the coordinator, so their
+        Group-generator and gossip protocols: the pairs that shared a group lately,
+        weighted by recency; on a sparse topology, every edge of the graph so weighted.
+        Lock-step protocols form their groups without the coordinator, so their
         edges come from the protocol itself (all pairs for allreduce; the pairs of one
         period of the static schedule)."""
         protocol = status.config.protocol
@@ -186,9 +187,19 @@ class RunView:
                     for i, a in enumerate(ranks) for b in ranks[i + 1:]]
         if protocol == "ripples-static" and status.started and ids:
             return self._static_edges(status, ids)
-        return [{"a": a, "b": b, "weight": round(max(0.0, 1 - (now - seen)
-                                                     / EDGE_MEMORY_SECONDS), 3)}
-                for (a, b), seen in sorted(self._edges.items())]
+        if status.topology_edges:  # a sparse topology: every edge, brighter when used lately
+            live = set(ids.values())
+            return [{"a": e.a, "b": e.b, "weight": self._recency((e.a, e.b), now)}
+                    for e in status.topology_edges if e.a in live and e.b in live]
+        return [{"a": a, "b": b, "weight": self._recency((a, b), now)}
+                for a, b in sorted(self._edges)]
+
+    def _recency(self, pair: tuple[int, int], now: float) -> float:
+        """1 if the pair averaged together just now, fading to 0 over EDGE_MEMORY_SECONDS."""
+        seen = self._edges.get(pair)
+        if seen is None:
+            return 0.0
+        return round(max(0.0, 1 - (now - seen) / EDGE_MEMORY_SECONDS), 3)
 
     @staticmethod
     def _static_edges(status: pb.RunStatus, ids: dict[int, int]) -> list[dict[str, Any]]:

@@ -101,3 +101,12 @@ def test_curves_and_speeds_only_follow_workers_that_train() -> None:
     assert left["worker_loss_curves"] == later["worker_loss_curves"]
     assert len(later["worker_loss_curves"]["0"]) == 2
     assert [w["iterations_per_second"] for w in later["workers"]] == [None, None]
+
+
+def test_a_sparse_topology_shows_every_edge_brightest_where_pairs_averaged() -> None:
+    view = RunView()
+    status = _status({0: 1, 1: 1, 2: 1, 3: 1}, protocol="a2cid2", groups=[(0, 1)])
+    status.topology_edges.extend(pb.TopologyEdge(a=a, b=b)
+                                 for a, b in [(0, 1), (0, 3), (1, 2), (2, 3)])
+    edges = {(e["a"], e["b"]): e["weight"] for e in view.update(status, now=0.0)["edges"]}
+    assert edges == {(0, 1): 1.0, (0, 3): 0.0, (1, 2): 0.0, (2, 3): 0.0}
