@@ -54,6 +54,8 @@ COORDINATOR_METRICS = {
     "ripples_coordinator_mean_training_loss": "gauge",
     "ripples_coordinator_run_elapsed_seconds": "gauge",
     "ripples_coordinator_run_stopped": "gauge",
+    "ripples_coordinator_topology_spectral_gap": "gauge",
+    "ripples_coordinator_consensus_distance": "gauge",
     "ripples_coordinator_group_request_duration_seconds": "histogram",
 }
 ALLOWED_LABELS = {"worker", "host", "protocol", "phase", "state", "task", "le"}
