@@ -5,8 +5,15 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ripples.coordinator.topology import TOPOLOGIES, Edge, build_topology, parse_edge_list
+from ripples.coordinator.topology import (
+    TOPOLOGIES,
+    Edge,
+    Topology,
+    build_topology,
+    parse_edge_list,
+)
 from ripples.v1 import coordinator_pb2 as pb
 
 # Protocol name -> how the coordinator takes part. "group:<policy>" protocols ask the
@@ -88,6 +95,9 @@ class RunSettings:
     """Communicators cached per worker before the coordinator orders evictions."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Names this run's communicators in the rendezvous store."""
+    _file_edges: list[Edge] = field(default_factory=list, init=False, repr=False,
+                                    compare=False)
+    """The edges of topology "file", read once by validate()."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,14 +119,17 @@ class RunSettings:
 
     def topology_edges(self) -> list[Edge]:
         """The edges of topology "file" (empty for the built-in graphs)."""
-        if self.topology != "file":
-            return []
-        try:
-            text = open(self.topology_file, encoding="utf-8").read()  # noqa: SIM115
-        except OSError as err:
-            raise ValueError(f"cannot read topology_file {self.topology_file!r}: "
-                             f"{err.strerror}") from None
-        return parse_edge_list(text, self.topology_file)
+        return list(self._file_edges)
+
+    def check_topology(self, topology: Topology) -> None:
+        """Raise ValueError if the protocol cannot run on `topology` (adpsgd's bipartite
+        mode needs a bipartite graph)."""
+        if (self.protocol == "adpsgd" and self.adpsgd_mode == "bipartite"
+                and not topology.is_bipartite()):
+            raise ValueError(
+                f"adpsgd_mode bipartite needs a bipartite graph; the {self.topology} "
+                f"topology on {topology.num_workers} workers has an odd cycle (use an even "
+                "ring, or adpsgd_mode serialised, which works on any connected graph)")
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix."""
@@ -163,15 +176,16 @@ class RunSettings:
         if self.adpsgd_mode not in ADPSGD_MODES:
             raise ValueError(f"unknown adpsgd_mode {self.adpsgd_mode!r}; choose one of "
                              f"{', '.join(ADPSGD_MODES)}")
+        if self.topology == "file":
+            try:
+                text = Path(self.topology_file).read_text(encoding="utf-8")
+            except OSError as err:
+                raise ValueError(f"cannot read topology_file {self.topology_file!r}: "
+                                 f"{err.strerror}") from None
+            self._file_edges = parse_edge_list(text, self.topology_file)
         if self.topology != "hierarchical":  # needs the hosts, checked when the run starts
-            topology = build_topology(self.topology, self.num_workers,
-                                      edges=self.topology_edges())
-            if (self.protocol == "adpsgd" and self.adpsgd_mode == "bipartite"
-                    and not topology.is_bipartite()):
-                raise ValueError(
-                    f"adpsgd_mode bipartite needs a bipartite graph; the {self.topology} "
-                    f"topology on {self.num_workers} workers has an odd cycle (use an even "
-                    "ring, or adpsgd_mode serialised, which works on any connected graph)")
+            self.check_topology(build_topology(self.topology, self.num_workers,
+                                               edges=self._file_edges))
 
     def to_proto(self) -> pb.RunConfig:
         return pb.RunConfig(

@@ -124,6 +124,7 @@ class CoordinatorCore:
         self.pairing = FifoPairing() if settings.gossip_pairing == "a2cid2" else None
         self.topology: Topology | None = None  # on ranks; built when the run starts
         self.neighbours: dict[int, tuple[int, ...]] | None = None  # worker id -> ids
+        self.edges: list[tuple[int, int]] = []  # the topology's edges as worker ids, a < b
         self.gossip_constants: A2cid2Constants | None = None
         self.spectral_gap = 0.0  # of the topology, once the run has started
         self.passive: frozenset[int] = frozenset()  # adpsgd bipartite: never initiate
@@ -219,8 +220,11 @@ class CoordinatorCore:
         self.topology = build_topology(s.topology, len(ordered),
                                        nodes=[w.node for w in ordered],
                                        edges=s.topology_edges())
+        s.check_topology(self.topology)
         self.spectral_gap = self.topology.spectral_gap()
         by_rank = [w.worker_id for w in ordered]
+        self.edges = sorted((min(by_rank[i], by_rank[j]), max(by_rank[i], by_rank[j]))
+                            for i, j in self.topology.edges())
         if s.topology != "complete":
             self.neighbours = {by_rank[r]: tuple(by_rank[j] for j in ns)
                                for r, ns in enumerate(self.topology.neighbours)}
@@ -228,24 +232,16 @@ class CoordinatorCore:
             self.gossip_constants = self.topology.a2cid2_constants(s.rate_com)
         if s.gossip_pairing == "adpsgd" and s.adpsgd_mode == "bipartite":
             colours = self.topology.two_colouring()
-            if colours is None:
-                raise ValueError(f"adpsgd_mode bipartite needs a bipartite graph; the "
-                                 f"{s.topology} topology here has an odd cycle")
+            assert colours is not None, "check_topology admits bipartite graphs only"
             self.passive = frozenset(by_rank[r] for r, c in enumerate(colours) if c == 1)
 
     def neighbours_of(self, worker_id: int) -> tuple[int, ...]:
-        """The worker ids `worker_id` may average with (all others on a complete graph)."""
+        """The live workers `worker_id` may average with (all others on a complete graph)."""
+        live = [w.worker_id for w in self.live() if w.worker_id != worker_id]
         if self.neighbours is None:
-            return tuple(w.worker_id for w in self.live() if w.worker_id != worker_id)
-        return self.neighbours.get(worker_id, ())
-
-    def topology_edges(self) -> list[tuple[int, int]]:
-        """Edges as worker-id pairs (a < b), once the run has started."""
-        if self.topology is None:
-            return []
-        by_rank = {w.rank: w.worker_id for w in self.workers.values() if w.rank >= 0}
-        return sorted(tuple(sorted((by_rank[i], by_rank[j])))  # type: ignore[misc]
-                      for i, j in self.topology.edges())
+            return tuple(live)
+        allowed = self.neighbours.get(worker_id, ())
+        return tuple(w for w in live if w in allowed)
 
     def static_layout_error(self) -> str | None:
         """Why the static schedule cannot run on the registered workers, or None."""
@@ -398,8 +394,7 @@ class CoordinatorCore:
         w.state = WorkerState.WAITING
         w.wait_started_at = now
         self.pairing.withdraw(w.worker_id)  # defensive: one place in the queue per worker
-        live = {x.worker_id for x in self.live()}
-        neighbours = [n for n in self.neighbours_of(w.worker_id) if n in live]
+        neighbours = self.neighbours_of(w.worker_id)
         if not neighbours:
             return self._decide(w, Outcome.NO_GROUP, now, detail="no live neighbour"), {}
         partner = self.pairing.offer(w.worker_id, neighbours)
@@ -446,16 +441,16 @@ class CoordinatorCore:
         squared_distance: float | None = None,
     ) -> Deliveries:
         w = self.worker(worker_id)
-        if squared_distance is not None and ok:
-            if not squared_distance >= 0:  # also rejects NaN
-                raise CoordinatorError("INVALID_ARGUMENT",
-                                       f"squared_distance must be >= 0, got {squared_distance}")
-            self.pair_sq_distances.append(squared_distance)
+        if squared_distance is not None and not squared_distance >= 0:  # also rejects NaN
+            raise CoordinatorError("INVALID_ARGUMENT",
+                                   f"squared_distance must be >= 0, got {squared_distance}")
         group = self.table.get(group_id)
         if group is not None and worker_id in group.members and not group.delivered:
             raise CoordinatorError(
                 "FAILED_PRECONDITION", f"group {group_id} was not delivered to worker {worker_id}"
             )
+        if squared_distance is not None and ok:
+            self.pair_sq_distances.append(squared_distance)
         if not ok:
             self.num_failed += 1
             if group is not None:

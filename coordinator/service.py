@@ -361,7 +361,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             num_lease_expirations=core.num_lease_expirations,
             iterations_to_target=(core.iterations_to_target
                                   if core.iterations_to_target is not None else -1),
-            topology_edges=[pb.TopologyEdge(a=a, b=b) for a, b in core.topology_edges()],
+            topology_edges=[pb.TopologyEdge(a=a, b=b) for a, b in core.edges],
             spectral_gap=core.spectral_gap,
             consensus_distance=distance if distance is not None else -1.0,
         )

@@ -245,7 +245,7 @@ def test_consensus_distance_is_estimated_from_pair_distances() -> None:
 def test_topology_reaches_the_group_generator_and_the_views() -> None:
     core = _started("ripples-random", n=6, topology="ring", group_size=2)
     assert core.neighbours_of(0) == (1, 5)
-    assert core.topology_edges() == [(0, 1), (0, 5), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert core.edges == [(0, 1), (0, 5), (1, 2), (2, 3), (3, 4), (4, 5)]
     assert core.spectral_gap == pytest.approx(build_topology("ring", 6).spectral_gap())
     for it in range(1, 30):
         decision, _ = core.request_group(0, it, 0.1 * it)
