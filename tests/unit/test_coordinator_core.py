@@ -226,6 +226,7 @@ class Simulation:
         """Round-robin with no failures: everyone progresses, or the run ends for all."""
         start = {w.worker_id: w.iteration for w in self.live()}
         for _ in range(PROGRESS_ROUNDS):
+            self.before_fair_round()
             if self.core.stopped and all(w.mode == "stopped" for w in self.live()):
                 return
             if all(w.iteration - start[w.worker_id] >= min_progress for w in self.live()):
@@ -236,6 +237,9 @@ class Simulation:
                 if w.mode in ("compute", "reducing"):
                     self.act(w)
         pytest.fail("starvation: no progress within the bound; " + self.describe())
+
+    def before_fair_round(self) -> None:
+        """A hook for subclasses: events every round of the fair phase begins with."""
 
     def describe(self) -> str:
         workers = {w.worker_id: (w.mode, w.iteration, self.core.table.buffer(w.worker_id))

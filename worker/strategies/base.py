@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,8 +14,11 @@ import torch.distributed as dist
 
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from ripples.worker.communicators import CommunicatorCache
+from ripples.worker.communicators import Communicator, CommunicatorCache
 from ripples.worker.flat_params import FlatParameters
+from ripples.worker.group_stream import GroupStream
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -88,3 +93,28 @@ class SyncStrategy(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook, deliberately empty)
         """Release protocol resources (not communicators: the daemon owns the cache)."""
+
+
+def run_group_collective(
+    ctx: SyncContext, stream: GroupStream, group: pb.Group, key: str,
+    collective: Callable[[Communicator], float | None],
+) -> tuple[float, bool]:
+    """Run `collective` on the group's communicator (`key` in the cache), then release the
+    group: ok, with the squared distance `collective` returns if any; or failed, with the
+    communicator dropped and never rebuilt (notes/preduce-findings.md rule 4).
+    Returns (seconds, ok)."""
+    members = list(group.members)
+    t0 = time.perf_counter()
+    try:
+        comm = ctx.comms.get(key, members.index(ctx.worker_id), len(members),
+                             create=group.create_comm)
+        distance = collective(comm)
+    except (RuntimeError, TimeoutError, ValueError) as err:
+        seconds = time.perf_counter() - t0
+        ctx.comms.drop(key)
+        logger.warning("group %d %s failed: %s", group.group_id, members, err)
+        stream.release(group.group_id, ok=False, error=str(err)[:500], preduce_seconds=seconds)
+        return seconds, False
+    seconds = time.perf_counter() - t0
+    stream.release(group.group_id, ok=True, preduce_seconds=seconds, squared_distance=distance)
+    return seconds, True

@@ -25,8 +25,14 @@ import time
 import torch
 
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.communicators import Communicator
 from ripples.worker.gossip import GossipState, MomentumParameters, StepCredit, exchange_delta
-from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
+from ripples.worker.strategies.base import (
+    SyncContext,
+    SyncResult,
+    SyncStrategy,
+    run_group_collective,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +75,7 @@ class GossipStrategy(SyncStrategy):
         self._cond = threading.Condition()
         self._owed = 0
         self._iteration = 0
-        self._finished: list[tuple[float, float]] = []  # (seconds, squared distance)
+        self._finished: list[float] = []  # seconds of each exchange since the boundary
         self._num_failed = 0
         self._stop_reason = ""
         self._error: BaseException | None = None
@@ -115,7 +121,7 @@ class GossipStrategy(SyncStrategy):
         return SyncResult(
             preduce_seconds=boundary, num_groups=len(finished) + failed,
             num_failed_groups=failed, group_sizes=(2,) * len(finished),
-            preduce_durations=tuple(seconds for seconds, _ in finished),
+            preduce_durations=tuple(finished),
             preduce_bytes=len(finished) * self.ctx.params.size_bytes)
 
     def close(self) -> None:
@@ -186,31 +192,22 @@ class GossipStrategy(SyncStrategy):
 
     def _exchange(self, group: pb.Group) -> None:
         """Average with the partner; the result reaches the model at the next boundary."""
-        members = list(group.members)
-        key = self._key(group.comm_id)
-        mine = self._mine
-        t0 = time.perf_counter()
-        try:
-            comm = self.ctx.comms.get(key, members.index(self.ctx.worker_id), len(members),
-                                      create=group.create_comm)
-            self.state.current(out=mine)
-            # A fresh buffer per exchange: a failed collective may still write into its
-            # buffer later (notes/preduce-findings.md rule 4).
-            pair = torch.mul(mine, 1.0 / len(members))
-            comm.allreduce_sum_(pair, self.timeout)
-        except (RuntimeError, TimeoutError, ValueError) as err:
-            seconds = time.perf_counter() - t0
-            self.ctx.comms.drop(key)
-            logger.warning("exchange %d with %s failed: %s", group.group_id, members, err)
-            self.stream.release(group.group_id, ok=False, error=str(err)[:500],
-                                preduce_seconds=seconds)
-            with self._cond:
+        seconds, ok = run_group_collective(self.ctx, self.stream, group,
+                                           self._key(group.comm_id), self._average_with)
+        with self._cond:
+            if ok:
+                self._finished.append(seconds)
+            else:
                 self._num_failed += 1
-            return
+
+    def _average_with(self, comm: Communicator) -> float:
+        """One exchange on `comm`: hands the delta to the state, returns ||w_i - w_j||^2."""
+        mine = self._mine
+        self.state.current(out=mine)
+        # A fresh buffer per exchange: a failed collective may still write into its
+        # buffer later (notes/preduce-findings.md rule 4).
+        pair = torch.mul(mine, 1.0 / comm.size)
+        comm.allreduce_sum_(pair, self.timeout)
         distance = exchange_delta(mine, pair)
         self.state.add_delta(pair)
-        seconds = time.perf_counter() - t0
-        self.stream.release(group.group_id, ok=True, preduce_seconds=seconds,
-                            squared_distance=distance)
-        with self._cond:
-            self._finished.append((seconds, distance))
+        return distance

@@ -7,7 +7,12 @@ import time
 
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.preduce import preduce
-from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
+from ripples.worker.strategies.base import (
+    SyncContext,
+    SyncResult,
+    SyncStrategy,
+    run_group_collective,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +35,6 @@ class GroupGeneratorStrategy(SyncStrategy):
         self.timeout = ctx.config.collective_timeout_seconds
         # A group may wait for slow peers' iterations; give up only after this long.
         self.max_group_wait_seconds = max(300.0, 5 * self.timeout)
-        self.num_failed_groups = 0
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
@@ -78,24 +82,9 @@ class GroupGeneratorStrategy(SyncStrategy):
 
     def _execute(self, group: pb.Group) -> tuple[float, bool]:
         """Run one P-Reduce; returns its seconds and whether it succeeded."""
-        members = list(group.members)
-        key = f"gg/{self.ctx.config.run_id}/{group.comm_id}"
-        t0 = time.perf_counter()
-        try:
-            comm = self.ctx.comms.get(key, members.index(self.ctx.worker_id), len(members),
-                                      create=group.create_comm)
-            preduce(self.averaged_state(), comm, self.timeout)
-        except (RuntimeError, TimeoutError, ValueError) as err:
-            seconds = time.perf_counter() - t0
-            self.num_failed_groups += 1
-            self.ctx.comms.drop(key)
-            logger.warning("P-Reduce of group %d %s failed: %s", group.group_id, members, err)
-            self.stream.release(group.group_id, ok=False, error=str(err)[:500],
-                                preduce_seconds=seconds)
-            return seconds, False
-        seconds = time.perf_counter() - t0
-        self.stream.release(group.group_id, ok=True, preduce_seconds=seconds)
-        return seconds, True
+        return run_group_collective(
+            self.ctx, self.stream, group, f"gg/{self.ctx.config.run_id}/{group.comm_id}",
+            lambda comm: preduce(self.averaged_state(), comm, self.timeout))
 
     def close(self) -> None:
         self.stream.close()
