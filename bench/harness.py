@@ -32,14 +32,45 @@ from pathlib import Path
 
 from ripples.bench.scenarios import SCENARIOS, Scenario
 from ripples.coordinator.config import PROTOCOLS
+from ripples.coordinator.topology import TOPOLOGIES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """A protocol run with extra `ripples run` flags: a row of its own in the matrix."""
+
+    protocol: str
+    flags: tuple[str, ...]
+    description: str
+
+
+VARIANTS: dict[str, Variant] = {
+    "a2cid2-no-momentum": Variant(
+        protocol="a2cid2", flags=("--no-momentum",),
+        description="A2CiD2's asynchronous baseline: the same FIFO gossip, no momentum"),
+}
+MATRIX_PROTOCOLS: tuple[str, ...] = (*PROTOCOLS, *VARIANTS)
+"""What the matrix can run: every registered protocol, then the variants."""
+
+
+def base_protocol(name: str) -> str:
+    """The registered protocol a matrix entry runs (a variant's, or the name itself)."""
+    return VARIANTS[name].protocol if name in VARIANTS else name
+
+
+def takes_topology(name: str) -> bool:
+    """Lockstep protocols (allreduce, ripples-static) synchronise every worker together
+    and ignore a topology; the group and gossip protocols run on it."""
+    return PROTOCOLS[base_protocol(name)] != "lockstep"
 
 
 @dataclass(kw_only=True)
 class HarnessConfig:
     workers: int = 8
     workers_per_node: int = 4
-    protocols: tuple[str, ...] = tuple(PROTOCOLS)
-    """Every registered protocol by default: protocols added later join the matrix."""
+    protocols: tuple[str, ...] = MATRIX_PROTOCOLS
+    """Every registered protocol and variant by default: protocols added later join the
+    matrix."""
     scenarios: tuple[str, ...] = tuple(SCENARIOS)
     task: str = "synthetic-cnn"
     batch_size: int = 16
@@ -53,11 +84,23 @@ class HarnessConfig:
     """Seed of the first repeat; repeat r uses seed + r."""
     output: Path = Path("runs/bench")
     run_timeout_seconds: float = 900.0
+    topology: str = "complete"
+    """Graph for the protocols that take one (group and gossip protocols); allreduce and
+    ripples-static always synchronise all workers."""
+    rate_com: float = 1.0
+    """Gossip: expected pairwise averagings per worker per gradient step, equal for every
+    gossip protocol of the matrix."""
 
     def validate(self) -> None:
-        unknown = [p for p in self.protocols if p not in PROTOCOLS]
+        unknown = [p for p in self.protocols if p not in MATRIX_PROTOCOLS]
         if unknown:
-            raise ValueError(f"unknown protocol(s) {unknown}; choose from {sorted(PROTOCOLS)}")
+            raise ValueError(f"unknown protocol(s) {unknown}; choose from "
+                             f"{', '.join(MATRIX_PROTOCOLS)}")
+        if self.topology not in TOPOLOGIES or self.topology == "file":
+            raise ValueError(f"unknown topology {self.topology!r}; choose one of "
+                             f"{', '.join(t for t in TOPOLOGIES if t != 'file')}")
+        if not 0 < self.rate_com <= 100:
+            raise ValueError(f"rate_com must be in (0, 100], got {self.rate_com}")
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
         if unknown:
             raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
@@ -92,26 +135,46 @@ class RunRecord:
     preduce_seconds_per_iteration: float
     speedup_vs_allreduce: float | None = None
     loss_curve: list[list[float]] = field(default_factory=list)
+    consensus_distance_mean: float | None = None
+    """Gossip: the coordinator's consensus-distance estimate, averaged over the run's
+    samples (None for protocols without pairwise exchanges, and in older records)."""
+    consensus_distance_final: float | None = None
+    """Exact consensus distance of the workers' final models."""
 
 
-def run_one(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int) -> RunRecord:
-    out = cfg.output / "runs" / f"{scenario.name}-{protocol}-{repeat}"
-    cmd = [sys.executable, "-m", "ripples.cli", "run", "--quiet",
+def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int,
+                out: Path) -> list[str]:
+    """The `ripples run` command line of one matrix entry."""
+    extra = list(VARIANTS[protocol].flags) if protocol in VARIANTS else []
+    if takes_topology(protocol) and cfg.topology != "complete":
+        extra += ["--topology", cfg.topology]
+    if PROTOCOLS[base_protocol(protocol)].startswith("gossip:"):
+        extra += ["--rate-com", f"{cfg.rate_com:g}"]
+    return [sys.executable, "-m", "ripples.cli", "run", "--quiet",
            "--workers", str(cfg.workers), "--workers-per-node", str(cfg.workers_per_node),
-           "--protocol", protocol, "--task", cfg.task, "--batch-size", str(cfg.batch_size),
+           "--protocol", base_protocol(protocol), *extra,
+           "--task", cfg.task, "--batch-size", str(cfg.batch_size),
            "--target-loss", str(cfg.target_loss), "--epochs", str(cfg.max_epochs),
            "--seed", str(cfg.seed + repeat), "--output", str(out),
            "--timeout-seconds", str(cfg.run_timeout_seconds),
            *scenario.slowdown_flags(cfg.workers)]
+
+
+def run_one(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int) -> RunRecord:
+    out = cfg.output / "runs" / f"{scenario.name}-{protocol}-{repeat}"
+    cmd = run_command(cfg, scenario, protocol, repeat, out)
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           timeout=cfg.run_timeout_seconds + 120)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return record_from_summary(summary, scenario.name, repeat)
+    return record_from_summary(summary, scenario.name, repeat, protocol)
 
 
-def record_from_summary(summary: dict, scenario: str, repeat: int) -> RunRecord:
+def record_from_summary(summary: dict, scenario: str, repeat: int,
+                        protocol: str | None = None) -> RunRecord:
+    """One run's record; `protocol` names the matrix entry (a variant) when it is not
+    the summary's protocol."""
     workers = summary["workers"]
     total = max(sum(w["iterations"] for w in workers), 1)
 
@@ -119,7 +182,7 @@ def record_from_summary(summary: dict, scenario: str, repeat: int) -> RunRecord:
         return sum(w[key] for w in workers) / total
 
     return RunRecord(
-        scenario=scenario, protocol=summary["protocol"], repeat=repeat,
+        scenario=scenario, protocol=protocol or summary["protocol"], repeat=repeat,
         time_to_target_seconds=summary["time_to_target_seconds"],
         seconds_per_epoch=summary["seconds_per_epoch"],
         iterations_to_target=summary["iterations_to_target"],
@@ -130,6 +193,8 @@ def record_from_summary(summary: dict, scenario: str, repeat: int) -> RunRecord:
         wait_seconds_per_iteration=per_iteration("wait_seconds"),
         preduce_seconds_per_iteration=per_iteration("preduce_seconds"),
         loss_curve=summary["loss_curve"],
+        consensus_distance_mean=summary.get("consensus_distance_mean"),
+        consensus_distance_final=summary.get("consensus_distance_final"),
     )
 
 
@@ -155,7 +220,8 @@ def medians(records: list[RunRecord]) -> list[dict]:
     numeric = ["time_to_target_seconds", "seconds_per_epoch", "iterations_to_target",
                "final_loss", "final_train_loss", "seconds_per_iteration",
                "compute_seconds_per_iteration", "wait_seconds_per_iteration",
-               "preduce_seconds_per_iteration", "speedup_vs_allreduce"]
+               "preduce_seconds_per_iteration", "speedup_vs_allreduce",
+               "consensus_distance_mean", "consensus_distance_final"]
     rows = []
     for scenario, protocol in keys:
         runs = [r for r in records if (r.scenario, r.protocol) == (scenario, protocol)]
@@ -192,11 +258,13 @@ def load_finished(cfg: HarnessConfig) -> list[RunRecord]:
         return []
     if config_path.exists():
         before = json.loads(config_path.read_text())
-        now = _config_dict(cfg)
-        changed = sorted(k for k in now if k != "output" and before.get(k) != now[k])
+        now, defaults = _config_dict(cfg), _config_dict(HarnessConfig())
+        # An option newer than the interrupted bench had its default there.
+        before = {k: before.get(k, defaults[k]) for k in now}
+        changed = sorted(k for k in now if k != "output" and before[k] != now[k])
         if changed:
             raise ValueError(f"cannot resume {cfg.output}: it was run with other options "
-                             f"({', '.join(f'{k}={before.get(k)!r}' for k in changed)})")
+                             f"({', '.join(f'{k}={before[k]!r}' for k in changed)})")
     records = []
     for number, line in enumerate(records_path.read_text().splitlines(), 1):
         if not line.strip():
@@ -256,12 +324,15 @@ def _fmt(value: object, spec: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'scenario':<12} {'protocol':<15} {'to target':>10} {'speedup':>8} "
+    """The medians as a text table; a consensus-distance column (mean of the run's
+    estimates) when some protocol gossiped."""
+    gossip = any(row.get("consensus_distance_mean") is not None for row in rows)
+    lines = [f"{'scenario':<12} {'protocol':<18} {'to target':>10} {'speedup':>8} "
              f"{'s/epoch':>8} {'vs homog':>8} {'iters':>7} {'s/iter':>7} {'compute':>8} "
-             f"{'wait':>6} {'preduce':>8}"]
+             f"{'wait':>6} {'preduce':>8}" + (f" {'consensus':>10}" if gossip else "")]
     for row in rows:
         lines.append(
-            f"{row['scenario']:<12} {row['protocol']:<15} "
+            f"{row['scenario']:<12} {row['protocol']:<18} "
             f"{_fmt(row['time_to_target_seconds'], '.1f'):>9}s "
             f"{_fmt(row['speedup_vs_allreduce'], '.2f'):>7}x "
             f"{_fmt(row['seconds_per_epoch'], '.2f'):>8} "
@@ -270,7 +341,8 @@ def format_table(rows: list[dict]) -> str:
             f"{_fmt(row['seconds_per_iteration'], '.3f'):>7} "
             f"{_fmt(row['compute_seconds_per_iteration'], '.3f'):>8} "
             f"{_fmt(row['wait_seconds_per_iteration'], '.3f'):>6} "
-            f"{_fmt(row['preduce_seconds_per_iteration'], '.3f'):>8}")
+            f"{_fmt(row['preduce_seconds_per_iteration'], '.3f'):>8}"
+            + (f" {_fmt(row.get('consensus_distance_mean'), '.3g'):>10}" if gossip else ""))
     return "\n".join(lines)
 
 
@@ -294,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
                                             f"{', '.join(QUICK.protocols)})")
     parser.add_argument("--scenarios", help=f"comma-separated, from {', '.join(SCENARIOS)} "
                                             "(default: all)")
+    parser.add_argument("--topology", default=defaults.topology,
+                        help="graph for the group and gossip protocols: "
+                             f"{', '.join(t for t in TOPOLOGIES if t != 'file')} "
+                             "(allreduce and ripples-static ignore it; default %(default)s)")
+    parser.add_argument("--rate-com", type=float, default=defaults.rate_com,
+                        help="gossip averagings per worker per step, the same for every "
+                             "gossip protocol (default %(default)s)")
     parser.add_argument("--task", default=defaults.task)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--target-loss", type=float,
@@ -317,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         task=args.task, batch_size=args.batch_size,
         target_loss=args.target_loss or base.target_loss,
         max_epochs=args.max_epochs or base.max_epochs, repeats=args.repeats or base.repeats,
-        seed=args.seed, output=args.output,
+        seed=args.seed, output=args.output, topology=args.topology, rate_com=args.rate_com,
     )
     try:
         cfg.validate()

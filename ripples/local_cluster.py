@@ -94,6 +94,9 @@ class LocalCluster:
         self.config = config
         self.server: CoordinatorServer | None = None
         self.processes: list[mp.process.BaseProcess] = []
+        self.consensus_curve: list[list[float]] = []
+        """[seconds, estimate] of the coordinator's consensus distance, about once a second
+        while the run trains (gossip protocols only: others report no estimate)."""
 
     def run(self) -> dict[str, object]:
         cfg = self.config
@@ -153,6 +156,7 @@ class LocalCluster:
             if failed:
                 client.stop_run("a worker failed")
                 raise RuntimeError("; ".join(failed))
+            self._sample_consensus(status)
             if all(not p.is_alive() for p in self.processes):
                 return client.run_status()
             if time.monotonic() > deadline:
@@ -164,6 +168,13 @@ class LocalCluster:
                 if status.started or line != last_line:  # no repeats while waiting
                     print(line, file=sys.stderr, flush=True)
                 last_print, last_line = time.monotonic(), line
+
+    def _sample_consensus(self, status: pb.RunStatus) -> None:
+        if not status.started or status.consensus_distance < 0:
+            return
+        if self.consensus_curve and status.elapsed_seconds - self.consensus_curve[-1][0] < 1.0:
+            return
+        self.consensus_curve.append([status.elapsed_seconds, status.consensus_distance])
 
     def _failed_workers(self, status: pb.RunStatus) -> list[str]:
         k = self.config.run.workers_per_node
@@ -236,10 +247,17 @@ class LocalCluster:
             "num_conflicts": status.num_conflicts,
             "num_pending_waits": status.num_pending_waits,
             "topology": cfg.run.topology,
+            "rate_com": cfg.run.rate_com,
+            "momentum": cfg.run.momentum,
             "spectral_gap": status.spectral_gap,
             "consensus_distance_final": consensus_distance,
             "consensus_distance_estimate": (status.consensus_distance
                                             if status.consensus_distance >= 0 else None),
+            # Mean of the once-a-second samples: the run's time-averaged estimate.
+            "consensus_distance_mean": (
+                sum(d for _, d in self.consensus_curve) / len(self.consensus_curve)
+                if self.consensus_curve else None),
+            "consensus_distance_curve": self.consensus_curve,
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
             "workers": [
                 {"rank": w.rank, "worker_id": w.worker_id, "host": w.host,

@@ -27,8 +27,9 @@ def test_preduce_benchmark_measures_every_method(capsys: pytest.CaptureFixture[s
 def test_bench_runs_a_tiny_matrix_resumes_it_and_writes_results_and_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    args = ["--workers", "2", "--workers-per-node", "2",
-            "--protocols", "allreduce,ripples-smart", "--scenarios",
+    # The gossip baseline (a variant: a2cid2 --no-momentum) on a ring, beside allreduce.
+    args = ["--workers", "2", "--workers-per-node", "2", "--topology", "ring",
+            "--protocols", "allreduce,a2cid2-no-momentum", "--scenarios",
             "homogeneous,slow-2x", "--task", "digits", "--batch-size", "16",
             "--target-loss", "1.5", "--max-epochs", "3", "--repeats", "1",
             "--output", str(tmp_path)]
@@ -55,17 +56,25 @@ def test_bench_runs_a_tiny_matrix_resumes_it_and_writes_results_and_plots(
     captured = capsys.readouterr()
     assert "resuming: 1 of 4 runs" in captured.err
     table = captured.out
-    assert "allreduce" in table and "ripples-smart" in table and "slow-2x" in table
+    assert "allreduce" in table and "a2cid2-no-momentum" in table and "slow-2x" in table
     results = json.loads((tmp_path / "results.json").read_text())
     records = results["records"]
     assert {(r["scenario"], r["protocol"]) for r in records} == {
-        (s, p) for s in ("homogeneous", "slow-2x") for p in ("allreduce", "ripples-smart")}
+        (s, p) for s in ("homogeneous", "slow-2x") for p in ("allreduce", "a2cid2-no-momentum")}
     required = {"scenario", "protocol", "time_to_target_seconds", "seconds_per_epoch",
                 "iterations_to_target", "final_loss", "speedup_vs_allreduce"}
     for rec in records:
         assert required <= rec.keys()
         assert rec["time_to_target_seconds"] is not None, rec  # digits reaches 1.5 at once
         assert rec["seconds_per_epoch"] > 0 and rec["iterations_to_target"] > 0
+        assert rec["consensus_distance_final"] is not None
+    for rec in records:  # the variant ran a2cid2 without momentum, on the ring
+        summary = json.loads((tmp_path / "runs" / f"{rec['scenario']}-{rec['protocol']}-0"
+                              / "summary.json").read_text())
+        gossip = rec["protocol"] == "a2cid2-no-momentum"
+        assert summary["protocol"] == ("a2cid2" if gossip else "allreduce")
+        assert summary["topology"] == ("ring" if gossip else "complete")
+        assert summary["momentum"] is not gossip
     allreduce = [r for r in records if r["protocol"] == "allreduce"]
     assert all(r["speedup_vs_allreduce"] == pytest.approx(1.0) for r in allreduce)
     for name in ("loss.png", "iteration_split.png"):

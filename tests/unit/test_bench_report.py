@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from ripples.bench import harness
@@ -44,3 +47,57 @@ def test_medians_and_speedups_relate_protocols_and_scenarios() -> None:
     assert slow_smart["epoch_time_vs_homogeneous"] == pytest.approx(3.0 / 2.5)
     assert rows[("slow-5x", "allreduce")]["epoch_time_vs_homogeneous"] == pytest.approx(4.25)
     assert "slow-5x" in harness.format_table(list(rows.values()))
+
+
+def test_matrix_entries_become_run_commands(tmp_path: Path) -> None:
+    cfg = harness.HarnessConfig(topology="ring", rate_com=0.5)
+    homogeneous = SCENARIOS["homogeneous"]
+
+    def flags(protocol: str) -> list[str]:
+        cmd = harness.run_command(cfg, homogeneous, protocol, 0, tmp_path)
+        return cmd[cmd.index("--protocol"):cmd.index("--task")]
+
+    # A variant runs its protocol with its flags, on the topology, at the common rate.
+    assert flags("a2cid2-no-momentum") == ["--protocol", "a2cid2", "--no-momentum",
+                                           "--topology", "ring", "--rate-com", "0.5"]
+    assert flags("adpsgd") == ["--protocol", "adpsgd", "--topology", "ring", "--rate-com", "0.5"]
+    assert flags("ripples-smart") == ["--protocol", "ripples-smart", "--topology", "ring"]
+    # Lockstep protocols synchronise everyone: no topology for them.
+    assert flags("allreduce") == ["--protocol", "allreduce"]
+    assert "a2cid2-no-momentum" in harness.HarnessConfig().protocols  # joins the matrix
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"topology": "file"}, "unknown topology 'file'"),
+    ({"topology": "torus"}, "unknown topology 'torus'"),
+    ({"rate_com": 0.0}, "rate_com must be in (0, 100]"),
+    ({"protocols": ("a2cid2-no-nothing",)}, "a2cid2-no-momentum"),
+])
+def test_harness_config_names_what_is_wrong(change: dict, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        harness.HarnessConfig(**change).validate()
+    assert message in str(exc.value)
+
+
+def test_resume_accepts_a_bench_from_before_an_option_existed(tmp_path: Path) -> None:
+    cfg = harness.HarnessConfig(output=tmp_path)
+    old = harness._config_dict(cfg)
+    del old["topology"], old["rate_com"]  # written by a version without these options
+    (tmp_path / harness.CONFIG_FILE).write_text(json.dumps(old))
+    (tmp_path / harness.RECORDS_FILE).write_text("")
+    assert harness.load_finished(cfg) == []
+    with pytest.raises(ValueError, match="topology='complete'"):
+        harness.load_finished(harness.HarnessConfig(output=tmp_path, topology="ring"))
+
+
+def test_table_shows_consensus_distance_only_when_a_protocol_gossiped() -> None:
+    row = {"scenario": "homogeneous", "protocol": "allreduce", "time_to_target_seconds": 9.0,
+           "speedup_vs_allreduce": 1.0, "seconds_per_epoch": 2.0,
+           "epoch_time_vs_homogeneous": 1.0, "iterations_to_target": 10.0,
+           "seconds_per_iteration": 0.1, "compute_seconds_per_iteration": 0.05,
+           "wait_seconds_per_iteration": 0.0, "preduce_seconds_per_iteration": 0.05,
+           "consensus_distance_mean": None}
+    assert "consensus" not in harness.format_table([row])
+    gossip = {**row, "protocol": "a2cid2", "consensus_distance_mean": 0.0123}
+    table = harness.format_table([row, gossip])
+    assert "consensus" in table and "0.0123" in table.splitlines()[2]
