@@ -127,6 +127,11 @@ class WorkerMetrics:
         self.preduce_failures = Counter("ripples_worker_preduce_failures",
                                         "P-Reduces that failed (timeout, dead peer).",
                                         LABELS, registry=reg).labels(*values)
+        self.dropped_exchanges = Counter(
+            "ripples_worker_gossip_dropped_exchanges",
+            "Gossip: owed pairwise averagings dropped because the backlog was full "
+            "(exchanges finish slower than --rate-com asks).",
+            LABELS, registry=reg).labels(*values)
         reg.register(_CacheCollector(cache, values))
         self._attached = True
 
@@ -149,6 +154,8 @@ class WorkerMetrics:
         self.preduce_bytes.inc(result.preduce_bytes)
         if result.num_failed_groups:
             self.preduce_failures.inc(result.num_failed_groups)
+        if result.num_dropped_exchanges:
+            self.dropped_exchanges.inc(result.num_dropped_exchanges)
 
     def close(self) -> None:
         if self._server is not None:

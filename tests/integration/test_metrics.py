@@ -31,6 +31,7 @@ WORKER_METRICS = {
     "ripples_worker_preduce_duration_seconds": "histogram",
     "ripples_worker_preduce_bytes": "counter",
     "ripples_worker_preduce_failures": "counter",
+    "ripples_worker_gossip_dropped_exchanges": "counter",
     "ripples_worker_communicator_cache_hits": "counter",
     "ripples_worker_communicator_cache_misses": "counter",
     "ripples_worker_cached_communicators": "gauge",

@@ -52,6 +52,7 @@ class SyncResult:
     preduce_durations: tuple[float, ...] = ()  # one per collective, seconds
     preduce_bytes: int = 0  # bytes this worker fed into the collectives
     num_failed_groups: int = 0
+    num_dropped_exchanges: int = 0  # gossip: owed averagings dropped at the backlog cap
     inside_step: bool = False  # the sync ran inside the gradient step (DDP's backward)
     stop: bool = False
     stop_reason: str = ""

@@ -113,14 +113,16 @@ class GossipStrategy(SyncStrategy):
             self._iteration = completed
             total = self._owed + owed
             self._owed = min(total, self.max_backlog)
-            self.num_dropped += total - self._owed
+            dropped = total - self._owed
+            self.num_dropped += dropped
             finished, self._finished = self._finished, []
             failed, self._num_failed = self._num_failed, 0
             self._cond.notify_all()
         boundary = time.perf_counter() - t0
         return SyncResult(
             preduce_seconds=boundary, num_groups=len(finished) + failed,
-            num_failed_groups=failed, group_sizes=(2,) * len(finished),
+            num_failed_groups=failed, num_dropped_exchanges=dropped,
+            group_sizes=(2,) * len(finished),
             preduce_durations=tuple(finished),
             preduce_bytes=len(finished) * self.ctx.params.size_bytes)
 
