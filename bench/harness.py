@@ -346,6 +346,34 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(rows: list[dict]) -> str:
+    """The medians as the Markdown table of docs/benchmarks.md."""
+    gossip = any(row.get("consensus_distance_mean") is not None for row in rows)
+    head = ["scenario", "protocol", "to target", "iterations", "s/iter", "compute", "wait",
+            "P-Reduce", "speedup vs allreduce", "epoch time vs own homogeneous"]
+    head += ["consensus distance (mean)"] if gossip else []
+    lines = ["| " + " | ".join(head) + " |",
+             "|---|---|" + "---:|" * (len(head) - 2)]
+    for row in rows:
+        ttt = row["time_to_target_seconds"]
+        cells = [row["scenario"], row["protocol"],
+                 f"{ttt:.1f} s" if ttt is not None else
+                 f"not reached ({row['reached_target']}/{row['runs']})",
+                 _fmt(row["iterations_to_target"], ".0f"),
+                 _fmt(row["seconds_per_iteration"], ".3f"),
+                 _fmt(row["compute_seconds_per_iteration"], ".3f"),
+                 _fmt(row["wait_seconds_per_iteration"], ".3f"),
+                 _fmt(row["preduce_seconds_per_iteration"], ".3f"),
+                 _fmt(row["speedup_vs_allreduce"], ".2f") + "x" * (
+                     row["speedup_vs_allreduce"] is not None),
+                 _fmt(row["epoch_time_vs_homogeneous"], ".2f") + "x" * (
+                     row["epoch_time_vs_homogeneous"] is not None)]
+        if gossip:
+            cells.append(_fmt(row.get("consensus_distance_mean"), ".3g"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_results(cfg: HarnessConfig, records: list[RunRecord], rows: list[dict]) -> Path:
     path = cfg.output / "results.json"
     path.write_text(json.dumps({"config": _config_dict(cfg), "medians": rows,
@@ -382,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help=f"default {defaults.repeats}")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--output", type=Path, default=defaults.output)
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the table as Markdown (docs/benchmarks.md); with --resume "
+                             "on a finished bench, re-prints it without running anything")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in OUTPUT/records.jsonl (an interrupted "
                              "bench with the same options) and run only the missing ones")
@@ -405,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     records = run_matrix(cfg, finished)
     rows = medians(records)
-    print(format_table(rows))
+    print(format_markdown(rows) if args.markdown else format_table(rows))
     path = write_results(cfg, records, rows)
     from ripples.bench.plots import plot_iteration_split, plot_loss_curves
 

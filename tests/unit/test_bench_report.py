@@ -101,3 +101,16 @@ def test_table_shows_consensus_distance_only_when_a_protocol_gossiped() -> None:
     gossip = {**row, "protocol": "a2cid2", "consensus_distance_mean": 0.0123}
     table = harness.format_table([row, gossip])
     assert "consensus" in table and "0.0123" in table.splitlines()[2]
+
+
+def test_markdown_table_has_a_row_per_median_and_marks_missed_targets() -> None:
+    row = {"scenario": "slow-10x", "protocol": "a2cid2", "time_to_target_seconds": None,
+           "runs": 2, "reached_target": 0, "speedup_vs_allreduce": None,
+           "seconds_per_epoch": 2.0, "epoch_time_vs_homogeneous": 1.04,
+           "iterations_to_target": None, "seconds_per_iteration": 0.1,
+           "compute_seconds_per_iteration": 0.05, "wait_seconds_per_iteration": 0.0,
+           "preduce_seconds_per_iteration": 0.05, "consensus_distance_mean": 0.5}
+    lines = harness.format_markdown([row]).splitlines()
+    assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
+    assert "| slow-10x | a2cid2 | not reached (0/2) | - |" in lines[2]
+    assert "| 1.04x | 0.5 |" in lines[2]
