@@ -24,6 +24,8 @@ LOSS_CURVE_MIN_STEP_SECONDS = 0.2
 # The consensus-distance estimate averages the pairwise distances of this many recent
 # exchanges per worker.
 DISTANCE_WINDOW_PER_WORKER = 4
+# Weight of the newest report in a worker's moving average of its own time per iteration.
+OWN_SECONDS_SMOOTHING = 0.3
 
 
 def _natural_key(text: str) -> list[int | str]:
@@ -89,6 +91,11 @@ class WorkerRecord:
     checkpoint_grant: int = 0
     ready: bool = False  # built its task and waits in AwaitStart
     listening: bool = False  # gossip: waits only to serve partners (GroupRequest.listen)
+    own_seconds: float | None = None
+    """Smart GG's speed signal: moving average of the seconds per iteration the worker
+    spends on its own (compute + collectives, not waiting for a group); None until two
+    progress reports after its first iteration."""
+    own_base: tuple[int, float] = (0, 0.0)  # (iteration, own seconds) it is measured from
 
 
 @dataclass(kw_only=True)
@@ -478,6 +485,7 @@ class CoordinatorCore:
             request_counts={x.worker_id: x.request_count for x in live},
             node_of={x.worker_id: x.node for x in live},
             neighbours=self.neighbours,
+            own_seconds={x.worker_id: x.own_seconds for x in live if x.own_seconds is not None},
         )
         created = []
         for members in self.policy.generate(w.worker_id, view, self.rng):
@@ -594,6 +602,7 @@ class CoordinatorCore:
 
     def _record_progress(self, w: WorkerRecord, p: Progress, now: float) -> None:
         p.iteration = max(p.iteration, w.progress.iteration)
+        self._update_own_seconds(w, p)
         w.progress = p
         if self.started_at is None or self.stopped:
             return  # after the stop, workers leave one by one: their mean is no training loss
@@ -615,6 +624,27 @@ class CoordinatorCore:
         # Rate-limited, except for the point that reaches the target: the curve must show it.
         if reached or curve_due:
             self.loss_curve.append((elapsed, mean, mean_iterations))
+
+    @staticmethod
+    def _update_own_seconds(w: WorkerRecord, p: Progress) -> None:
+        """Measured between reports of different iterations only: a worker counts an
+        iteration before its synchronisation and adds the iteration's time after it, so
+        the report of iteration k holds the time of iterations 1..k-1, two such reports
+        are whole iterations apart, and reports within an iteration (retries, heartbeats)
+        see the time grow under the same iteration."""
+        base_iteration, base_total = w.own_base
+        total = p.compute_seconds + p.preduce_seconds
+        if p.iteration <= base_iteration:
+            return
+        w.own_base = (p.iteration, total)
+        if base_iteration < 2:  # from reports 1 to 2: iteration 1, which includes warm-up
+            return
+        own = (total - base_total) / (p.iteration - base_iteration)
+        if own < 0:  # a restarted worker's counters: start over
+            w.own_seconds = None
+            return
+        w.own_seconds = own if w.own_seconds is None else (
+            OWN_SECONDS_SMOOTHING * own + (1 - OWN_SECONDS_SMOOTHING) * w.own_seconds)
 
     # ------------------------------------------------------------------ views
     def live(self) -> list[WorkerRecord]:

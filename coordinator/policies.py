@@ -6,7 +6,9 @@ the member sets of the groups to create. The GroupTable serialises them.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +23,9 @@ class ClusterView:
     request_counts: Mapping[int, int]  # slowdown counters c_w (requests so far)
     node_of: Mapping[int, int]  # worker -> node index
     neighbours: Mapping[int, Sequence[int]] | None = None  # None: complete graph
+    own_seconds: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    """Recent seconds per iteration that a worker spends on its own (compute and
+    collectives, not waiting for peers); absent until it has reported two iterations."""
 
 
 class GroupPolicy(Protocol):
@@ -68,14 +73,28 @@ class RandomPolicy:
         return [tuple(sorted([initiator, *chosen]))]
 
 
+STRAGGLER_FACTOR = 2.0
+"""Smart GG: a worker whose own time per iteration exceeds this many times the median
+joins no division it did not initiate (a 2x slower worker still averages with others)."""
+
+
 @dataclass(kw_only=True)
 class SmartPolicy:
     """Smart GG (§5): Group Buffer, Global Division, slowdown filter, Inter-Intra phases.
 
     Called only when the initiator's buffer is empty (otherwise the GroupTable serves the
     buffer's head). Global Division randomly partitions the idle workers that pass the
-    slowdown filter `c_i - c_w < C_thres` (c_i the initiator's request counter) into
-    non-conflicting groups (balanced, at most group_size each). With Inter-Intra, each
+    slowdown filter into non-conflicting groups (balanced, at most group_size each).
+
+    The filter is the paper's `c_i - c_w < C_thres` (c_i the initiator's request counter)
+    until workers' own speeds are known (`ClusterView.own_seconds`); from then on a worker
+    passes exactly when its own time per iteration is known and at most
+    STRAGGLER_FACTOR x the median. Counters alone trap fast workers: one that waited for
+    a straggler lags in requests as much as the straggler, so it is filtered out of every
+    fast division for good (its counter never catches up: everyone requests once per
+    iteration) and the straggler passes *its* filter, so it keeps initiating divisions
+    with the straggler and waiting for its slow iterations (measured with one worker 10x
+    slower: two of seven fast workers spent half the run waiting). With Inter-Intra, each
     division inserts two groups per worker: an Inter group (one head worker per node
     divided among nodes, the other workers in local groups) then an Intra group (all
     eligible workers of a node).
@@ -98,14 +117,30 @@ class SmartPolicy:
             raise ValueError(f"c_thres must be at least 1, got {self.c_thres}")
 
     def passes_filter(self, initiator: int, worker: int, view: ClusterView) -> bool:
-        counts = view.request_counts
-        return worker == initiator or counts[initiator] - counts[worker] < self.c_thres
+        return worker == initiator or self._passes(initiator, worker, view,
+                                                   self._straggler_bound(view))
+
+    def _passes(self, initiator: int, worker: int, view: ClusterView,
+                bound: float | None) -> bool:
+        if bound is None:  # nobody's speed is known yet: the paper's counters
+            counts = view.request_counts
+            return counts[initiator] - counts[worker] < self.c_thres
+        own = view.own_seconds.get(worker)
+        # A worker of unknown speed (its first iterations) may be the straggler: it
+        # averages in the divisions it initiates until its speed is known.
+        return own is not None and own <= bound
+
+    @staticmethod
+    def _straggler_bound(view: ClusterView) -> float | None:
+        known = [s for w, s in view.own_seconds.items() if w in view.live]
+        return STRAGGLER_FACTOR * statistics.median(known) if known else None
 
     def generate(
         self, initiator: int, view: ClusterView, rng: random.Random
     ) -> list[tuple[int, ...]]:
         candidates = _candidates(initiator, view)
-        eligible = [w for w in candidates if self.passes_filter(initiator, w, view)]
+        bound = self._straggler_bound(view)
+        eligible = [w for w in candidates if self._passes(initiator, w, view, bound)]
         idle = [w for w in eligible if w in view.idle]
         if idle:
             pool = [initiator, *idle]

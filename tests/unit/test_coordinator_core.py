@@ -420,6 +420,26 @@ def test_progress_reports_feed_the_loss_curve_and_the_target() -> None:
     assert core.loss_curve[-1] == pytest.approx((2.0, 0.45, 4.0))
 
 
+def test_own_time_per_iteration_is_measured_between_iterations_not_within_one() -> None:
+    core = CoordinatorCore(_settings("smart", 2, 2, 2, 5, False, seed=0), now=0.0)
+    wid = core.register("node0", 0, "cpu", 0, 0.0)
+    w = core.workers[wid]
+
+    def report(iteration: int, compute: float, preduce: float = 0.0) -> None:
+        core.heartbeat(wid, Progress(iteration=iteration, compute_seconds=compute,
+                                     preduce_seconds=preduce), 1.0)
+
+    report(1, 0.0)  # counted before its time: iteration 1's time arrives later
+    report(1, 5.0)  # warm-up, reported within iteration 1
+    report(2, 5.0)
+    assert w.own_seconds is None  # the first iteration (warm-up) sets no speed
+    report(2, 5.5, 0.1)  # within iteration 2: the baseline stays at iteration 2's report
+    report(3, 5.5, 0.1)
+    assert w.own_seconds == pytest.approx(0.6)  # compute 0.5 + collective 0.1
+    report(5, 7.9, 0.1)  # two iterations of 1.2 s
+    assert w.own_seconds == pytest.approx(0.3 * 1.2 + 0.7 * 0.6)
+
+
 @pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce"])
 def test_progress_sent_with_sync_requests_records_the_target_without_heartbeats(
     protocol: str,

@@ -15,7 +15,8 @@ from ripples.coordinator.policies import ClusterView, RandomPolicy, SmartPolicy,
 
 def _view(live: range | list[int], *, idle: set[int] | None = None,
           counts: dict[int, int] | None = None, workers_per_node: int = 4,
-          neighbours: dict[int, list[int]] | None = None) -> ClusterView:
+          neighbours: dict[int, list[int]] | None = None,
+          own_seconds: dict[int, float] | None = None) -> ClusterView:
     live = list(live)
     return ClusterView(
         live=tuple(live),
@@ -23,6 +24,7 @@ def _view(live: range | list[int], *, idle: set[int] | None = None,
         request_counts={w: (counts or {}).get(w, 0) for w in live},
         node_of={w: w // workers_per_node for w in live},
         neighbours=neighbours,
+        own_seconds=own_seconds or {},
     )
 
 
@@ -107,6 +109,28 @@ def test_slowdown_filter_keeps_slow_workers_out_of_fast_divisions() -> None:
     # A slow initiator may take fast workers: they have empty buffers, nobody waits long.
     groups = policy.generate(3, view, random.Random(0))
     assert 3 in groups[0] and sorted(w for g in groups for w in g) == [0, 1, 2, 3]
+
+
+def test_once_speeds_are_known_they_decide_who_joins_a_division() -> None:
+    # Worker 0 is the straggler (10x); worker 1 is fast but lags in requests because it
+    # once waited for 0. By counters alone 0 would pass 1's filter (c_1 - c_0 < 5) and 1
+    # would fail everyone else's: both would stay trapped together.
+    counts = {0: 10, 1: 12, 2: 40, 3: 41, 4: 39, 5: 40}
+    own = {0: 3.0, 1: 0.31, 2: 0.3, 3: 0.29, 4: 0.3, 5: 0.32}
+    policy = SmartPolicy(group_size=2, c_thres=5)
+    view = _view(range(6), counts=counts, own_seconds=own)
+    assert not policy.passes_filter(1, 0, view)  # the straggler stays out of 1's division
+    assert policy.passes_filter(2, 1, view)  # 1 is fast again for everyone
+    for seed in range(20):
+        for initiator in range(1, 6):
+            groups = policy.generate(initiator, view, random.Random(seed))
+            assert initiator in groups[0] and all(0 not in g for g in groups)
+    # The straggler still averages when it asks; 2x the median is not a straggler.
+    assert 0 in policy.generate(0, view, random.Random(0))[0]
+    assert policy.passes_filter(2, 1, _view(range(6), counts=counts, own_seconds={**own, 1: 0.6}))
+    # A worker of unknown speed joins only its own divisions once others are measured.
+    del own[3]
+    assert not policy.passes_filter(2, 3, _view(range(6), counts=counts, own_seconds=own))
 
 
 def test_no_eligible_peer_yields_no_group() -> None:
