@@ -323,6 +323,10 @@ def _fmt(value: object, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def format_table(rows: list[dict]) -> str:
     """The medians as a text table; a consensus-distance column (mean of the run's
     estimates) when some protocol gossiped."""
@@ -334,9 +338,9 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{row['scenario']:<12} {row['protocol']:<18} "
             f"{_fmt(row['time_to_target_seconds'], '.1f'):>9}s "
-            f"{_fmt(row['speedup_vs_allreduce'], '.2f'):>7}x "
+            f"{_ratio(row['speedup_vs_allreduce']):>8} "
             f"{_fmt(row['seconds_per_epoch'], '.2f'):>8} "
-            f"{_fmt(row['epoch_time_vs_homogeneous'], '.2f'):>7}x "
+            f"{_ratio(row['epoch_time_vs_homogeneous']):>8} "
             f"{_fmt(row['iterations_to_target'], '.0f'):>7} "
             f"{_fmt(row['seconds_per_iteration'], '.3f'):>7} "
             f"{_fmt(row['compute_seconds_per_iteration'], '.3f'):>8} "
@@ -364,10 +368,8 @@ def format_markdown(rows: list[dict]) -> str:
                  _fmt(row["compute_seconds_per_iteration"], ".3f"),
                  _fmt(row["wait_seconds_per_iteration"], ".3f"),
                  _fmt(row["preduce_seconds_per_iteration"], ".3f"),
-                 _fmt(row["speedup_vs_allreduce"], ".2f") + "x" * (
-                     row["speedup_vs_allreduce"] is not None),
-                 _fmt(row["epoch_time_vs_homogeneous"], ".2f") + "x" * (
-                     row["epoch_time_vs_homogeneous"] is not None)]
+                 _ratio(row["speedup_vs_allreduce"]),
+                 _ratio(row["epoch_time_vs_homogeneous"])]
         if gossip:
             cells.append(_fmt(row.get("consensus_distance_mean"), ".3g"))
         lines.append("| " + " | ".join(cells) + " |")
