@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +98,16 @@ class LocalCluster:
         self.consensus_curve: list[list[float]] = []
         """[seconds, estimate] of the coordinator's consensus distance, about once a second
         while the run trains (gossip protocols only: others report no estimate)."""
+        self.interrupted = threading.Event()  # Ctrl-C seen: stop the run cleanly
+        self._stop_sent = False
 
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        """First Ctrl-C: a flag the monitor loop acts on (an exception raised wherever the
+        main thread happens to be, e.g. inside a gRPC call, can be swallowed there and
+        the run would go on). Second Ctrl-C: abort at once."""
+        if self.interrupted.is_set():
+            raise KeyboardInterrupt
+        self.interrupted.set()
     def run(self) -> dict[str, object]:
         cfg = self.config
         cfg.output.mkdir(parents=True, exist_ok=True)
@@ -105,6 +115,9 @@ class LocalCluster:
         self.server.start()
         client = CoordinatorClient(self.server.address)
         dashboard = None
+        previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             if cfg.dashboard_port is not None:
                 dashboard = DashboardServer(DashboardConfig(
@@ -115,14 +128,10 @@ class LocalCluster:
                 print(f"metrics: http://{self.server.metrics_address}/metrics (Prometheus "
                       "discovery: /sd)", file=sys.stderr, flush=True)
             self._spawn()
-            try:
-                status = self._monitor(client)
-            except KeyboardInterrupt:  # Ctrl-C: stop the run cleanly; a second one aborts
-                print("interrupted: the workers finish their iteration and leave "
-                      "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
-                client.stop_run(INTERRUPTED)
-                status = self._monitor(client)
+            status = self._monitor(client)
         finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
             self._terminate()
             client.close()
             self.server.stop()
@@ -151,6 +160,11 @@ class LocalCluster:
         status = client.run_status()
         while True:
             time.sleep(0.25)
+            if self.interrupted.is_set() and not self._stop_sent:
+                print("interrupted: the workers finish their iteration and leave "
+                      "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
+                client.stop_run(INTERRUPTED)
+                self._stop_sent = True
             status = client.run_status()
             failed = self._failed_workers(status)
             if failed:

@@ -347,16 +347,3 @@ def test_gossip_pairs_join_neighbours_once_at_a_time_and_never_deadlock(
         sim.listen_bits = [False]
     sim.fair_phase()
 
-
-def test_local_run_samples_the_consensus_estimate_about_once_a_second() -> None:
-    from ripples.local_cluster import LocalCluster, LocalRunConfig
-    from ripples.v1 import coordinator_pb2 as pb
-
-    cluster = LocalCluster(LocalRunConfig(run=RunSettings(protocol="a2cid2")))
-    for started, elapsed, distance in [(False, 0.0, -1.0), (True, 0.2, -1.0),  # nothing yet
-                                       (True, 0.5, 0.4), (True, 1.2, 0.3), (True, 1.6, 0.2),
-                                       (True, 2.7, 0.1)]:
-        cluster._sample_consensus(pb.RunStatus(started=started, elapsed_seconds=elapsed,
-                                               consensus_distance=distance))
-    assert cluster.consensus_curve == [[0.5, pytest.approx(0.4)], [1.6, pytest.approx(0.2)],
-                                       [2.7, pytest.approx(0.1)]]
