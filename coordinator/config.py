@@ -15,11 +15,14 @@ from ripples.coordinator.topology import (
     parse_edge_list,
 )
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.hop import HopSettings
 
 # Protocol name -> how the coordinator takes part. "group:<policy>" protocols ask the
 # Group Generator for every P-Reduce; "lockstep" protocols compute their groups locally
 # and use the coordinator only to agree on when to stop. "gossip:<pairing>" protocols
-# average in pairs of graph neighbours that the coordinator matches.
+# average in pairs of graph neighbours that the coordinator matches. "p2p" protocols (hop)
+# send parameters and tokens worker to worker; the coordinator serves membership, the
+# topology and the stop only.
 PROTOCOLS: dict[str, str] = {
     "allreduce": "lockstep",
     "ripples-random": "group:random",
@@ -27,6 +30,7 @@ PROTOCOLS: dict[str, str] = {
     "ripples-static": "lockstep",
     "adpsgd": "gossip:adpsgd",
     "a2cid2": "gossip:a2cid2",
+    "hop": "p2p",
 }
 ADPSGD_MODES = ("serialised", "bipartite")
 
@@ -37,7 +41,7 @@ class RunSettings:
 
     protocol: str = "ripples-smart"
     """Synchronisation protocol: allreduce, ripples-random, ripples-smart, ripples-static,
-    adpsgd or a2cid2."""
+    adpsgd, a2cid2 or hop."""
     task: str = "digits"
     """Training task: a built-in name (digits, synthetic-cnn, synthetic-vgg16) or
     module:function."""
@@ -91,6 +95,22 @@ class RunSettings:
     adpsgd_mode: str = "serialised"
     """adpsgd pairing: serialised (any connected graph; the coordinator orders overlapping
     pairs, so no deadlock) or bipartite (the paper's active/passive split)."""
+    hop_mode: str = "standard"
+    """hop: standard (every in-neighbour's update each iteration), backup (backup workers:
+    backup_workers updates may be missing) or staleness (updates up to `staleness`
+    iterations old count, weighted by age)."""
+    max_ig: int = 4
+    """hop: token queues keep a worker at most this many iterations ahead of an
+    out-neighbour."""
+    backup_workers: int = 1
+    """hop backup mode: updates per iteration a worker may go without (N_buw)."""
+    staleness: int = 5
+    """hop staleness mode: the oldest usable update is from iteration k - staleness."""
+    max_jump: int = 0
+    """hop: a straggler may skip up to this many iterations at once (0: never; needs
+    backup or staleness mode, at most max_ig)."""
+    skip_threshold: int = 2
+    """hop: skip only when more than this many iterations behind every out-neighbour."""
     max_comms_per_worker: int = 64
     """Communicators cached per worker before the coordinator orders evictions."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -105,6 +125,17 @@ class RunSettings:
     @property
     def is_lockstep(self) -> bool:
         return PROTOCOLS[self.protocol] == "lockstep"
+
+    @property
+    def needs_every_worker(self) -> bool:
+        """Lock-step and peer-to-peer protocols cannot go on without a worker that
+        left or failed: its peers would wait for it."""
+        return PROTOCOLS[self.protocol] in ("lockstep", "p2p")
+
+    def hop_settings(self) -> HopSettings:
+        return HopSettings(mode=self.hop_mode, max_ig=self.max_ig,
+                           backup_workers=self.backup_workers, staleness=self.staleness,
+                           max_jump=self.max_jump, skip_threshold=self.skip_threshold)
 
     @property
     def policy_name(self) -> str | None:
@@ -170,7 +201,9 @@ class RunSettings:
             raise ValueError("topology_file is given: set topology to 'file' to use it")
         if self.is_lockstep and self.topology != "complete":
             raise ValueError(f"{self.protocol} synchronises all workers together and takes "
-                             "no topology; use ripples-random, ripples-smart, adpsgd or a2cid2")
+                             "no topology; use ripples-random, ripples-smart, adpsgd, a2cid2 "
+                             "or hop")
+        self.hop_settings().validate()
         if not (self.rate_com > 0 and self.rate_com <= 100):
             raise ValueError(f"rate_com must be in (0, 100], got {self.rate_com}")
         if self.adpsgd_mode not in ADPSGD_MODES:
@@ -210,6 +243,12 @@ class RunSettings:
             rate_com=self.rate_com,
             momentum=self.momentum,
             adpsgd_mode=self.adpsgd_mode,
+            hop_mode=self.hop_mode,
+            max_ig=self.max_ig,
+            backup_workers=self.backup_workers,
+            staleness=self.staleness,
+            max_jump=self.max_jump,
+            skip_threshold=self.skip_threshold,
         )
 
     def replace(self, **changes: object) -> RunSettings:

@@ -320,7 +320,8 @@ class CoordinatorCore:
         deliveries.update(self._check_stop(now))
         if self.started_at is not None and not self.stopped:
             finished = 0 < w.progress.planned_iterations <= w.progress.iteration
-            if self.settings.is_lockstep and not (state is WorkerState.LEFT and finished):
+            if self.settings.needs_every_worker and not (
+                    state is WorkerState.LEFT and finished):
                 # Lock-step peers cannot go on without it: stop everyone at the next
                 # checkpoint rather than leave them inside collectives that never complete.
                 why = f": {w.error}" if w.error else ""

@@ -95,7 +95,7 @@ def _check_coordinator(address: str) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from ripples.worker.daemon import WorkerConfig, install_signal_handlers, run_worker
+    from ripples.worker.daemon import WorkerConfig, exit_now, install_signal_handlers, run_worker
 
     _setup_logging(not args.quiet)
     try:
@@ -106,7 +106,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return 2
     stop = threading.Event()
     install_signal_handlers(stop)
-    return run_worker(config, stop)
+    exit_now(run_worker(config, stop))  # the worker left the run: skip interpreter teardown
+    return 1  # not reached
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
-import os
 import signal
 import sys
 import threading
@@ -26,7 +25,7 @@ from ripples.dashboard.app import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from ripples.worker.daemon import WorkerConfig, run_worker
+from ripples.worker.daemon import WorkerConfig, exit_now, run_worker
 from ripples.worker.slowdown import SlowdownSpec
 from ripples.worker.tasks import TaskOptions, build_task, evaluate
 
@@ -74,18 +73,6 @@ def _worker_entry(config: WorkerConfig, log_level: int) -> None:
                                "%(levelname)s %(name)s: %(message)s")
     code = run_worker(config)
     exit_now(code)
-
-
-def exit_now(code: int) -> None:
-    """Exit a worker process without interpreter finalization.
-
-    The worker has saved its model and left the run; what remains is a final garbage
-    collection over torch's module graph that takes seconds per process on a busy
-    machine (measured with py-spy: gc_collect_main at exit), multiplied by N workers."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 class LocalCluster:

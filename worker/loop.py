@@ -106,6 +106,7 @@ def train(task: Task, strategy: SyncStrategy, sampler: ShardSampler, stats: Work
         idx = sampler.next_indices()
         inputs = task.train_inputs[idx].to(device, non_blocking=True)
         targets = task.train_targets[idx].to(device, non_blocking=True)
+        strategy.before_step(completed)
         t0 = time.perf_counter()
         task.optimizer.zero_grad(set_to_none=True)
         loss = task.loss_fn(model(inputs), targets)

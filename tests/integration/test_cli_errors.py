@@ -25,6 +25,9 @@ from ripples.worker.client import CoordinatorClient
         (["--slowdown", "9:5"], "rank 9 does not exist"),
         (["--slowdown", "0:0.5"], "at least 1"),
         (["--group-size", "1"], "group_size"),
+        (["--protocol", "hop", "--hop-mode", "lazy"], "unknown hop mode 'lazy'"),
+        (["--protocol", "hop", "--max-jump", "2"], "needs backup workers or bounded staleness"),
+        (["--protocol", "hop", "--hop-mode", "backup", "--max-jump", "9"], "may not exceed"),
     ],
 )
 def test_run_rejects_bad_input(args: list[str], message: str) -> None:
@@ -86,7 +89,7 @@ def _crash_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce"])
+@pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce", "hop"])
 def test_a_crashed_worker_is_named_and_nobody_hangs(protocol: str) -> None:
     with running_coordinator(num_workers=3, protocol=protocol, iterations=200,
                              collective_timeout_seconds=20, group_size=2) as server:
@@ -102,13 +105,14 @@ def test_a_crashed_worker_is_named_and_nobody_hangs(protocol: str) -> None:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        assert bad.returncode == 1
+        assert bad.returncode == 1, bad_out[-3000:]
         assert "simulated device failure" in bad_out
         status = CoordinatorClient(server.address).run_status()
         failed = [w for w in status.workers if w.state == pb.WORKER_STATE_FAILED]
         assert any("simulated device failure" in w.error for w in failed)
-        if protocol == "allreduce":
-            # Lock-step peers cannot continue: the run stops and names the failed worker.
+        if protocol in ("allreduce", "hop"):
+            # Lock-step and hop peers cannot continue (they would wait for its updates):
+            # the run stops and names the failed worker.
             assert status.stopped and "failed" in status.stop_reason
             assert all(p.returncode in (0, 1) for p in good), outs
         else:

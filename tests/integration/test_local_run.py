@@ -85,3 +85,25 @@ def test_gossip_protocol_reaches_the_loss_target_on_digits(
     # The workers' final models differ (they trained apart between exchanges).
     assert 0 < summary["consensus_distance_final"] < float("inf")
     assert all(w["iterations"] > 0 for w in summary["workers"])
+
+
+@pytest.mark.parametrize(("topology", "options"), [
+    ("ring", []),
+    ("ring-based", ["--hop-mode", "backup"]),
+    ("ring", ["--hop-mode", "staleness", "--staleness", "2"]),
+    ("ring", ["--hop-mode", "backup", "--max-jump", "4", "--skip-threshold", "1",
+              "--slowdown", "0:4"]),
+], ids=["standard", "backup", "staleness", "skipping"])
+def test_hop_variants_reach_the_loss_target_on_digits(
+        topology: str, options: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "hop"
+    proc = ripples_cli("run", "--workers", "4", "--protocol", "hop", "--topology", topology,
+                       *options, "--task", "digits", "--epochs", "20",
+                       "--target-loss", str(TARGET_LOSS), "--seed", "1", "--output", str(out),
+                       "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
+    assert summary["final_accuracy"] >= 0.85
+    assert summary["topology"] == topology
+    assert all(w["iterations"] > 0 for w in summary["workers"])

@@ -15,6 +15,7 @@ STRATEGIES: dict[str, str] = {
     "ripples-static": "ripples.worker.strategies.ripples_static:StaticScheduleStrategy",
     "adpsgd": "ripples.worker.strategies.gossip:GossipStrategy",
     "a2cid2": "ripples.worker.strategies.gossip:GossipStrategy",
+    "hop": "ripples.worker.strategies.hop:HopStrategy",
 }
 
 

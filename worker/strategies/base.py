@@ -61,8 +61,8 @@ class SyncResult:
 class SyncStrategy(abc.ABC):
     """A protocol plugged into the compute loop.
 
-    The loop calls, per iteration: should_stop(completed) -> gradient step ->
-    after_step(completed). `completed` counts finished gradient steps.
+    The loop calls, per iteration: should_stop(completed) -> before_step(completed) ->
+    gradient step -> after_step(completed). `completed` counts finished gradient steps.
     """
 
     name: str = ""
@@ -87,6 +87,9 @@ class SyncStrategy(abc.ABC):
     @abc.abstractmethod
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         """Before a step: a SyncResult with stop=True ends training."""
+
+    def before_step(self, completed: int) -> None:  # noqa: B027 (optional hook)
+        """Before the gradient step (hop sends the parameters the step starts from)."""
 
     @abc.abstractmethod
     def after_step(self, completed: int) -> SyncResult:

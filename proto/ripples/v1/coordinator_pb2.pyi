@@ -53,7 +53,7 @@ WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "rate_com", "momentum", "adpsgd_mode")
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "rate_com", "momentum", "adpsgd_mode", "hop_mode", "max_ig", "backup_workers", "staleness", "max_jump", "skip_threshold")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,12 @@ class RunConfig(_message.Message):
     RATE_COM_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     ADPSGD_MODE_FIELD_NUMBER: _ClassVar[int]
+    HOP_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IG_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_JUMP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol: str
     task: str
@@ -96,7 +102,13 @@ class RunConfig(_message.Message):
     rate_com: float
     momentum: bool
     adpsgd_mode: str
-    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., rate_com: _Optional[float] = ..., momentum: _Optional[bool] = ..., adpsgd_mode: _Optional[str] = ...) -> None: ...
+    hop_mode: str
+    max_ig: int
+    backup_workers: int
+    staleness: int
+    max_jump: int
+    skip_threshold: int
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., rate_com: _Optional[float] = ..., momentum: _Optional[bool] = ..., adpsgd_mode: _Optional[str] = ..., hop_mode: _Optional[str] = ..., max_ig: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., max_jump: _Optional[int] = ..., skip_threshold: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("host", "local_rank", "device", "pid", "metrics_port", "metrics_host")
