@@ -177,11 +177,12 @@ class RunView:
         weighted by recency; on a sparse topology, every edge of the graph so weighted.
         Lock-step protocols form their groups without the coordinator, so their
         edges come from the protocol itself (all pairs for allreduce; the pairs of one
-        period of the static schedule)."""
+        period of the static schedule); so does hop, whose workers exchange with every
+        graph neighbour each iteration (all pairs on a complete graph)."""
         protocol = status.config.protocol
         ids = {w.rank: w.worker_id for w in status.workers
                if STATE_NAMES.get(w.state) not in GONE_STATES}
-        if protocol == "allreduce" and status.started:
+        if protocol in ("allreduce", "hop") and status.started and not status.topology_edges:
             ranks = sorted(ids)
             return [{"a": ids[a], "b": ids[b], "weight": 1.0}
                     for i, a in enumerate(ranks) for b in ranks[i + 1:]]
@@ -189,7 +190,8 @@ class RunView:
             return self._static_edges(status, ids)
         if status.topology_edges:  # a sparse topology: every edge, brighter when used lately
             live = set(ids.values())
-            return [{"a": e.a, "b": e.b, "weight": self._recency((e.a, e.b), now)}
+            return [{"a": e.a, "b": e.b,
+                     "weight": 1.0 if protocol == "hop" else self._recency((e.a, e.b), now)}
                     for e in status.topology_edges if e.a in live and e.b in live]
         return [{"a": a, "b": b, "weight": self._recency((a, b), now)}
                 for a, b in sorted(self._edges)]

@@ -60,8 +60,10 @@ def test_edges_are_pairs_that_averaged_lately_and_fade_out() -> None:
 
 
 def test_lockstep_protocols_show_their_fixed_topology() -> None:
-    allreduce = RunView().update(_status({0: 1, 1: 1, 2: 1}, protocol="allreduce"), now=0.0)
-    assert {(e["a"], e["b"]) for e in allreduce["edges"]} == {(0, 1), (0, 2), (1, 2)}
+    for protocol in ("allreduce", "hop"):  # hop on the complete graph: every pair, always
+        view = RunView().update(_status({0: 1, 1: 1, 2: 1}, protocol=protocol), now=0.0)
+        assert {(e["a"], e["b"]) for e in view["edges"]} == {(0, 1), (0, 2), (1, 2)}
+        assert all(e["weight"] == 1.0 for e in view["edges"])
     static = RunView().update(_status({0: 1, 1: 1, 2: 1, 3: 1}, protocol="ripples-static"),
                               now=0.0)
     expected = {(a, b) for it in range(16) for g in static_groups(it, 2, 2)
@@ -110,3 +112,7 @@ def test_a_sparse_topology_shows_every_edge_brightest_where_pairs_averaged() -> 
                                  for a, b in [(0, 1), (0, 3), (1, 2), (2, 3)])
     edges = {(e["a"], e["b"]): e["weight"] for e in view.update(status, now=0.0)["edges"]}
     assert edges == {(0, 1): 1.0, (0, 3): 0.0, (1, 2): 0.0, (2, 3): 0.0}
+    # hop exchanges with every graph neighbour each iteration: every edge at full weight.
+    hop = _status({0: 1, 1: 1, 2: 1, 3: 1}, protocol="hop")
+    hop.topology_edges.extend(status.topology_edges)
+    assert {e["weight"] for e in RunView().update(hop, now=0.0)["edges"]} == {1.0}
