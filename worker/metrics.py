@@ -132,6 +132,22 @@ class WorkerMetrics:
             "Gossip: owed pairwise averagings dropped because the backlog was full "
             "(exchanges finish slower than --rate-com asks).",
             LABELS, registry=reg).labels(*values)
+        self.hop_lead = Gauge(
+            "ripples_worker_hop_lead_iterations",
+            "hop: iterations this worker is ahead of its slowest out-neighbour, from its "
+            "tokens (negative: behind all of them); at most max_ig.",
+            LABELS, registry=reg).labels(*values)
+        self.hop_queue_depth = Gauge("ripples_worker_hop_queue_depth",
+                                     "hop: updates held in the worker's update queue.",
+                                     LABELS, registry=reg).labels(*values)
+        self.hop_stale_updates = Counter(
+            "ripples_worker_hop_stale_updates",
+            "hop: received updates dropped as too old to be used.",
+            LABELS, registry=reg).labels(*values)
+        self.hop_iterations_skipped = Counter(
+            "ripples_worker_hop_iterations_skipped",
+            "hop: iterations a straggler skipped by jumping ahead.",
+            LABELS, registry=reg).labels(*values)
         reg.register(_CacheCollector(cache, values))
         self._attached = True
 
@@ -156,6 +172,14 @@ class WorkerMetrics:
             self.preduce_failures.inc(result.num_failed_groups)
         if result.num_dropped_exchanges:
             self.dropped_exchanges.inc(result.num_dropped_exchanges)
+        if result.hop_lead is not None:
+            self.hop_lead.set(result.hop_lead)
+        if result.hop_queue_depth is not None:
+            self.hop_queue_depth.set(result.hop_queue_depth)
+        if result.hop_stale_updates:
+            self.hop_stale_updates.inc(result.hop_stale_updates)
+        if result.hop_iterations_skipped:
+            self.hop_iterations_skipped.inc(result.hop_iterations_skipped)
 
     def close(self) -> None:
         if self._server is not None:

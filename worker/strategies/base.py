@@ -53,6 +53,10 @@ class SyncResult:
     preduce_bytes: int = 0  # bytes this worker fed into the collectives
     num_failed_groups: int = 0
     num_dropped_exchanges: int = 0  # gossip: owed averagings dropped at the backlog cap
+    hop_lead: int | None = None  # hop: iterations ahead of the slowest out-neighbour
+    hop_queue_depth: int | None = None  # hop: updates held in the update queue
+    hop_stale_updates: int = 0  # hop: updates dropped as too old since the last result
+    hop_iterations_skipped: int = 0  # hop: iterations skipped by jumps since the last result
     inside_step: bool = False  # the sync ran inside the gradient step (DDP's backward)
     stop: bool = False
     stop_reason: str = ""

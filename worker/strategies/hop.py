@@ -78,6 +78,8 @@ class HopStrategy(SyncStrategy):
         self._closing = False
         self._peer_closed: set[int] = set()  # peers that said BYE: send them BYE back, no more
         self._snapshot: torch.Tensor | None = None
+        self._reported_stale = 0
+        self._reported_skipped = 0
         self._entered = False
         self._out: dict[int, _Link] = {}
         self._in: dict[int, _Link] = {}
@@ -235,10 +237,20 @@ class HopStrategy(SyncStrategy):
                     renewed = self.engine.recv(flat.detach().clone())
                     with torch.no_grad():
                         flat.copy_(renewed.reduce())
+                self._observe(result)
         except _Stopped:
             return SyncResult(stop=True, stop_reason="stopped by the coordinator")
         self._snapshot = None
         return result
+
+    def _observe(self, result: SyncResult) -> None:
+        """The engine's state for the metrics (caller holds _cond)."""
+        e = self.engine
+        result.hop_lead = -e.lag() if e.out_neighbours else 0
+        result.hop_queue_depth = e.queue_depth()
+        result.hop_stale_updates = e.num_stale_dropped - self._reported_stale
+        result.hop_iterations_skipped = e.iterations_skipped - self._reported_skipped
+        self._reported_stale, self._reported_skipped = e.num_stale_dropped, e.iterations_skipped
 
     def close(self) -> None:
         with self._cond:
