@@ -133,9 +133,7 @@ class RunSettings:
         return PROTOCOLS[self.protocol] in ("lockstep", "p2p")
 
     def hop_settings(self) -> HopSettings:
-        return HopSettings(mode=self.hop_mode, max_ig=self.max_ig,
-                           backup_workers=self.backup_workers, staleness=self.staleness,
-                           max_jump=self.max_jump, skip_threshold=self.skip_threshold)
+        return HopSettings.of_run(self)
 
     @property
     def policy_name(self) -> str | None:

@@ -42,8 +42,21 @@ class Communicator:
     def allreduce_sum_(self, tensor: torch.Tensor, timeout_seconds: float) -> None:
         """Sum `tensor` across the members in place; raises on error or timeout."""
         work = self.backend.allreduce([tensor])  # type: ignore[union-attr]  # missing from torch stubs
+        self._wait(work, "all-reduce", timeout_seconds)
+
+    def send(self, tensor: torch.Tensor, dst: int, timeout_seconds: float) -> None:
+        """Send `tensor` to member `dst`; raises on error or timeout."""
+        work = self.backend.send([tensor], dst, 0)  # type: ignore[union-attr]  # missing from torch stubs
+        self._wait(work, "send", timeout_seconds)
+
+    def recv(self, tensor: torch.Tensor, src: int, timeout_seconds: float) -> None:
+        """Receive into `tensor` from member `src`; raises on error or timeout."""
+        work = self.backend.recv([tensor], src, 0)  # type: ignore[union-attr]  # missing from torch stubs
+        self._wait(work, "recv", timeout_seconds)
+
+    def _wait(self, work: dist.Work, what: str, timeout_seconds: float) -> None:
         if not work.wait(datetime.timedelta(seconds=timeout_seconds)):
-            raise TimeoutError(f"all-reduce on {self.key} did not finish in {timeout_seconds} s")
+            raise TimeoutError(f"{what} on {self.key} did not finish in {timeout_seconds} s")
 
 
 def connect_store(host: str, port: int, timeout_seconds: float) -> dist.Store:

@@ -31,7 +31,7 @@ credits show it behind every out-neighbour by more than `skip_threshold` jumps u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 P = TypeVar("P")  # the payload: a flat parameter tensor at run time, anything in tests
 
@@ -54,6 +54,13 @@ class HopSettings:
     """Skipping: the most iterations one jump may skip (0: never skip)."""
     skip_threshold: int = 2
     """Skipping: jump only when more than this many iterations behind every out-neighbour."""
+
+    @classmethod
+    def of_run(cls, run: Any) -> HopSettings:
+        """From a run's options (RunSettings or its RunConfig message: same field names)."""
+        return cls(mode=run.hop_mode, max_ig=run.max_ig, backup_workers=run.backup_workers,
+                   staleness=run.staleness, max_jump=run.max_jump,
+                   skip_threshold=run.skip_threshold)
 
     def validate(self) -> None:
         if self.mode not in HOP_MODES:
@@ -151,7 +158,8 @@ class HopWorker(Generic[P]):
 
     @property
     def floor(self) -> int:
-        """The oldest iteration whose updates are still wanted."""
+        """The oldest iteration whose updates are still wanted, and the one the next Recv
+        is for: the current one, or after a jump the one before it."""
         return self.iteration if self.jump_recv is None else self.jump_recv
     # ------------------------------------------------------------------ sending
     def enter(self, payload: P) -> list[UpdateMsg[P] | CreditMsg]:
@@ -229,14 +237,9 @@ class HopWorker(Generic[P]):
         n = len(self.in_neighbours)
         return n if self.settings.mode == "standard" else max(0, n - self.settings.backup_workers)
 
-    def recv_iteration(self) -> int:
-        """The iteration the next Recv is for: the current one, or after a jump the one
-        before it."""
-        return self.floor
-
     def recv_ready(self) -> bool:
-        """Whether the next Recv would not block."""
-        k = self.recv_iteration()
+        """Whether the next Recv (of iteration `floor`) would not block."""
+        k = self.floor
         if self.settings.mode == "staleness":
             oldest = k - self.settings.staleness
             return all(self._usable_since(j) >= oldest for j in self.in_neighbours)
@@ -249,7 +252,7 @@ class HopWorker(Generic[P]):
     def recv(self, own: P) -> Received[P]:
         """Take the updates of the next Recv (call when recv_ready): the own parameters
         first, then what the mode takes. Reduce is the weighted mean of the result."""
-        k = self.recv_iteration()
+        k = self.floor
         if not self.recv_ready():
             raise HopProtocolError(f"Recv({k}) on worker {self.rank} is not ready")
         self.jump_recv = None

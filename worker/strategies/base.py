@@ -62,6 +62,12 @@ class SyncResult:
     stop_reason: str = ""
 
 
+def max_peer_wait_seconds(config: pb.RunConfig) -> float:
+    """How long a worker waits for peers (a group, a partner, a neighbour's update) before
+    giving up: they may be stragglers, so well beyond one collective's timeout."""
+    return max(300.0, 5 * config.collective_timeout_seconds)
+
+
 class SyncStrategy(abc.ABC):
     """A protocol plugged into the compute loop.
 

@@ -31,6 +31,7 @@ from ripples.worker.strategies.base import (
     SyncContext,
     SyncResult,
     SyncStrategy,
+    max_peer_wait_seconds,
     run_group_collective,
 )
 
@@ -173,7 +174,7 @@ class GossipStrategy(SyncStrategy):
                 if not listen:
                     waited_since = waited_since or time.perf_counter()
                     waited = time.perf_counter() - waited_since
-                    if waited > max(300.0, 5 * self.timeout):
+                    if waited > max_peer_wait_seconds(self.ctx.config):
                         raise TimeoutError(f"no partner for {waited:.0f} s: {reply.detail}")
                 continue
             waited_since = None

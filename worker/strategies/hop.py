@@ -16,7 +16,6 @@ errors and gives up with a message after `max_wait_seconds`.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
@@ -27,7 +26,12 @@ import torch
 
 from ripples.worker.communicators import Communicator
 from ripples.worker.hop import CreditMsg, HopSettings, HopWorker, UpdateMsg
-from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
+from ripples.worker.strategies.base import (
+    SyncContext,
+    SyncResult,
+    SyncStrategy,
+    max_peer_wait_seconds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +51,10 @@ class _Link:
         self.thread: threading.Thread | None = None
 
     def send(self, tensor: torch.Tensor) -> None:
-        work = self.comm.backend.send([tensor], 1, 0)  # type: ignore[union-attr]
-        work.wait(datetime.timedelta(seconds=self.timeout))
+        self.comm.send(tensor, 1, self.timeout)  # the sender is member 0 of the link
 
     def recv(self, tensor: torch.Tensor) -> None:
-        work = self.comm.backend.recv([tensor], 0, 0)  # type: ignore[union-attr]
-        work.wait(datetime.timedelta(seconds=self.timeout))
+        self.comm.recv(tensor, 0, self.timeout)
 
 
 class HopStrategy(SyncStrategy):
@@ -61,14 +63,11 @@ class HopStrategy(SyncStrategy):
     def __init__(self, ctx: SyncContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        self.settings = HopSettings(mode=cfg.hop_mode, max_ig=cfg.max_ig,
-                                    backup_workers=cfg.backup_workers,
-                                    staleness=cfg.staleness, max_jump=cfg.max_jump,
-                                    skip_threshold=cfg.skip_threshold)
+        self.settings = HopSettings.of_run(cfg)
         neighbours = tuple(sorted(ctx.start.neighbours))
         self.me = ctx.worker_id
         self.timeout = cfg.collective_timeout_seconds
-        self.max_wait_seconds = max(300.0, 5 * self.timeout)
+        self.max_wait_seconds = max_peer_wait_seconds(cfg)
         self.engine: HopWorker[torch.Tensor] = HopWorker(
             self.me, neighbours, neighbours, self.settings)
         self._cond = threading.Condition()
@@ -246,7 +245,7 @@ class HopStrategy(SyncStrategy):
     def _observe(self, result: SyncResult) -> None:
         """The engine's state for the metrics (caller holds _cond)."""
         e = self.engine
-        result.hop_lead = -e.lag() if e.out_neighbours else 0
+        result.hop_lead = -e.lag()
         result.hop_queue_depth = e.queue_depth()
         result.hop_stale_updates = e.num_stale_dropped - self._reported_stale
         result.hop_iterations_skipped = e.iterations_skipped - self._reported_skipped

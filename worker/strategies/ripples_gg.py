@@ -11,6 +11,7 @@ from ripples.worker.strategies.base import (
     SyncContext,
     SyncResult,
     SyncStrategy,
+    max_peer_wait_seconds,
     run_group_collective,
 )
 
@@ -34,7 +35,7 @@ class GroupGeneratorStrategy(SyncStrategy):
         super().__init__(ctx)
         self.timeout = ctx.config.collective_timeout_seconds
         # A group may wait for slow peers' iterations; give up only after this long.
-        self.max_group_wait_seconds = max(300.0, 5 * self.timeout)
+        self.max_group_wait_seconds = max_peer_wait_seconds(ctx.config)
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
