@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from ripples.worker.daemon import WorkerConfig, exit_now, run_worker
+from ripples.worker.hop import HopSettings, check_iteration_gaps
 from ripples.worker.slowdown import SlowdownSpec
 from ripples.worker.tasks import TaskOptions, build_task, evaluate
 
@@ -135,6 +136,7 @@ class LocalCluster:
                 coordinator=self.server.address, host=f"node{rank // k}", local_rank=rank % k,
                 device="cpu", slowdown=cfg.slowdowns.get(rank, ""),
                 save_model=str(cfg.output / "workers" / f"rank{rank}.pt"),
+                save_record=str(cfg.output / "workers" / f"rank{rank}.json"),
                 num_threads=cfg.threads_per_worker, metrics_bind="127.0.0.1")
             proc = ctx.Process(target=_worker_entry, args=(wc, cfg.worker_log_level),
                                name=f"ripples-worker-{rank}", daemon=False)
@@ -226,6 +228,15 @@ class LocalCluster:
         batch_size = cfg.run.batch_size or task.batch_size
         total_iterations = sum(w.progress.iteration for w in status.workers)
         epochs = total_iterations * batch_size / len(task.train_inputs)
+        workers = [
+            {"rank": w.rank, "worker_id": w.worker_id, "host": w.host,
+             "iterations": w.progress.iteration,
+             "compute_seconds": w.progress.compute_seconds,
+             "wait_seconds": w.progress.wait_seconds,
+             "preduce_seconds": w.progress.preduce_seconds,
+             "request_count": w.request_count}
+            for w in by_host
+        ]
         summary: dict[str, object] = {
             "protocol": cfg.run.protocol,
             "task": cfg.run.task,
@@ -260,18 +271,35 @@ class LocalCluster:
                 if self.consensus_curve else None),
             "consensus_distance_curve": self.consensus_curve,
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
-            "workers": [
-                {"rank": w.rank, "worker_id": w.worker_id, "host": w.host,
-                 "iterations": w.progress.iteration,
-                 "compute_seconds": w.progress.compute_seconds,
-                 "wait_seconds": w.progress.wait_seconds,
-                 "preduce_seconds": w.progress.preduce_seconds,
-                 "request_count": w.request_count}
-                for w in by_host
-            ],
+            "workers": workers,
         }
+        if cfg.run.protocol == "hop":
+            summary.update(self._hop_summary(workers))
         (cfg.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _hop_summary(self, workers: list[dict]) -> dict[str, object]:
+        """Per worker its hop counters; for the run, every iteration gap the workers'
+        recorded timelines show, checked against Table 1's bound (they share this host's
+        monotonic clock)."""
+        records = {}
+        for rank in range(self.config.run.num_workers):
+            path = self.config.output / "workers" / f"rank{rank}.json"
+            if not path.exists():
+                raise RuntimeError(f"worker rank {rank} saved no record at {path}")
+            record = json.loads(path.read_text())
+            records[record["rank"]] = record["hop"]  # the coordinator's rank, as `workers`
+        for w in workers:
+            rec = records[w["rank"]]
+            w["hop"] = {k: rec[k] for k in ("iteration", "jumps", "iterations_skipped",
+                                            "stale_updates", "updates_not_sent")}
+        report = check_iteration_gaps(
+            {r["worker_id"]: r["iteration_timeline"] for r in records.values()},
+            {r["worker_id"]: r["out_neighbours"] for r in records.values()},
+            HopSettings(**next(iter(records.values()))["settings"]))
+        if report.num_violations:
+            logger.error("hop iteration gaps over Table 1's bound: %s", report.violations)
+        return {"hop_iteration_gaps": asdict(report)}
 
 
 def _progress_line(status: pb.RunStatus) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -43,6 +44,9 @@ class WorkerConfig:
     """Straggler injection: FACTOR or FACTOR@PROBABILITY (see SlowdownSpec)."""
     save_model: str = ""
     """Write the final model's state_dict here."""
+    save_record: str = ""
+    """Write this worker's record of the run here (JSON: iterations, stop reason, and what
+    the protocol tells, e.g. hop's iterations over time)."""
     num_threads: int = 1
     """torch intra-op threads (several workers usually share a host's cores)."""
     metrics_port: int = 0
@@ -133,6 +137,11 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
         finally:
             strategy.close()
             comms.close()
+        if config.save_record:
+            _write_json(Path(config.save_record), {
+                "worker_id": worker_id, "rank": start.rank, "protocol": run.protocol,
+                "iterations": stats.iteration, "stop_reason": reason,
+                run.protocol: strategy.record()})
         if heartbeat.fatal_error:
             raise RuntimeError(heartbeat.fatal_error)
         logger.info("worker %d finished after %d iterations: %s", worker_id, stats.iteration,
@@ -155,6 +164,14 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
         client.close()
         metrics.close()
     return 1 if error else 0
+
+
+def _write_json(path: Path, value: object) -> None:
+    """Write whole or not at all (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value) + "\n")
+    partial.replace(path)
 
 
 def exit_now(code: int) -> None:

@@ -87,15 +87,21 @@ def test_gossip_protocol_reaches_the_loss_target_on_digits(
     assert all(w["iterations"] > 0 for w in summary["workers"])
 
 
+# Hop §7.3.1's random slowdown: every worker 6x slower with probability 1/n per iteration.
+RANDOM_6X = [arg for rank in range(4) for arg in ("--slowdown", f"{rank}:6@0.25")]
+
+
 @pytest.mark.parametrize(("topology", "options"), [
-    ("ring", []),
-    ("ring-based", ["--hop-mode", "backup"]),
-    ("ring", ["--hop-mode", "staleness", "--staleness", "2"]),
+    ("ring", [*RANDOM_6X]),
+    ("ring-based", ["--hop-mode", "backup", "--max-ig", "2", *RANDOM_6X]),
+    ("ring", ["--hop-mode", "staleness", "--staleness", "2", *RANDOM_6X]),
     ("ring", ["--hop-mode", "backup", "--max-jump", "4", "--skip-threshold", "1",
               "--slowdown", "0:4"]),
 ], ids=["standard", "backup", "staleness", "skipping"])
 def test_hop_variants_reach_the_loss_target_on_digits(
         topology: str, options: list[str], tmp_path: Path) -> None:
+    """Each variant trains to the target, and the iterations every worker recorded keep
+    every gap within Table 1's bound (Theorems 1-2) over the whole run."""
     out = tmp_path / "hop"
     proc = ripples_cli("run", "--workers", "4", "--protocol", "hop", "--topology", topology,
                        *options, "--task", "digits", "--epochs", "20",
@@ -107,3 +113,15 @@ def test_hop_variants_reach_the_loss_target_on_digits(
     assert summary["final_accuracy"] >= 0.85
     assert summary["topology"] == topology
     assert all(w["iterations"] > 0 for w in summary["workers"])
+    gaps = summary["hop_iteration_gaps"]
+    assert gaps["num_violations"] == 0, gaps["violations"]
+    # Every advance was replayed, and someone was ahead at some point.
+    steps = [w["iterations"] for w in summary["workers"]]
+    assert sum(steps) - len(steps) <= gaps["events"] <= sum(steps)  # one per advance
+    assert 1 <= gaps["max_gap"] <= gaps["max_bound"]
+    for w in summary["workers"]:
+        # Hop's iteration = gradient steps + skipped iterations (less one when the stop
+        # came between a step and its advance).
+        hop = w["hop"]
+        assert hop["iteration"] - hop["iterations_skipped"] in (w["iterations"],
+                                                                 w["iterations"] - 1), w

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -21,6 +20,8 @@ from ripples.worker.hop import (
     HopSettings,
     HopWorker,
     UpdateMsg,
+    check_iteration_gaps,
+    graph_distances,
 )
 
 
@@ -134,20 +135,6 @@ def test_a_straggler_jumps_renews_at_the_iteration_before_and_pays_tokens_both_w
 # ---------------------------------------------------------------------- simulation
 
 
-def _distances(neighbours: dict[int, tuple[int, ...]]) -> dict[tuple[int, int], int]:
-    dist: dict[tuple[int, int], int] = {}
-    for src in neighbours:
-        seen, frontier = {src: 0}, deque([src])
-        while frontier:
-            u = frontier.popleft()
-            for v in neighbours[u]:
-                if v not in seen:
-                    seen[v] = seen[u] + 1
-                    frontier.append(v)
-        dist.update({(src, v): d for v, d in seen.items()})
-    return dist
-
-
 @dataclass(order=True)
 class _Event:
     time: float
@@ -166,7 +153,7 @@ class HopSimulation:
                  straggler: float, p_slow: float) -> None:
         topo = build_topology(topology, n)
         self.nbrs = {i: tuple(topo.neighbours[i]) for i in range(n)}
-        self.dist = _distances(self.nbrs)
+        self.dist = graph_distances(self.nbrs)
         self.cfg, self.max_iter, self.rng = cfg, max_iter, random.Random(seed)
         self.straggler, self.p_slow = straggler, p_slow
         self.workers = {i: HopWorker[float](i, self.nbrs[i], self.nbrs[i], cfg) for i in range(n)}
@@ -175,6 +162,8 @@ class HopSimulation:
         self.events: list[_Event] = []
         self.seq = 0
         self.max_gap_seen = 0
+        # Per worker, (order, iteration) at every advance: what the runtime records.
+        self.timelines: dict[int, list[tuple[float, int]]] = {i: [] for i in range(n)}
 
     def _push(self, delay: float, kind: str, worker: int, msg: object = None) -> None:
         self.seq += 1
@@ -205,6 +194,8 @@ class HopSimulation:
             elif self.state[i] == "tokens" and w.can_advance():
                 jump = min(w.jump_length(), self.max_iter - w.iteration)
                 self._send(w.advance(jump))
+                self.seq += 1
+                self.timelines[i].append((float(self.seq), w.iteration))
                 self.state[i] = "jump-recv" if w.jump_recv is not None else "enter"
             elif self.state[i] == "jump-recv" and w.recv_ready():
                 self.param[i] = w.recv(self.param[i]).reduce()  # renew; no gradient
@@ -217,16 +208,13 @@ class HopSimulation:
 
     def _check(self) -> None:
         cfg, ws = self.cfg, self.workers
-        b0 = {"standard": 1, "staleness": cfg.staleness + 1}.get(cfg.mode)
         for i in ws:
             for j in ws:
                 if i == j:
                     continue
                 gap = ws[i].iteration - ws[j].iteration
                 self.max_gap_seen = max(self.max_gap_seen, gap)
-                bound = cfg.max_ig * self.dist[(i, j)]  # Theorem 2: i ahead of j downstream
-                if b0 is not None:
-                    bound = min(bound, b0 * self.dist[(j, i)])
+                bound = cfg.gap_bound(self.dist[(i, j)], self.dist[(j, i)])
                 assert gap <= bound, (f"Iter({i}) - Iter({j}) = {gap} > {bound}",
                                       {k: (w.iteration, self.state[k]) for k, w in ws.items()})
             w = ws[i]
@@ -272,6 +260,10 @@ def test_simulated_runs_stay_within_table_1_and_always_finish(
                         p_slow=p_slow)
     sim.run()
     assert all(w.iteration == 30 for w in sim.workers.values())
+    # The offline check that `ripples run` applies to recorded timelines agrees.
+    report = check_iteration_gaps(sim.timelines, sim.nbrs, cfg)
+    assert report.num_violations == 0, report.violations
+    assert report.max_gap == sim.max_gap_seen and report.tightest <= 1.0
 
 
 def test_skipping_lets_a_deterministic_straggler_keep_up() -> None:
@@ -289,3 +281,26 @@ def test_skipping_lets_a_deterministic_straggler_keep_up() -> None:
     with_skips, skipped = finish_time(4)
     assert skipped_plain == 0 and skipped > 0
     assert with_skips < plain
+
+
+def test_the_gap_bound_is_table_1() -> None:
+    """Table 1 for i two hops upstream of j and three hops downstream of it."""
+    assert HopSettings(mode="standard", max_ig=4).gap_bound(2, 3) == min(1 * 3, 4 * 2)
+    assert HopSettings(mode="staleness", staleness=2, max_ig=4).gap_bound(2, 3) == 8
+    assert HopSettings(mode="staleness", staleness=0, max_ig=4).gap_bound(2, 1) == 1
+    assert HopSettings(mode="backup", max_ig=3).gap_bound(2, 1) == 6  # tokens only
+
+
+def test_the_gap_check_reports_a_worker_that_ran_past_its_bound() -> None:
+    """Worker 0 of a 3-ring enters iteration 3 while worker 1 is still at 0: over a
+    standard setting's bound of 1 (b0 x 1 hop). Replayed in time order, not file order."""
+    ring = {0: [1, 2], 1: [0, 2], 2: [0, 1]}
+    cfg = HopSettings(mode="standard", max_ig=4)
+    fine = {0: [(1.0, 1), (3.0, 2)], 1: [(2.0, 1)], 2: [(1.5, 1), (2.5, 2)]}
+    report = check_iteration_gaps(fine, ring, cfg)
+    assert (report.events, report.max_gap, report.num_violations) == (5, 1, 0)
+    assert report.tightest == 1.0 and report.max_bound == 1
+    bad = {0: [(3.0, 3), (1.0, 1)], 1: [(4.0, 1)], 2: [(0.5, 1)]}
+    report = check_iteration_gaps(bad, ring, cfg)
+    assert report.num_violations >= 1 and report.max_gap == 3
+    assert report.violations[0].startswith("t=3.000: Iter(0) - Iter(1) = 3 - 0 = 3 > bound 1")

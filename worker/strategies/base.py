@@ -105,6 +105,11 @@ class SyncStrategy(abc.ABC):
     def after_step(self, completed: int) -> SyncResult:
         """After the optimizer step: synchronise (or not)."""
 
+    def record(self) -> dict[str, object]:
+        """What the protocol tells of this worker's run, as JSON values, for the run's
+        summary (hop: its iterations over time); empty for most protocols."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 (optional hook, deliberately empty)
         """Release protocol resources (not communicators: the daemon owns the cache)."""
 

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 
 import torch
 
@@ -79,7 +80,9 @@ class HopStrategy(SyncStrategy):
         self._snapshot: torch.Tensor | None = None
         self._reported_stale = 0
         self._reported_skipped = 0
-        self._entered = False
+        # (time.monotonic(), iteration) at every advance: one clock for every process of
+        # a host, stamped before the credits that let others move on are sent.
+        self._timeline: list[tuple[float, int]] = []
         self._out: dict[int, _Link] = {}
         self._in: dict[int, _Link] = {}
         self._build_links(neighbours)
@@ -229,7 +232,9 @@ class HopStrategy(SyncStrategy):
             result.num_groups, result.group_sizes = 1, (len(got.payloads),)
             with self._cond:
                 result.wait_seconds += self._wait(self.engine.can_advance, "tokens")
-                self._dispatch(self.engine.advance(self.engine.jump_length()))
+                credits = self.engine.advance(self.engine.jump_length())
+                self._timeline.append((time.monotonic(), self.engine.iteration))
+                self._dispatch(credits)
                 if self.engine.jump_recv is not None:
                     result.wait_seconds += self._wait(self.engine.recv_ready,
                                                       "the updates before a jump")
@@ -250,6 +255,17 @@ class HopStrategy(SyncStrategy):
         result.hop_stale_updates = e.num_stale_dropped - self._reported_stale
         result.hop_iterations_skipped = e.iterations_skipped - self._reported_skipped
         self._reported_stale, self._reported_skipped = e.num_stale_dropped, e.iterations_skipped
+
+    def record(self) -> dict[str, object]:
+        with self._cond:
+            e = self.engine
+            return {
+                "worker_id": self.me, "out_neighbours": list(e.out_neighbours),
+                "settings": asdict(self.settings), "iteration": e.iteration,
+                "jumps": e.num_jumps, "iterations_skipped": e.iterations_skipped,
+                "stale_updates": e.num_stale_dropped, "updates_not_sent": e.num_not_sent,
+                "iteration_timeline": [list(entry) for entry in self._timeline],
+            }
 
     def close(self) -> None:
         with self._cond:
