@@ -48,6 +48,16 @@ VARIANTS: dict[str, Variant] = {
     "a2cid2-no-momentum": Variant(
         protocol="a2cid2", flags=("--no-momentum",),
         description="A2CiD2's asynchronous baseline: the same FIFO gossip, no momentum"),
+    "hop-backup": Variant(
+        protocol="hop", flags=("--hop-mode", "backup", "--backup-workers", "1"),
+        description="Hop with one backup worker (§4.3, §7.3.3)"),
+    "hop-staleness": Variant(
+        protocol="hop", flags=("--hop-mode", "staleness", "--staleness", "5"),
+        description="Hop with bounded staleness s = 5 (§4.4, §7.3.4)"),
+    "hop-skip": Variant(
+        protocol="hop", flags=("--hop-mode", "backup", "--backup-workers", "1",
+                               "--max-jump", "4"),
+        description="Hop with one backup worker, skipping up to 4 iterations (§5, §7.3.5)"),
 }
 MATRIX_PROTOCOLS: tuple[str, ...] = (*PROTOCOLS, *VARIANTS)
 """What the matrix can run: every registered protocol, then the variants."""
@@ -140,6 +150,9 @@ class RunRecord:
     samples (None for protocols without pairwise exchanges, and in older records)."""
     consensus_distance_final: float | None = None
     """Exact consensus distance of the workers' final models."""
+    others_seconds_per_iteration: float | None = None
+    """Wall time over the iterations of an average worker that the scenario does not slow
+    in every iteration (all workers in homogeneous and random scenarios)."""
 
 
 def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int,
@@ -168,21 +181,22 @@ def run_one(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int) 
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return record_from_summary(summary, scenario.name, repeat, protocol)
+    return record_from_summary(summary, scenario, repeat, protocol)
 
 
-def record_from_summary(summary: dict, scenario: str, repeat: int,
+def record_from_summary(summary: dict, scenario: Scenario, repeat: int,
                         protocol: str | None = None) -> RunRecord:
     """One run's record; `protocol` names the matrix entry (a variant) when it is not
     the summary's protocol."""
     workers = summary["workers"]
     total = max(sum(w["iterations"] for w in workers), 1)
+    others = [w["iterations"] for w in workers if w["rank"] not in scenario.slowed_ranks()]
 
     def per_iteration(key: str) -> float:
         return sum(w[key] for w in workers) / total
 
     return RunRecord(
-        scenario=scenario, protocol=protocol or summary["protocol"], repeat=repeat,
+        scenario=scenario.name, protocol=protocol or summary["protocol"], repeat=repeat,
         time_to_target_seconds=summary["time_to_target_seconds"],
         seconds_per_epoch=summary["seconds_per_epoch"],
         iterations_to_target=summary["iterations_to_target"],
@@ -195,6 +209,8 @@ def record_from_summary(summary: dict, scenario: str, repeat: int,
         loss_curve=summary["loss_curve"],
         consensus_distance_mean=summary.get("consensus_distance_mean"),
         consensus_distance_final=summary.get("consensus_distance_final"),
+        others_seconds_per_iteration=(summary["wall_seconds"] / (sum(others) / len(others))
+                                      if others and sum(others) else None),
     )
 
 
@@ -221,7 +237,8 @@ def medians(records: list[RunRecord]) -> list[dict]:
                "final_loss", "final_train_loss", "seconds_per_iteration",
                "compute_seconds_per_iteration", "wait_seconds_per_iteration",
                "preduce_seconds_per_iteration", "speedup_vs_allreduce",
-               "consensus_distance_mean", "consensus_distance_final"]
+               "consensus_distance_mean", "consensus_distance_final",
+               "others_seconds_per_iteration"]
     rows = []
     for scenario, protocol in keys:
         runs = [r for r in records if (r.scenario, r.protocol) == (scenario, protocol)]
@@ -232,13 +249,14 @@ def medians(records: list[RunRecord]) -> list[dict]:
         for name in numeric:
             row[name] = _median([getattr(r, name) for r in runs])
         rows.append(row)
-    homogeneous = {row["protocol"]: row["seconds_per_epoch"] for row in rows
-                   if row["scenario"] == "homogeneous"}
-    for row in rows:
-        base = homogeneous.get(row["protocol"])
-        row["epoch_time_vs_homogeneous"] = (
-            row["seconds_per_epoch"] / base
-            if isinstance(base, float) and isinstance(row["seconds_per_epoch"], float) else None)
+    for name, ratio in (("seconds_per_epoch", "epoch_time_vs_homogeneous"),
+                        ("others_seconds_per_iteration", "others_iteration_time_vs_homogeneous")):
+        homogeneous = {row["protocol"]: row[name] for row in rows
+                       if row["scenario"] == "homogeneous"}
+        for row in rows:
+            base, value = homogeneous.get(row["protocol"]), row[name]
+            row[ratio] = (value / base if isinstance(base, float) and isinstance(value, float)
+                          else None)
     return rows
 
 
@@ -329,10 +347,13 @@ def _ratio(value: float | None) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """The medians as a text table; a consensus-distance column (mean of the run's
-    estimates) when some protocol gossiped."""
+    estimates) when some protocol gossiped. 'vs homog': epoch time over the protocol's
+    own homogeneous one; 'others': the same for the iteration time of the workers that
+    the scenario does not slow in every iteration."""
     gossip = any(row.get("consensus_distance_mean") is not None for row in rows)
     lines = [f"{'scenario':<12} {'protocol':<18} {'to target':>10} {'speedup':>8} "
-             f"{'s/epoch':>8} {'vs homog':>8} {'iters':>7} {'s/iter':>7} {'compute':>8} "
+             f"{'s/epoch':>8} {'vs homog':>8} {'others':>7} {'iters':>7} {'s/iter':>7} "
+             f"{'compute':>8} "
              f"{'wait':>6} {'preduce':>8}" + (f" {'consensus':>10}" if gossip else "")]
     for row in rows:
         lines.append(
@@ -341,6 +362,7 @@ def format_table(rows: list[dict]) -> str:
             f"{_ratio(row['speedup_vs_allreduce']):>8} "
             f"{_fmt(row['seconds_per_epoch'], '.2f'):>8} "
             f"{_ratio(row['epoch_time_vs_homogeneous']):>8} "
+            f"{_ratio(row.get('others_iteration_time_vs_homogeneous')):>7} "
             f"{_fmt(row['iterations_to_target'], '.0f'):>7} "
             f"{_fmt(row['seconds_per_iteration'], '.3f'):>7} "
             f"{_fmt(row['compute_seconds_per_iteration'], '.3f'):>8} "
@@ -354,7 +376,8 @@ def format_markdown(rows: list[dict]) -> str:
     """The medians as the Markdown table of docs/benchmarks.md."""
     gossip = any(row.get("consensus_distance_mean") is not None for row in rows)
     head = ["scenario", "protocol", "to target", "iterations", "s/iter", "compute", "wait",
-            "P-Reduce", "speedup vs allreduce", "epoch time vs own homogeneous"]
+            "P-Reduce", "speedup vs allreduce", "epoch time vs own homogeneous",
+            "others' s/iter vs own homogeneous"]
     head += ["consensus distance (mean)"] if gossip else []
     lines = ["| " + " | ".join(head) + " |",
              "|---|---|" + "---:|" * (len(head) - 2)]
@@ -369,7 +392,8 @@ def format_markdown(rows: list[dict]) -> str:
                  _fmt(row["wait_seconds_per_iteration"], ".3f"),
                  _fmt(row["preduce_seconds_per_iteration"], ".3f"),
                  _ratio(row["speedup_vs_allreduce"]),
-                 _ratio(row["epoch_time_vs_homogeneous"])]
+                 _ratio(row["epoch_time_vs_homogeneous"]),
+                 _ratio(row.get("others_iteration_time_vs_homogeneous"))]
         if gossip:
             cells.append(_fmt(row.get("consensus_distance_mean"), ".3g"))
         lines.append("| " + " | ".join(cells) + " |")

@@ -17,11 +17,16 @@ class Scenario:
     """False: worker 0 is slow every iteration. True: every worker is slow with probability
     1/n in each iteration (seeded)."""
 
+    def slowed_ranks(self) -> frozenset[int]:
+        """The workers slowed in every iteration (the rest are 'the others')."""
+        return frozenset({0}) if self.factor != 1.0 and not self.random else frozenset()
+
     def slowdown_flags(self, num_workers: int) -> list[str]:
         if self.factor == 1.0:
             return []
         if not self.random:
-            return ["--slowdown", f"0:{self.factor:g}"]
+            return [arg for rank in sorted(self.slowed_ranks())
+                    for arg in ("--slowdown", f"{rank}:{self.factor:g}")]
         flags = []
         for rank in range(num_workers):
             flags += ["--slowdown", f"{rank}:{self.factor:g}@{1 / num_workers:.6g}"]
@@ -31,6 +36,8 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(name="homogeneous", description="every worker at full speed"),
     Scenario(name="slow-2x", factor=2.0, description="worker 0 2x slower (Ripples §7.4)"),
+    Scenario(name="slow-4x", factor=4.0,
+             description="worker 0 4x slower (Hop §7.3.5: skipping iterations)"),
     Scenario(name="slow-5x", factor=5.0, description="worker 0 5x slower (Ripples §7.4)"),
     Scenario(name="slow-10x", factor=10.0,
              description="worker 0 10x slower (AD-PSGD §5.4)"),

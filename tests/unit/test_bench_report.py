@@ -14,6 +14,8 @@ from ripples.bench.scenarios import SCENARIOS
 def test_scenarios_translate_to_slowdown_flags() -> None:
     assert SCENARIOS["homogeneous"].slowdown_flags(8) == []
     assert SCENARIOS["slow-5x"].slowdown_flags(8) == ["--slowdown", "0:5"]
+    assert SCENARIOS["slow-4x"].slowed_ranks() == {0}
+    assert SCENARIOS["random-6x"].slowed_ranks() == SCENARIOS["homogeneous"].slowed_ranks() == set()
     flags = SCENARIOS["random-6x"].slowdown_flags(4)
     assert flags == [x for r in range(4) for x in ("--slowdown", f"{r}:6@0.25")]
 
@@ -65,6 +67,32 @@ def test_matrix_entries_become_run_commands(tmp_path: Path) -> None:
     # Lockstep protocols synchronise everyone: no topology for them.
     assert flags("allreduce") == ["--protocol", "allreduce"]
     assert "a2cid2-no-momentum" in harness.HarnessConfig().protocols  # joins the matrix
+    assert flags("hop-skip") == ["--protocol", "hop", "--hop-mode", "backup",
+                                 "--backup-workers", "1", "--max-jump", "4",
+                                 "--topology", "ring"]
+
+
+def test_the_others_iteration_time_leaves_out_the_deterministic_straggler() -> None:
+    """Hop §7.3.5's measure: the iteration time of the workers a scenario does not slow,
+    against the same protocol's homogeneous run."""
+    def summary(iterations: list[int], wall: float) -> dict:
+        return {"protocol": "hop", "workers": [
+                    {"rank": r, "iterations": n, "compute_seconds": 1.0, "wait_seconds": 0.0,
+                     "preduce_seconds": 0.0} for r, n in enumerate(iterations)],
+                "time_to_target_seconds": wall, "seconds_per_epoch": 1.0,
+                "iterations_to_target": 10.0, "final_loss": 1.0, "final_train_loss": 1.0,
+                "wall_seconds": wall, "loss_curve": []}
+
+    homogeneous = harness.record_from_summary(summary([100, 100, 100], 10.0),
+                                              SCENARIOS["homogeneous"], 0, "hop-skip")
+    straggler = harness.record_from_summary(summary([25, 90, 110], 10.0),
+                                            SCENARIOS["slow-4x"], 0, "hop-skip")
+    assert homogeneous.others_seconds_per_iteration == pytest.approx(0.1)
+    assert straggler.others_seconds_per_iteration == pytest.approx(10.0 / 100)  # 90, 110
+    assert straggler.seconds_per_iteration == pytest.approx(10.0 / 75)
+    rows = {r["scenario"]: r for r in harness.medians([homogeneous, straggler])}
+    assert rows["slow-4x"]["others_iteration_time_vs_homogeneous"] == pytest.approx(1.0)
+    assert "1.00x" in harness.format_markdown([rows["slow-4x"]])
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -113,4 +141,4 @@ def test_markdown_table_has_a_row_per_median_and_marks_missed_targets() -> None:
     lines = harness.format_markdown([row]).splitlines()
     assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "| slow-10x | a2cid2 | not reached (0/2) | - |" in lines[2]
-    assert "| 1.04x | 0.5 |" in lines[2]
+    assert "| 1.04x | - | 0.5 |" in lines[2]
