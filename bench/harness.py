@@ -150,6 +150,10 @@ class RunRecord:
     samples (None for protocols without pairwise exchanges, and in older records)."""
     consensus_distance_final: float | None = None
     """Exact consensus distance of the workers' final models."""
+    samples_per_second: float | None = None
+    """Training throughput of all workers together (None in older records)."""
+    throughput_vs_allreduce: float | None = None
+    """samples_per_second over allreduce's in the same scenario and repeat."""
     others_seconds_per_iteration: float | None = None
     """Wall time over the iterations of an average worker that the scenario does not slow
     in every iteration (all workers in homogeneous and random scenarios)."""
@@ -211,6 +215,7 @@ def record_from_summary(summary: dict, scenario: Scenario, repeat: int,
         consensus_distance_final=summary.get("consensus_distance_final"),
         others_seconds_per_iteration=(summary["wall_seconds"] / (sum(others) / len(others))
                                       if others and sum(others) else None),
+        samples_per_second=summary.get("samples_per_second"),
     )
 
 
@@ -221,13 +226,17 @@ def _median(values: list[float | None]) -> float | None:
 
 def add_speedups(records: list[RunRecord]) -> None:
     """speedup_vs_allreduce = allreduce's time to target / this run's, in the same scenario
-    and repeat (so with the same seed); the median over repeats goes in the table."""
+    and repeat (so with the same seed), and throughput_vs_allreduce = this run's samples
+    per second / allreduce's; the median over repeats goes in the table."""
     for rec in records:
-        base = _median([r.time_to_target_seconds for r in records
-                        if (r.scenario, r.repeat) == (rec.scenario, rec.repeat)
-                        and r.protocol == "allreduce"])
+        same = [r for r in records if (r.scenario, r.repeat) == (rec.scenario, rec.repeat)
+                and r.protocol == "allreduce"]
+        base = _median([r.time_to_target_seconds for r in same])
         if base is not None and rec.time_to_target_seconds:
             rec.speedup_vs_allreduce = base / rec.time_to_target_seconds
+        base = _median([r.samples_per_second for r in same])
+        if base and rec.samples_per_second is not None:
+            rec.throughput_vs_allreduce = rec.samples_per_second / base
 
 
 def medians(records: list[RunRecord]) -> list[dict]:
@@ -238,7 +247,8 @@ def medians(records: list[RunRecord]) -> list[dict]:
                "compute_seconds_per_iteration", "wait_seconds_per_iteration",
                "preduce_seconds_per_iteration", "speedup_vs_allreduce",
                "consensus_distance_mean", "consensus_distance_final",
-               "others_seconds_per_iteration"]
+               "others_seconds_per_iteration", "samples_per_second",
+               "throughput_vs_allreduce"]
     rows = []
     for scenario, protocol in keys:
         runs = [r for r in records if (r.scenario, r.protocol) == (scenario, protocol)]
@@ -349,12 +359,13 @@ def format_table(rows: list[dict]) -> str:
     """The medians as a text table; a consensus-distance column (mean of the run's
     estimates) when some protocol gossiped. 'vs homog': epoch time over the protocol's
     own homogeneous one; 'others': the same for the iteration time of the workers that
-    the scenario does not slow in every iteration."""
+    the scenario does not slow in every iteration; 'thruput': samples per second over
+    allreduce's."""
     gossip = any(row.get("consensus_distance_mean") is not None for row in rows)
     lines = [f"{'scenario':<12} {'protocol':<18} {'to target':>10} {'speedup':>8} "
              f"{'s/epoch':>8} {'vs homog':>8} {'others':>7} {'iters':>7} {'s/iter':>7} "
-             f"{'compute':>8} "
-             f"{'wait':>6} {'preduce':>8}" + (f" {'consensus':>10}" if gossip else "")]
+             f"{'compute':>8} {'wait':>6} {'preduce':>8} {'samples/s':>9} {'thruput':>7}"
+             + (f" {'consensus':>10}" if gossip else "")]
     for row in rows:
         lines.append(
             f"{row['scenario']:<12} {row['protocol']:<18} "
@@ -367,7 +378,9 @@ def format_table(rows: list[dict]) -> str:
             f"{_fmt(row['seconds_per_iteration'], '.3f'):>7} "
             f"{_fmt(row['compute_seconds_per_iteration'], '.3f'):>8} "
             f"{_fmt(row['wait_seconds_per_iteration'], '.3f'):>6} "
-            f"{_fmt(row['preduce_seconds_per_iteration'], '.3f'):>8}"
+            f"{_fmt(row['preduce_seconds_per_iteration'], '.3f'):>8} "
+            f"{_fmt(row.get('samples_per_second'), '.0f'):>9} "
+            f"{_ratio(row.get('throughput_vs_allreduce')):>7}"
             + (f" {_fmt(row.get('consensus_distance_mean'), '.3g'):>10}" if gossip else ""))
     return "\n".join(lines)
 
@@ -377,7 +390,7 @@ def format_markdown(rows: list[dict]) -> str:
     gossip = any(row.get("consensus_distance_mean") is not None for row in rows)
     head = ["scenario", "protocol", "to target", "iterations", "s/iter", "compute", "wait",
             "P-Reduce", "speedup vs allreduce", "epoch time vs own homogeneous",
-            "others' s/iter vs own homogeneous"]
+            "others' s/iter vs own homogeneous", "samples/s", "throughput vs allreduce"]
     head += ["consensus distance (mean)"] if gossip else []
     lines = ["| " + " | ".join(head) + " |",
              "|---|---|" + "---:|" * (len(head) - 2)]
@@ -393,7 +406,9 @@ def format_markdown(rows: list[dict]) -> str:
                  _fmt(row["preduce_seconds_per_iteration"], ".3f"),
                  _ratio(row["speedup_vs_allreduce"]),
                  _ratio(row["epoch_time_vs_homogeneous"]),
-                 _ratio(row.get("others_iteration_time_vs_homogeneous"))]
+                 _ratio(row.get("others_iteration_time_vs_homogeneous")),
+                 _fmt(row.get("samples_per_second"), ".0f"),
+                 _ratio(row.get("throughput_vs_allreduce"))]
         if gossip:
             cells.append(_fmt(row.get("consensus_distance_mean"), ".3g"))
         lines.append("| " + " | ".join(cells) + " |")

@@ -16,13 +16,16 @@ from ripples.coordinator.topology import (
 )
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.hop import HopSettings
+from ripples.worker.lpp import LPP_PROTOCOLS, LppSettings
 
 # Protocol name -> how the coordinator takes part. "group:<policy>" protocols ask the
 # Group Generator for every P-Reduce; "lockstep" protocols compute their groups locally
 # and use the coordinator only to agree on when to stop. "gossip:<pairing>" protocols
 # average in pairs of graph neighbours that the coordinator matches. "p2p" protocols (hop)
 # send parameters and tokens worker to worker; the coordinator serves membership, the
-# topology and the stop only.
+# topology and the stop only. lap-sgd / lpp-sgd average over all workers at once
+# ("lockstep"), or with lpp_averaging ripples-random / ripples-smart in the Group
+# Generator's groups (RunSettings.kind).
 PROTOCOLS: dict[str, str] = {
     "allreduce": "lockstep",
     "ripples-random": "group:random",
@@ -31,6 +34,8 @@ PROTOCOLS: dict[str, str] = {
     "adpsgd": "gossip:adpsgd",
     "a2cid2": "gossip:a2cid2",
     "hop": "p2p",
+    "lap-sgd": "lockstep",
+    "lpp-sgd": "lockstep",
 }
 ADPSGD_MODES = ("serialised", "bipartite")
 
@@ -41,7 +46,7 @@ class RunSettings:
 
     protocol: str = "ripples-smart"
     """Synchronisation protocol: allreduce, ripples-random, ripples-smart, ripples-static,
-    adpsgd, a2cid2 or hop."""
+    adpsgd, a2cid2, hop, lap-sgd or lpp-sgd."""
     task: str = "digits"
     """Training task: a built-in name (digits, synthetic-cnn, synthetic-vgg16) or
     module:function."""
@@ -111,6 +116,17 @@ class RunSettings:
     backup or staleness mode, at most max_ig)."""
     skip_threshold: int = 2
     """hop: skip only when more than this many iterations behind every out-neighbour."""
+    updaters: int = 2
+    """lap-sgd, lpp-sgd: Hogwild updater processes per worker sharing its model (U)."""
+    lpp_averaging: str = "all"
+    """lap-sgd, lpp-sgd: average over all workers at once (all, the paper), or in the
+    Group Generator's groups (ripples-random, ripples-smart)."""
+    sync_period: int = 16
+    """lap-sgd, lpp-sgd: average after every update until half the budget, then every
+    this many updates (H)."""
+    full_fraction: float = 0.1
+    """lpp-sgd: update the full model for this fraction of the budget (T_st / T), then
+    alternate between an updater's own block and the full model."""
     max_comms_per_worker: int = 64
     """Communicators cached per worker before the coordinator orders evictions."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -123,21 +139,28 @@ class RunSettings:
         self.validate()
 
     @property
+    def kind(self) -> str:
+        """How the coordinator takes part (PROTOCOLS), with lap-sgd / lpp-sgd's averaging."""
+        if self.protocol in LPP_PROTOCOLS and self.lpp_averaging != "all":
+            return PROTOCOLS[self.lpp_averaging]
+        return PROTOCOLS[self.protocol]
+
+    @property
     def is_lockstep(self) -> bool:
-        return PROTOCOLS[self.protocol] == "lockstep"
+        return self.kind == "lockstep"
 
     @property
     def needs_every_worker(self) -> bool:
         """Lock-step and peer-to-peer protocols cannot go on without a worker that
         left or failed: its peers would wait for it."""
-        return PROTOCOLS[self.protocol] in ("lockstep", "p2p")
+        return self.kind in ("lockstep", "p2p")
 
     def hop_settings(self) -> HopSettings:
         return HopSettings.of_run(self)
 
     @property
     def policy_name(self) -> str | None:
-        kind = PROTOCOLS[self.protocol]
+        kind = self.kind
         return kind.split(":", 1)[1] if kind.startswith("group:") else None
 
     @property
@@ -187,6 +210,11 @@ class RunSettings:
             raise ValueError("lease_seconds must exceed twice heartbeat_interval_seconds")
         if self.checkpoint_interval < 1:
             raise ValueError("checkpoint_interval must be at least 1")
+        LppSettings.of_run(self).validate()
+        if self.protocol in LPP_PROTOCOLS and self.iterations == 0 and self.epochs == 0:
+            raise ValueError(f"{self.protocol} needs a budget of iterations or epochs: the "
+                             "full-model phase and the synchronisation scheme are fractions "
+                             "of it")
         self._validate_topology()
 
     def _validate_topology(self) -> None:
@@ -247,6 +275,10 @@ class RunSettings:
             staleness=self.staleness,
             max_jump=self.max_jump,
             skip_threshold=self.skip_threshold,
+            updaters=self.updaters,
+            lpp_averaging=self.lpp_averaging,
+            sync_period=self.sync_period,
+            full_fraction=self.full_fraction,
         )
 
     def replace(self, **changes: object) -> RunSettings:

@@ -326,6 +326,10 @@ class CoordinatorCore:
                 # checkpoint rather than leave them inside collectives that never complete.
                 why = f": {w.error}" if w.error else ""
                 deliveries.update(self.stop(f"worker {w.worker_id} {state.value}{why}", now))
+            elif self.settings.needs_every_worker:  # it left having finished its budget
+                deliveries.update(self.stop(
+                    f"iteration budget reached (worker {w.worker_id} finished its "
+                    f"{w.progress.planned_iterations} iterations)", now))
             elif len(self.live()) < 2:
                 deliveries.update(self.stop("fewer than two workers remain", now))
         return deliveries

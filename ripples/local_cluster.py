@@ -27,6 +27,7 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from ripples.worker.daemon import WorkerConfig, exit_now, run_worker
 from ripples.worker.hop import HopSettings, check_iteration_gaps
+from ripples.worker.lpp import LPP_PROTOCOLS
 from ripples.worker.slowdown import SlowdownSpec
 from ripples.worker.tasks import TaskOptions, build_task, evaluate
 
@@ -252,6 +253,9 @@ class LocalCluster:
             "iterations_to_target": (status.iterations_to_target
                                      if status.iterations_to_target >= 0 else None),
             "epochs_completed": epochs,
+            # Training throughput of all workers together, start-up of processes included.
+            "samples_per_second": (total_iterations * batch_size / status.elapsed_seconds
+                                   if status.elapsed_seconds > 0 else None),
             "seconds_per_epoch": status.elapsed_seconds / epochs if epochs > 0 else None,
             "loss_curve": [[p.seconds, p.loss] for p in status.loss_curve],
             "loss_curve_iterations": [p.mean_iterations for p in status.loss_curve],
@@ -275,20 +279,30 @@ class LocalCluster:
         }
         if cfg.run.protocol == "hop":
             summary.update(self._hop_summary(workers))
+        elif cfg.run.protocol in LPP_PROTOCOLS:  # updates per updater, averaging rounds
+            records = self._protocol_records()
+            for w in workers:
+                w["lpp"] = records[w["rank"]]
         (cfg.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
-    def _hop_summary(self, workers: list[dict]) -> dict[str, object]:
-        """Per worker its hop counters; for the run, every iteration gap the workers'
-        recorded timelines show, checked against Table 1's bound (they share this host's
-        monotonic clock)."""
+    def _protocol_records(self) -> dict[int, dict]:
+        """Per rank (the coordinator's, as in summary.json's `workers`), what the
+        worker's protocol recorded of its run (`ripples worker run --save-record`)."""
         records = {}
         for rank in range(self.config.run.num_workers):
             path = self.config.output / "workers" / f"rank{rank}.json"
             if not path.exists():
                 raise RuntimeError(f"worker rank {rank} saved no record at {path}")
             record = json.loads(path.read_text())
-            records[record["rank"]] = record["hop"]  # the coordinator's rank, as `workers`
+            records[record["rank"]] = record[self.config.run.protocol]
+        return records
+
+    def _hop_summary(self, workers: list[dict]) -> dict[str, object]:
+        """Per worker its hop counters; for the run, every iteration gap the workers'
+        recorded timelines show, checked against Table 1's bound (they share this host's
+        monotonic clock)."""
+        records = self._protocol_records()
         for w in workers:
             rec = records[w["rank"]]
             w["hop"] = {k: rec[k] for k in ("iteration", "jumps", "iterations_skipped",

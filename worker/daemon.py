@@ -17,10 +17,10 @@ import torch
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient, HeartbeatThread
 from ripples.worker.communicators import CommunicatorCache, CommunicatorFactory, connect_store
 from ripples.worker.flat_params import FlatParameters
-from ripples.worker.loop import ShardSampler, WorkerStats, iterations_per_epoch, train
+from ripples.worker.loop import ShardSampler, WorkerStats, iterations_per_epoch
 from ripples.worker.metrics import WorkerMetrics
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
-from ripples.worker.strategies import SyncContext, create_strategy
+from ripples.worker.strategies import SyncContext, TrainingJob, create_strategy
 from ripples.worker.tasks import TaskOptions, build_task
 
 logger = logging.getLogger(__name__)
@@ -108,9 +108,10 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
         heartbeat = HeartbeatThread(client, worker_id, run.heartbeat_interval_seconds,
                                     run.lease_seconds, stats.snapshot)
         heartbeat.start()
-        task = build_task(config.task or run.task, TaskOptions(
-            seed=run.seed, device=str(device), learning_rate=run.learning_rate or None,
-            batch_size=run.batch_size or None))
+        options = TaskOptions(seed=run.seed, device=str(device),
+                              learning_rate=run.learning_rate or None,
+                              batch_size=run.batch_size or None)
+        task = build_task(config.task or run.task, options)
         per_epoch = iterations_per_epoch(len(task.train_inputs), run.num_workers, task.batch_size)
         stats.planned_iterations = run.iterations or int(round(run.epochs * per_epoch))
         start = client.await_start(worker_id, stats.planned_iterations,
@@ -131,9 +132,12 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
                                task.batch_size, run.seed)
         spec = SlowdownSpec.parse(config.slowdown, seed=run.seed * 1000 + start.rank) \
             if config.slowdown else SlowdownSpec()
+        job = TrainingJob(task=task, task_spec=config.task or run.task, task_options=options,
+                          sampler=sampler, stats=stats, slowdown=Slowdown(spec),
+                          slowdown_spec=config.slowdown, device=device, local_stop=local_stop,
+                          metrics=metrics, num_threads=config.num_threads)
         try:
-            reason = train(task, strategy, sampler, stats, Slowdown(spec), device, local_stop,
-                           metrics)
+            reason = strategy.run_training(job)
         finally:
             strategy.close()
             comms.close()

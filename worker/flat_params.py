@@ -126,3 +126,18 @@ class FlatParameters:
     def abandon(self) -> None:
         """Forget the staging buffer after a failed collective; the state stays put."""
         self._staging = None
+
+
+def bind_parameters(module: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Point `module`'s parameters at views into `flat`, laid out as FlatParameters lays
+    out an identically built module (parameters in order, back to back): how an LPP-SGD
+    updater process shares its worker's model. The parameters' values become flat's."""
+    params = list(module.parameters())
+    numel = sum(p.numel() for p in params)
+    if flat.numel() < numel or flat.dtype != params[0].dtype or flat.device != params[0].device:
+        raise ValueError(f"a flat buffer of {flat.numel()} {flat.dtype} on {flat.device} cannot "
+                         f"hold this model's {numel} {params[0].dtype} on {params[0].device}")
+    offset = 0
+    for p in params:
+        p.data = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()

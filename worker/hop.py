@@ -387,7 +387,8 @@ def check_iteration_gaps(timelines: Mapping[int, Sequence[Sequence[float]]],
               for i in workers for j in workers if i != j}
     events = sorted((float(t), w, int(it)) for w, line in timelines.items() for t, it in line)
     now = dict.fromkeys(workers, 0)
-    max_gap, tightest, num_violations, violations = 0, 0.0, 0, []
+    max_gap, tightest, num_violations = 0, 0.0, 0
+    violations: list[str] = []
     for t, w, it in events:
         now[w] = it  # only w's lead over the others can have grown
         for j in workers:

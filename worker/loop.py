@@ -44,6 +44,13 @@ class WorkerStats:
         self._recent_losses.append(loss)
         self.last_loss = loss
 
+    def set_recent_losses(self, losses: list[float]) -> None:
+        """Replace the window (processes that train elsewhere report theirs); hold `lock`."""
+        self._recent_losses.clear()
+        self._recent_losses.extend(losses)
+        if losses:
+            self.last_loss = losses[-1]
+
     def smoothed_loss(self) -> float:
         """Mean loss of the last LOSS_WINDOW iterations (nan before the first); hold `lock`."""
         recent = self._recent_losses
@@ -65,13 +72,14 @@ class ShardSampler:
     """Mini-batches from this worker's shard of the training set, reshuffled every epoch."""
 
     def __init__(self, num_samples: int, rank: int, num_workers: int, batch_size: int,
-                 seed: int) -> None:
+                 seed: int, stream: int = 0) -> None:
         order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
         self.shard = order[rank::num_workers]
         if len(self.shard) == 0:
             raise ValueError(f"{num_workers} workers leave rank {rank} no training data")
         self.batch_size = min(batch_size, len(self.shard))
-        self._generator = torch.Generator().manual_seed(seed * 7919 + rank + 1)
+        # `stream` gives processes that share a shard (LPP-SGD's updaters) orders of their own.
+        self._generator = torch.Generator().manual_seed(seed * 7919 + rank + 1 + stream * 104729)
         self._order = self.shard[torch.randperm(len(self.shard), generator=self._generator)]
         self._pos = 0
 

@@ -152,15 +152,19 @@ class WorkerMetrics:
         self._attached = True
 
     def observe_iteration(self, *, compute_seconds: float, result: SyncResult,
-                          loss: float) -> None:
+                          loss: float, iterations: int | None = None) -> None:
+        """One iteration and its synchronisation; or, for LPP-SGD's averaging process,
+        one averaging round after `iterations` updates made by the updaters (whose wall
+        time per iteration is not the sum of the phases: no duration is observed)."""
         if not self._attached:
             return
-        self.iterations.inc()
+        self.iterations.inc(1 if iterations is None else iterations)
         self.compute_seconds.inc(compute_seconds)
         self.wait_seconds.inc(result.wait_seconds)
         self.preduce_seconds.inc(result.preduce_seconds)
-        self.iteration_duration.observe(compute_seconds + result.wait_seconds
-                                        + result.preduce_seconds)
+        if iterations is None:
+            self.iteration_duration.observe(compute_seconds + result.wait_seconds
+                                            + result.preduce_seconds)
         if math.isfinite(loss):
             self.loss.set(loss)
         for size in result.group_sizes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ripples.worker.communicators import Communicator
 from ripples.worker.flat_params import FlatParameters
 
@@ -21,3 +23,30 @@ def preduce(params: FlatParameters, comm: Communicator, timeout_seconds: float) 
         params.abandon()
         raise
     params.commit()
+
+
+class DeltaAverager:
+    """Averages a live shared model in place (Algorithm 1, lines 13-16).
+
+    snapshot v = x; the members' sum of v/|G| (plus one control value each, summed) in a
+    separate buffer; then x += avg - v. Updates made to x while the collective runs stay
+    in x. On a failed collective x is untouched (the collective writes only its own
+    buffer, notes/preduce-findings.md rule 4)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self._snapshot = torch.empty_like(flat)
+        self._staged = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
+
+    def average(self, comm: Communicator, timeout_seconds: float,
+                control: float = 0.0) -> float:
+        """One round; returns the sum of the members' `control` values."""
+        n = self.flat.numel()
+        with torch.no_grad():
+            self._snapshot.copy_(self.flat)
+            torch.mul(self._snapshot, 1.0 / comm.size, out=self._staged[:n])
+            self._staged[n] = control
+            comm.allreduce_sum_(self._staged, timeout_seconds)
+            delta = self._staged[:n].sub_(self._snapshot)
+            self.flat.add_(delta)
+        return float(self._staged[n])

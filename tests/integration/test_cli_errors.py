@@ -28,6 +28,10 @@ from ripples.worker.client import CoordinatorClient
         (["--protocol", "hop", "--hop-mode", "lazy"], "unknown hop mode 'lazy'"),
         (["--protocol", "hop", "--max-jump", "2"], "needs backup workers or bounded staleness"),
         (["--protocol", "hop", "--hop-mode", "backup", "--max-jump", "9"], "may not exceed"),
+        (["--protocol", "lpp-sgd", "--updaters", "0"], "updaters must be in 1..64"),
+        (["--protocol", "lap-sgd", "--lpp-averaging", "gossip"], "unknown lpp_averaging"),
+        (["--protocol", "lpp-sgd", "--epochs", "0", "--target-loss", "1"],
+         "needs a budget of iterations or epochs"),
     ],
 )
 def test_run_rejects_bad_input(args: list[str], message: str) -> None:
@@ -89,7 +93,7 @@ def _crash_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce", "hop"])
+@pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce", "hop", "lpp-sgd"])
 def test_a_crashed_worker_is_named_and_nobody_hangs(protocol: str) -> None:
     with running_coordinator(num_workers=3, protocol=protocol, iterations=200,
                              collective_timeout_seconds=20, group_size=2) as server:
@@ -110,8 +114,9 @@ def test_a_crashed_worker_is_named_and_nobody_hangs(protocol: str) -> None:
         status = CoordinatorClient(server.address).run_status()
         failed = [w for w in status.workers if w.state == pb.WORKER_STATE_FAILED]
         assert any("simulated device failure" in w.error for w in failed)
-        if protocol in ("allreduce", "hop"):
-            # Lock-step and hop peers cannot continue (they would wait for its updates):
+        if protocol in ("allreduce", "hop", "lpp-sgd"):
+            # Lock-step, hop and lpp-sgd peers cannot continue (they would wait for its
+            # updates; lpp-sgd's crash is in an updater process of the worker):
             # the run stops and names the failed worker.
             assert status.stopped and "failed" in status.stop_reason
             assert all(p.returncode in (0, 1) for p in good), outs

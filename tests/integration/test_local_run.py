@@ -125,3 +125,33 @@ def test_hop_variants_reach_the_loss_target_on_digits(
         hop = w["hop"]
         assert hop["iteration"] - hop["iterations_skipped"] in (w["iterations"],
                                                                  w["iterations"] - 1), w
+
+
+@pytest.mark.parametrize("options", [
+    ["--protocol", "lap-sgd"],
+    ["--protocol", "lpp-sgd"],
+    ["--protocol", "lpp-sgd", "--lpp-averaging", "ripples-random", "--group-size", "2"],
+], ids=["lap-sgd", "lpp-sgd", "lpp-sgd-in-ripples-groups"])
+def test_lpp_variants_reach_the_loss_target_on_digits(options: list[str],
+                                                      tmp_path: Path) -> None:
+    """2 workers x 2 Hogwild updaters sharing each worker's model reach the target; every
+    updater contributed updates and the workers averaged."""
+    out = tmp_path / "lpp"
+    # Hogwild updates on digits are so quick that the whole run takes seconds: a budget
+    # generous enough that the coordinator (heartbeats every 0.5 s) sees the target first.
+    proc = ripples_cli("run", "--workers", "2", *options, "--updaters", "2",
+                       "--task", "digits", "--epochs", "40", "--target-loss", str(TARGET_LOSS),
+                       "--seed", "1", "--output", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
+    assert summary["final_accuracy"] >= 0.85
+    for w in summary["workers"]:
+        lpp = w["lpp"]
+        assert lpp["updaters"] == 2 and len(lpp["updates_per_updater"]) == 2
+        assert all(n > 0 for n in lpp["updates_per_updater"]), lpp
+        assert sum(lpp["updates_per_updater"]) == w["iterations"]
+        assert lpp["averaging_rounds"] >= 1
+        assert [b for block in lpp["blocks"] for b in block][0] == 0  # blocks from the first
+    if "ripples-random" in options:
+        assert summary["num_groups_formed"] >= 1

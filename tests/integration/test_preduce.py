@@ -16,7 +16,7 @@ from ripples.worker.communicators import (
     connect_store,
 )
 from ripples.worker.flat_params import FlatParameters
-from ripples.worker.preduce import preduce
+from ripples.worker.preduce import DeltaAverager, preduce
 
 NUM_WORKERS = 4
 
@@ -122,3 +122,54 @@ def test_missing_member_fails_in_time_and_keeps_the_local_model() -> None:
     assert kind != "no error"
     assert seconds < 30, f"a missing peer must fail within the timeout, took {seconds:.1f} s"
     assert unchanged, "a failed P-Reduce must leave the parameters untouched"
+
+
+class _UpdaterWritesDuringTheExchange:
+    """A communicator through which an 'updater' writes to the live model after the
+    averaging process took its snapshot and before the average comes back: the window
+    in which LPP-SGD's updaters keep running (Algorithm 1, lines 13-16)."""
+
+    def __init__(self, comm: object, live: torch.Tensor, update: torch.Tensor) -> None:
+        self.comm, self.live, self.update = comm, live, update
+        self.size = comm.size  # type: ignore[attr-defined]
+
+    def allreduce_sum_(self, tensor: torch.Tensor, timeout_seconds: float) -> None:
+        self.live.add_(self.update)
+        self.comm.allreduce_sum_(tensor, timeout_seconds)  # type: ignore[attr-defined]
+
+
+def _delta_worker(rank: int, port: int, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    store = connect_store("127.0.0.1", port, 30)
+    factory = CommunicatorFactory(store, torch.device("cpu"), 30, gloo_hostname="127.0.0.1")
+    comm = factory.build("delta", rank, 2)
+    live = torch.full((5,), float(10 * rank))  # rank 0: zeros, rank 1: tens
+    update = torch.arange(5, dtype=torch.float32) * (rank + 1)
+    averager = DeltaAverager(live)
+    wishes = averager.average(_UpdaterWritesDuringTheExchange(comm, live, update), 30,
+                              control=float(rank))
+    out.put((rank, live.clone(), wishes))
+
+
+def test_the_delta_rule_keeps_updates_made_during_an_averaging_round() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_delta_worker, args=(r, store.port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, live, wishes = out.get(timeout=120)
+        results[rank] = (live, wishes)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    mean_of_snapshots = torch.full((5,), 5.0)
+    for rank, (live, wishes) in results.items():
+        update = torch.arange(5, dtype=torch.float32) * (rank + 1)
+        # The average of the snapshots, plus what the updater wrote meanwhile: kept.
+        torch.testing.assert_close(live, mean_of_snapshots + update)
+        assert wishes == 1.0  # the control values are summed (0 + 1)
+    # Overwriting with the average (plain model averaging) would have lost the updates.
+    assert not torch.equal(results[1][0], mean_of_snapshots)

@@ -36,7 +36,11 @@ def test_medians_and_speedups_relate_protocols_and_scenarios() -> None:
                record("slow-5x", "allreduce", 60.0, 9.0, repeat=1),
                record("slow-5x", "ripples-smart", 12.5, 3.0),
                record("slow-5x", "ripples-smart", None, 3.0, repeat=1)]
+    for rec, rate in zip(records, (100.0, 150.0, 20.0, 30.0, 80.0, 90.0), strict=True):
+        rec.samples_per_second = rate
     harness.add_speedups(records)
+    assert records[1].throughput_vs_allreduce == pytest.approx(1.5)
+    assert records[5].throughput_vs_allreduce == pytest.approx(3.0)  # repeat 1: vs 30
     assert records[1].speedup_vs_allreduce == pytest.approx(10.0 / 8.0)
     assert records[4].speedup_vs_allreduce == pytest.approx(40.0 / 12.5)  # same repeat
     assert records[5].speedup_vs_allreduce is None  # never reached the target
@@ -141,4 +145,4 @@ def test_markdown_table_has_a_row_per_median_and_marks_missed_targets() -> None:
     lines = harness.format_markdown([row]).splitlines()
     assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "| slow-10x | a2cid2 | not reached (0/2) | - |" in lines[2]
-    assert "| 1.04x | - | 0.5 |" in lines[2]
+    assert "| 1.04x | - | - | - | 0.5 |" in lines[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
+from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy, TrainingJob
 
 # Protocol name -> "module:class" (imported lazily: DDP pulls in more of torch).
 STRATEGIES: dict[str, str] = {
@@ -16,6 +16,8 @@ STRATEGIES: dict[str, str] = {
     "adpsgd": "ripples.worker.strategies.gossip:GossipStrategy",
     "a2cid2": "ripples.worker.strategies.gossip:GossipStrategy",
     "hop": "ripples.worker.strategies.hop:HopStrategy",
+    "lap-sgd": "ripples.worker.strategies.lpp:LppStrategy",
+    "lpp-sgd": "ripples.worker.strategies.lpp:LppStrategy",
 }
 
 
@@ -30,4 +32,5 @@ def create_strategy(protocol: str, ctx: SyncContext) -> SyncStrategy:
     return strategy
 
 
-__all__ = ["STRATEGIES", "SyncContext", "SyncResult", "SyncStrategy", "create_strategy"]
+__all__ = ["STRATEGIES", "SyncContext", "SyncResult", "SyncStrategy", "TrainingJob",
+           "create_strategy"]

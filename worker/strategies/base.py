@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,12 @@ from ripples.worker.client import CoordinatorClient
 from ripples.worker.communicators import Communicator, CommunicatorCache
 from ripples.worker.flat_params import FlatParameters
 from ripples.worker.group_stream import GroupStream
+
+if TYPE_CHECKING:
+    from ripples.worker.loop import ShardSampler, WorkerStats
+    from ripples.worker.metrics import WorkerMetrics
+    from ripples.worker.slowdown import Slowdown
+    from ripples.worker.tasks import Task, TaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +69,25 @@ class SyncResult:
     stop_reason: str = ""
 
 
+@dataclass(kw_only=True)
+class TrainingJob:
+    """What a worker trains with, built by the daemon; SyncStrategy.run_training runs it."""
+
+    task: Task
+    task_spec: str
+    """The task's spec (processes of their own, such as LPP-SGD's updaters, rebuild it)."""
+    task_options: TaskOptions
+    sampler: ShardSampler
+    stats: WorkerStats
+    slowdown: Slowdown
+    slowdown_spec: str
+    """FACTOR[@PROBABILITY] or empty, for processes of their own."""
+    device: torch.device
+    local_stop: threading.Event
+    metrics: WorkerMetrics | None
+    num_threads: int = 1
+
+
 def max_peer_wait_seconds(config: pb.RunConfig) -> float:
     """How long a worker waits for peers (a group, a partner, a neighbour's update) before
     giving up: they may be stragglers, so well beyond one collective's timeout."""
@@ -93,6 +119,15 @@ class SyncStrategy(abc.ABC):
     def training_model(self) -> torch.nn.Module:
         """The module the loop runs forward/backward on (DDP wraps it)."""
         return self.ctx.model
+
+    def run_training(self, job: TrainingJob) -> str:
+        """Train to the end; returns why it ended. The shared compute loop calls this
+        strategy's hooks each iteration; a protocol with processes of its own (LPP-SGD)
+        runs them instead."""
+        from ripples.worker.loop import train  # the loop imports this module
+
+        return train(job.task, self, job.sampler, job.stats, job.slowdown, job.device,
+                     job.local_stop, job.metrics)
 
     @abc.abstractmethod
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:

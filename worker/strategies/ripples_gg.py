@@ -6,6 +6,7 @@ import logging
 import time
 
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.communicators import Communicator
 from ripples.worker.preduce import preduce
 from ripples.worker.strategies.base import (
     SyncContext,
@@ -85,7 +86,11 @@ class GroupGeneratorStrategy(SyncStrategy):
         """Run one P-Reduce; returns its seconds and whether it succeeded."""
         return run_group_collective(
             self.ctx, self.stream, group, f"gg/{self.ctx.config.run_id}/{group.comm_id}",
-            lambda comm: preduce(self.averaged_state(), comm, self.timeout))
+            self.average)
+
+    def average(self, comm: Communicator) -> None:
+        """Average the model over the group (LPP-SGD's averaging process overrides it)."""
+        preduce(self.averaged_state(), comm, self.timeout)
 
     def close(self) -> None:
         self.stream.close()

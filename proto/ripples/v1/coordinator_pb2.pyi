@@ -53,7 +53,7 @@ WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "rate_com", "momentum", "adpsgd_mode", "hop_mode", "max_ig", "backup_workers", "staleness", "max_jump", "skip_threshold")
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "rate_com", "momentum", "adpsgd_mode", "hop_mode", "max_ig", "backup_workers", "staleness", "max_jump", "skip_threshold", "updaters", "lpp_averaging", "sync_period", "full_fraction")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,10 @@ class RunConfig(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     MAX_JUMP_FIELD_NUMBER: _ClassVar[int]
     SKIP_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    UPDATERS_FIELD_NUMBER: _ClassVar[int]
+    LPP_AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    SYNC_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    FULL_FRACTION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol: str
     task: str
@@ -108,7 +112,11 @@ class RunConfig(_message.Message):
     staleness: int
     max_jump: int
     skip_threshold: int
-    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., rate_com: _Optional[float] = ..., momentum: _Optional[bool] = ..., adpsgd_mode: _Optional[str] = ..., hop_mode: _Optional[str] = ..., max_ig: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., max_jump: _Optional[int] = ..., skip_threshold: _Optional[int] = ...) -> None: ...
+    updaters: int
+    lpp_averaging: str
+    sync_period: int
+    full_fraction: float
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., rate_com: _Optional[float] = ..., momentum: _Optional[bool] = ..., adpsgd_mode: _Optional[str] = ..., hop_mode: _Optional[str] = ..., max_ig: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., max_jump: _Optional[int] = ..., skip_threshold: _Optional[int] = ..., updaters: _Optional[int] = ..., lpp_averaging: _Optional[str] = ..., sync_period: _Optional[int] = ..., full_fraction: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("host", "local_rank", "device", "pid", "metrics_port", "metrics_host")

@@ -1,0 +1,157 @@
+"""An LAP-SGD / LPP-SGD updater process (Algorithm 1, lines 1-7).
+
+Started with spawn by its worker's averaging process (worker/strategies/lpp.py). It
+builds the task, points its model's parameters and buffers at the worker's shared ones
+(shared memory on CPU, CUDA IPC on GPU), and runs Hogwild steps until the shared counter
+reaches the budget or the worker says stop: s = read&inc(counter), pick the block
+(worker/lpp.py: BlockSelection), forward on the live shared model, gradients of the
+block's parameters only, its own optimizer's step in place. It never waits for anyone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ripples.worker.flat_params import bind_parameters
+from ripples.worker.loop import ShardSampler
+from ripples.worker.lpp import BlockSelection
+from ripples.worker.slowdown import Slowdown, SlowdownSpec
+from ripples.worker.tasks import TaskOptions, build_task
+
+LOSS_SLOTS = 16
+"""Recent losses the updaters of a worker keep for its progress (slot = s mod this)."""
+
+
+@dataclass(kw_only=True)
+class SharedState:
+    """What a worker's processes share; pickled once into each updater at spawn."""
+
+    flat: torch.Tensor
+    """The model's parameters, back to back (FlatParameters' layout)."""
+    buffers: list[torch.Tensor]
+    """The model's buffers (BatchNorm statistics), in module.buffers() order."""
+    counter: Any
+    """mp.Value('q'): the next counter value s (read&inc under its lock)."""
+    done: Any
+    """mp.Array('q', U): updates finished, per updater."""
+    compute: Any
+    """mp.Array('d', U): seconds of compute (and injected slowdown), per updater."""
+    losses: Any
+    """mp.Array('d', LOSS_SLOTS): the loss of update s at slot s mod LOSS_SLOTS (nan: none)."""
+    ready: Any
+    """mp.Array('b', U): the updater has built its model and waits for `go`."""
+    go: Any
+    """mp.Event: every worker's updaters are ready, training starts."""
+    stop: Any
+    """mp.Event: the averaging process wants the updaters to finish."""
+    errors: Any
+    """mp.Queue: an updater that fails puts its message here, then exits 1."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdaterJob:
+    index: int
+    """0..U-1; the updater owns block index + 1."""
+    task: str
+    options: TaskOptions
+    rank: int
+    num_workers: int
+    seed: int
+    budget: int
+    """T: the worker stops handing out counter values at this one."""
+    full_until: int
+    """T_st: full-model updates while s <= this."""
+    blocks: tuple[tuple[int, int], ...]
+    """Per block 1..U, its (first, end) parameter tensors."""
+    slowdown: str = ""
+    num_threads: int = 1
+
+
+def take_counter(counter: Any, budget: int) -> int | None:
+    """read&inc: the counter's value, incremented atomically; None once it reached budget."""
+    with counter.get_lock():
+        s = int(counter.value)
+        if s >= budget:
+            return None
+        counter.value = s + 1
+        return s
+
+
+def updater_main(job: UpdaterJob, shared: SharedState) -> None:
+    """Process entry point: run updates, report a failure on the queue, exit without
+    interpreter teardown (the worker's process owns the shared model)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which stops us
+    code = 0
+    try:
+        run_updates(job, shared)
+    except BaseException as err:  # noqa: BLE001 (reported to the averaging process)
+        shared.errors.put(f"updater {job.index} of worker rank {job.rank}: "
+                          f"{type(err).__name__}: {err}")
+        shared.errors.close()
+        shared.errors.join_thread()  # the message is in the pipe before the process ends
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_updates(job: UpdaterJob, shared: SharedState) -> None:
+    torch.set_num_threads(job.num_threads)
+    task = build_task(job.task, job.options)
+    model = task.model
+    bind_parameters(model, shared.flat)
+    own_buffers = list(model.buffers())
+    if len(own_buffers) != len(shared.buffers):
+        raise RuntimeError(f"the task built {len(own_buffers)} buffers, the worker shares "
+                           f"{len(shared.buffers)}")
+    for mine, theirs in zip(own_buffers, shared.buffers, strict=True):
+        mine.data = theirs
+    params = list(model.parameters())
+    first, end = job.blocks[job.index]
+    own_block = params[first:end]
+    sampler = ShardSampler(len(task.train_inputs), job.rank, job.num_workers,
+                           task.batch_size, job.seed, stream=job.index + 1)
+    selection = BlockSelection(job.index + 1, job.full_until)
+    spec = (SlowdownSpec.parse(job.slowdown, seed=job.seed * 1000 + job.rank * 64 + job.index)
+            if job.slowdown else SlowdownSpec())
+    slowdown = Slowdown(spec)
+    device = shared.flat.device
+    model.train()
+    shared.ready[job.index] = 1
+    while not shared.go.wait(0.1):  # the averaging process sets it, or stop, at every exit
+        if shared.stop.is_set():
+            return
+    while not shared.stop.is_set():
+        s = take_counter(shared.counter, job.budget)
+        if s is None:
+            return
+        targets = params if selection.select(s) == 0 else own_block
+        idx = sampler.next_indices()
+        inputs = task.train_inputs[idx].to(device, non_blocking=True)
+        labels = task.train_targets[idx].to(device, non_blocking=True)
+        t0 = time.perf_counter()
+        task.optimizer.zero_grad(set_to_none=True)
+        loss = task.loss_fn(model(inputs), labels)
+        # Partial backpropagation: gradients of the block only; the optimizer skips
+        # parameters without one (their momentum stays as it was).
+        grads = torch.autograd.grad(loss, targets)
+        for p, g in zip(targets, grads, strict=True):
+            p.grad = g
+        task.optimizer.step()
+        value = float(loss.detach())
+        compute = time.perf_counter() - t0
+        compute += slowdown.after_compute(compute)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"training loss became {value} at update {s}; lower "
+                                     "the learning rate")
+        shared.losses[s % LOSS_SLOTS] = value
+        shared.compute[job.index] += compute
+        shared.done[job.index] += 1

@@ -1,0 +1,307 @@
+"""`lap-sgd` and `lpp-sgd`: U Hogwild updaters per worker share one model; this process
+is the worker's averaging process (Algorithm 1, lines 8-18).
+
+The worker's model lives in shared memory (CPU) or is shared over CUDA IPC (GPU): its
+flat parameters and its buffers. The updaters (worker/lpp_updater.py, started with
+spawn) update it lock-free and never wait. This process waits until K_j updates were
+made since the last averaging round began, then averages the model across workers with
+the delta rule (worker/preduce.py: DeltaAverager), so that updates made during the
+exchange survive.
+
+Averaging `all` (the paper): every worker's averaging process joins every round of one
+all-reduce over all workers. Algorithm 1 as printed lets workers disagree on how many
+rounds to run (each decides from its own counter) and so hang; here every round also
+sums one control value, a worker's wish to stop (its budget is spent, the coordinator
+stopped the run, a signal, a failed updater), and every worker stops after the first
+round in which someone wished to: all make the same number of calls.
+Averaging `ripples-random` / `ripples-smart`: each round is a request to the Group
+Generator and a P-Reduce in the group it returns (the delta rule again); a worker that
+is done simply leaves.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import queue
+import time
+from multiprocessing.process import BaseProcess
+
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from ripples.worker.communicators import Communicator
+from ripples.worker.loop import WorkerStats
+from ripples.worker.lpp import LppSettings, partition_blocks
+from ripples.worker.lpp_updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
+from ripples.worker.preduce import DeltaAverager
+from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy, TrainingJob
+from ripples.worker.strategies.ripples_gg import GroupGeneratorStrategy
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.002
+"""How often the averaging process looks at the counter while it waits for K_j updates."""
+START_TIMEOUT_SECONDS = 300.0
+"""How long the updaters may take to start (import torch, build the task), and a worker
+wait for the others' updaters."""
+JOIN_SECONDS = 10.0
+STOP_GRACE_SECONDS = 5.0
+"""After a round in which another worker wished to stop, how long to wait for the
+coordinator's stop before leaving."""
+REPORT_SECONDS = 0.2
+"""How often the updaters' counts reach the worker's progress while it waits for K_j."""
+
+
+class _GroupAverager(GroupGeneratorStrategy):
+    """The Group Generator's rounds with the delta rule instead of replacing the model."""
+
+    def __init__(self, ctx: SyncContext, averager: DeltaAverager) -> None:
+        super().__init__(ctx)
+        self.averager = averager
+
+    def average(self, comm: Communicator) -> None:
+        self.averager.average(comm, self.timeout)
+
+
+class LppStrategy(SyncStrategy):
+    name = "lpp"
+
+    def __init__(self, ctx: SyncContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.config
+        self.settings = LppSettings.of_run(cfg)
+        self.settings.validate()
+        self.timeout = cfg.collective_timeout_seconds
+        flat = ctx.params.flat
+        if flat.device.type == "cpu":
+            flat.share_memory_()  # in place: the model's parameters stay views into it
+        self.buffers = list(ctx.model.buffers())
+        for b in self.buffers:
+            if b.device.type == "cpu":
+                b.share_memory_()
+        self.blocks = tuple(partition_blocks([p.numel() for p in ctx.model.parameters()],
+                                             self.settings.updaters))
+        self.averager = DeltaAverager(flat)
+        self.groups: _GroupAverager | None = None
+        self.comm: Communicator | None = None
+        if self.settings.averaging == "all":
+            self.comm = ctx.comms.get(f"lpp/{cfg.run_id}/all", ctx.rank, ctx.num_workers,
+                                      create=True)
+        else:
+            self.groups = _GroupAverager(ctx, self.averager)
+        self.leaving = ""
+        """Why this worker wants to stop (empty: it does not)."""
+        self._error = ""
+        self._batch_size = 0
+        self._reported_at = 0.0
+        self._rounds = 0
+        self._updates: list[int] = []
+        self._full_until = 0
+        self._processes: list[BaseProcess] = []
+
+    # ------------------------------------------------------------ one averaging round
+    def should_stop(self, completed: int, planned: int) -> SyncResult | None:
+        if self.ctx.stop_requested.is_set():
+            return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+        return None
+
+    def after_step(self, completed: int) -> SyncResult:
+        """One averaging round, with `completed` updates made on this worker."""
+        if self.groups is not None:
+            return self.groups.after_step(completed)
+        assert self.comm is not None
+        t0 = time.perf_counter()
+        wishes = self.averager.average(self.comm, self.timeout, 1.0 if self.leaving else 0.0)
+        seconds = time.perf_counter() - t0
+        result = SyncResult(preduce_seconds=seconds, num_groups=1,
+                            group_sizes=(self.comm.size,), preduce_durations=(seconds,),
+                            preduce_bytes=self.averager.flat.numel()
+                            * self.averager.flat.element_size())
+        if wishes > 0:
+            result.stop = True
+            result.stop_reason = self.leaving
+            if not self.leaving:
+                # Another worker wished to stop: it leaves (finished, failed or signalled)
+                # and the coordinator stops the run naming why; leave after that stop, so
+                # that our leaving is not taken for the reason.
+                stopped = self.ctx.stop_requested.wait(STOP_GRACE_SECONDS)
+                result.stop_reason = ("stopped by the coordinator" if stopped
+                                      else "another worker stopped the run")
+        return result
+
+    # ------------------------------------------------------------ the averaging process
+    def run_training(self, job: TrainingJob) -> str:
+        stats, cfg = job.stats, self.settings
+        budget = stats.planned_iterations
+        if budget <= 0:
+            raise ValueError("lap-sgd and lpp-sgd need a budget of iterations or epochs (T "
+                             "sets the full-model phase and the synchronisation scheme)")
+        shared = self._start_updaters(job, budget)
+        self._batch_size = job.task.batch_size
+        reason = ""
+        try:
+            reason = self._start_together(shared)
+            s_pre = 0
+            reported_done, reported_compute = 0, 0.0
+            while not reason:
+                s = int(shared.counter.value)
+                self._check_leaving(job, shared, budget)
+                if not self.leaving and s - s_pre < cfg.sync_frequency(s, budget):
+                    if time.monotonic() - self._reported_at > REPORT_SECONDS:
+                        self._report(shared, stats)
+                    time.sleep(POLL_SECONDS)
+                    continue
+                s_pre = s
+                done, compute = self._report(shared, stats)
+                if self.leaving and self.groups is not None:
+                    reason = self.leaving  # group averaging: just leave
+                    break
+                result = self.after_step(done)
+                self._rounds += result.num_groups - result.num_failed_groups
+                with stats.lock:
+                    stats.wait_seconds += result.wait_seconds
+                    stats.preduce_seconds += result.preduce_seconds
+                    stats.num_groups += result.num_groups
+                    loss = stats.smoothed_loss()
+                if job.metrics is not None:
+                    job.metrics.observe_iteration(compute_seconds=compute - reported_compute,
+                                                  result=result, loss=loss,
+                                                  iterations=done - reported_done)
+                reported_done, reported_compute = done, compute
+                if result.stop:
+                    reason = result.stop_reason
+                    break
+        finally:
+            self._stop_updaters(shared)
+            self._report(shared, stats)
+        if self._error:
+            raise RuntimeError(self._error)
+        return reason
+
+    def _start_updaters(self, job: TrainingJob, budget: int) -> SharedState:
+        mp = tmp.get_context("spawn")
+        u = self.settings.updaters
+        shared = SharedState(
+            flat=self.averager.flat, buffers=self.buffers,
+            counter=mp.Value("q", 0), done=mp.Array("q", u, lock=False),
+            compute=mp.Array("d", u, lock=False),
+            losses=mp.Array("d", [math.nan] * LOSS_SLOTS, lock=False),
+            ready=mp.Array("b", u, lock=False), go=mp.Event(), stop=mp.Event(),
+            errors=mp.Queue())
+        cfg = self.ctx.config
+        self._full_until = self.settings.full_until(budget)
+        for index in range(u):
+            updater = UpdaterJob(
+                index=index, task=job.task_spec, options=job.task_options, rank=self.ctx.rank,
+                num_workers=self.ctx.num_workers, seed=cfg.seed, budget=budget,
+                full_until=self._full_until, blocks=self.blocks,
+                slowdown=job.slowdown_spec, num_threads=job.num_threads)
+            proc = mp.Process(target=updater_main, args=(updater, shared), daemon=True,
+                              name=f"ripples-updater-{self.ctx.rank}-{index}")
+            proc.start()
+            self._processes.append(proc)
+        logger.info("worker %d started %d updaters (%s, averaging %s)", self.ctx.worker_id, u,
+                    "lpp-sgd" if self.settings.partial else "lap-sgd", self.settings.averaging)
+        return shared
+
+    def _start_together(self, shared: SharedState) -> str:
+        """Wait until this worker's updaters are built (they import torch and build the
+        task), then, averaging over all workers, for every worker's (an averaging round
+        of identical models: a barrier), and let the updaters go. Without it a worker
+        whose updaters start first trains alone for as long as the others start up.
+        Returns why the run ended before it began, or empty."""
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while not all(shared.ready):
+            self._collect_errors(shared)
+            if self._error:
+                raise RuntimeError(self._error)
+            if any(p.exitcode is not None for p in self._processes):
+                raise RuntimeError("an updater process exited with code "
+                                   f"{[p.exitcode for p in self._processes]} while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the updaters did not start in {START_TIMEOUT_SECONDS:.0f} s")
+            time.sleep(0.05)
+        if self.comm is None:  # group averaging: meet in the rendezvous store instead
+            store, run_id = self.ctx.store, self.ctx.config.run_id
+            store.set(f"lpp/{run_id}/ready/{self.ctx.rank}", "1")
+            keys = [f"lpp/{run_id}/ready/{r}" for r in range(self.ctx.num_workers)]
+            try:
+                store.wait(keys, datetime.timedelta(seconds=START_TIMEOUT_SECONDS))
+            except (RuntimeError, dist.DistError) as err:
+                raise TimeoutError(f"the other workers' updaters did not start in "
+                                   f"{START_TIMEOUT_SECONDS:.0f} s: {err}") from err
+        else:
+            stopping = 1.0 if self.ctx.stop_requested.is_set() else 0.0
+            wishes = self.averager.average(self.comm, max(self.timeout, START_TIMEOUT_SECONDS),
+                                           stopping)
+            if wishes > 0:  # stopped before it began: every worker saw it in this round
+                return "stopped by the coordinator"
+        shared.go.set()
+        return ""
+
+    def _collect_errors(self, shared: SharedState, wait_seconds: float = 0.0) -> None:
+        try:
+            while True:
+                message = (shared.errors.get(timeout=wait_seconds) if wait_seconds
+                           else shared.errors.get_nowait())
+                self._error = self._error or message
+                wait_seconds = 0.0
+        except queue.Empty:
+            pass
+
+    def _check_leaving(self, job: TrainingJob, shared: SharedState, budget: int) -> None:
+        """Set `leaving` once this worker wants to stop."""
+        if self.leaving:
+            return
+        self._collect_errors(shared)
+        if self._error:
+            self.leaving = "an updater failed"
+        elif any(p.exitcode not in (None, 0) for p in self._processes):
+            self._collect_errors(shared, wait_seconds=1.0)  # its message, if it sent one
+            self._error = self._error or (f"an updater process died (exit codes "
+                                          f"{[p.exitcode for p in self._processes]})")
+            self.leaving = "an updater failed"
+        elif job.local_stop.is_set():
+            self.leaving = "stopped by a signal"
+        elif self.ctx.stop_requested.is_set():
+            self.leaving = "stopped by the coordinator"
+        elif sum(shared.done) >= budget or all(p.exitcode == 0 for p in self._processes):
+            self.leaving = f"iteration budget reached ({budget} updates)"
+
+    def _report(self, shared: SharedState, stats: WorkerStats) -> tuple[int, float]:
+        """Copy the updaters' counts into the worker's stats (the heartbeat sends them)."""
+        self._reported_at = time.monotonic()
+        self._updates = list(shared.done)
+        done, compute = sum(self._updates), float(sum(shared.compute))
+        losses = [v for v in shared.losses if math.isfinite(v)]
+        with stats.lock:
+            stats.iteration = done
+            stats.samples = done * self._batch_size
+            stats.compute_seconds = compute
+            stats.set_recent_losses(losses)
+        return done, compute
+
+    def _stop_updaters(self, shared: SharedState) -> None:
+        shared.stop.set()
+        deadline = time.monotonic() + JOIN_SECONDS
+        for proc in self._processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._processes:
+            if proc.is_alive():
+                logger.warning("updater %s did not stop in %.0f s; terminating it", proc.name,
+                               JOIN_SECONDS)
+                proc.terminate()
+                proc.join(5.0)
+        self._collect_errors(shared)
+
+    def record(self) -> dict[str, object]:
+        return {"updaters": self.settings.updaters, "updates_per_updater": self._updates,
+                "averaging_rounds": self._rounds, "averaging": self.settings.averaging,
+                "blocks": [list(b) for b in self.blocks], "full_until": self._full_until}
+
+    def close(self) -> None:
+        if self.groups is not None:
+            self.groups.close()
+
