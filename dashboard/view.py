@@ -15,6 +15,7 @@ from typing import Any
 
 from ripples.static_schedule import static_groups
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.lpp import LPP_PROTOCOLS
 
 # A worker is flagged slow when its speed falls below this fraction of the median speed.
 SLOW_FRACTION = 0.5
@@ -177,12 +178,15 @@ class RunView:
         weighted by recency; on a sparse topology, every edge of the graph so weighted.
         Lock-step protocols form their groups without the coordinator, so their
         edges come from the protocol itself (all pairs for allreduce; the pairs of one
-        period of the static schedule); so does hop, whose workers exchange with every
-        graph neighbour each iteration (all pairs on a complete graph)."""
+        period of the static schedule); so do hop, whose workers exchange with every
+        graph neighbour each iteration (all pairs on a complete graph), and lap-sgd /
+        lpp-sgd averaging over all workers."""
         protocol = status.config.protocol
         ids = {w.rank: w.worker_id for w in status.workers
                if STATE_NAMES.get(w.state) not in GONE_STATES}
-        if protocol in ("allreduce", "hop") and status.started and not status.topology_edges:
+        everyone = protocol in ("allreduce", "hop") or (
+            protocol in LPP_PROTOCOLS and status.config.lpp_averaging in ("", "all"))
+        if everyone and status.started and not status.topology_edges:
             ranks = sorted(ids)
             return [{"a": ids[a], "b": ids[b], "weight": 1.0}
                     for i, a in enumerate(ranks) for b in ranks[i + 1:]]

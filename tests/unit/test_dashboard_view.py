@@ -60,7 +60,8 @@ def test_edges_are_pairs_that_averaged_lately_and_fade_out() -> None:
 
 
 def test_lockstep_protocols_show_their_fixed_topology() -> None:
-    for protocol in ("allreduce", "hop"):  # hop on the complete graph: every pair, always
+    # hop on the complete graph and lpp-sgd averaging over all workers: every pair, always
+    for protocol in ("allreduce", "hop", "lpp-sgd"):
         view = RunView().update(_status({0: 1, 1: 1, 2: 1}, protocol=protocol), now=0.0)
         assert {(e["a"], e["b"]) for e in view["edges"]} == {(0, 1), (0, 2), (1, 2)}
         assert all(e["weight"] == 1.0 for e in view["edges"])
