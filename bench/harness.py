@@ -58,6 +58,9 @@ VARIANTS: dict[str, Variant] = {
         protocol="hop", flags=("--hop-mode", "backup", "--backup-workers", "1",
                                "--max-jump", "4"),
         description="Hop with one backup worker, skipping up to 4 iterations (§5, §7.3.5)"),
+    "lpp-sgd-smart": Variant(
+        protocol="lpp-sgd", flags=("--lpp-averaging", "ripples-smart"),
+        description="LPP-SGD averaging in the smart Group Generator's groups (P-Reduce)"),
 }
 MATRIX_PROTOCOLS: tuple[str, ...] = (*PROTOCOLS, *VARIANTS)
 """What the matrix can run: every registered protocol, then the variants."""

@@ -74,6 +74,7 @@ def test_matrix_entries_become_run_commands(tmp_path: Path) -> None:
     assert flags("hop-skip") == ["--protocol", "hop", "--hop-mode", "backup",
                                  "--backup-workers", "1", "--max-jump", "4",
                                  "--topology", "ring"]
+    assert flags("lpp-sgd-smart") == ["--protocol", "lpp-sgd", "--lpp-averaging", "ripples-smart"]
 
 
 def test_the_others_iteration_time_leaves_out_the_deterministic_straggler() -> None:
