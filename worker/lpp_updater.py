@@ -71,6 +71,8 @@ class UpdaterJob:
     """T_st: full-model updates while s <= this."""
     blocks: tuple[tuple[int, int], ...]
     """Per block 1..U, its (first, end) parameter tensors."""
+    parent_pid: int
+    """The worker's process: an updater whose parent is gone stops."""
     slowdown: str = ""
     num_threads: int = 1
 
@@ -126,10 +128,14 @@ def run_updates(job: UpdaterJob, shared: SharedState) -> None:
     device = shared.flat.device
     model.train()
     shared.ready[job.index] = 1
+
+    def orphaned() -> bool:  # the worker died (SIGKILL): nobody will set go or stop
+        return os.getppid() != job.parent_pid
+
     while not shared.go.wait(0.1):  # the averaging process sets it, or stop, at every exit
-        if shared.stop.is_set():
+        if shared.stop.is_set() or orphaned():
             return
-    while not shared.stop.is_set():
+    while not shared.stop.is_set() and not orphaned():
         s = take_counter(shared.counter, job.budget)
         if s is None:
             return

@@ -162,3 +162,64 @@ def test_sigterm_makes_a_worker_leave_cleanly_and_the_others_finish() -> None:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+
+
+def _updater_pids(worker_pid: int) -> list[int]:
+    """The spawned children of a worker process (its updaters; not the resource tracker)."""
+    try:
+        children = open(f"/proc/{worker_pid}/task/{worker_pid}/children").read().split()
+    except OSError:
+        return []
+    pids = []
+    for child in map(int, children):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    pids.append(child)
+        except OSError:
+            pass
+    return pids
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's new parent may not reap it at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_updaters_stop_when_their_worker_is_killed() -> None:
+    """lpp-sgd: a worker killed with SIGKILL cannot stop its updater processes; they see
+    their parent gone and exit instead of training on (or waiting) forever."""
+    with running_coordinator(num_workers=2, protocol="lpp-sgd", iterations=1_000_000,
+                             collective_timeout_seconds=10) as server:
+        workers = [start_worker(server.address, "--host", "node0", "--local-rank", str(i),
+                                "--quiet") for i in range(2)]
+        updaters: list[int] = []
+        try:
+            client = CoordinatorClient(server.address)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                updaters = _updater_pids(workers[0].pid)
+                status = client.run_status()
+                if len(updaters) == 2 and any(w.progress.iteration > 0 for w in status.workers):
+                    break
+                time.sleep(0.2)
+            assert len(updaters) == 2, "the worker never started its two updaters"
+            assert any(w.progress.iteration > 0 for w in client.run_status().workers)
+            os.kill(workers[0].pid, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while any(_running(pid) for pid in updaters) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not any(_running(pid) for pid in updaters), "orphaned updaters kept running"
+        finally:
+            for p in workers:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            for pid in updaters:
+                if _running(pid):
+                    os.kill(pid, signal.SIGKILL)

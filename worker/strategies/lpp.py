@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import os
 import queue
 import time
 from multiprocessing.process import BaseProcess
@@ -196,7 +197,7 @@ class LppStrategy(SyncStrategy):
             updater = UpdaterJob(
                 index=index, task=job.task_spec, options=job.task_options, rank=self.ctx.rank,
                 num_workers=self.ctx.num_workers, seed=cfg.seed, budget=budget,
-                full_until=self._full_until, blocks=self.blocks,
+                full_until=self._full_until, blocks=self.blocks, parent_pid=os.getpid(),
                 slowdown=job.slowdown_spec, num_threads=job.num_threads)
             proc = mp.Process(target=updater_main, args=(updater, shared), daemon=True,
                               name=f"ripples-updater-{self.ctx.rank}-{index}")
