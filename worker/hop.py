@@ -90,10 +90,13 @@ class HopSettings:
         downstream of i (i -> ... -> j) and i is `hops_behind` hops downstream of j.
         Tokens give max_ig per hop from i to j (Theorem 2, every mode); a Recv that waits
         for every in-neighbour gives b0 per hop from j to i (Theorem 1: 1 in standard
-        mode, s + 1 with bounded staleness; backup workers give no such bound)."""
+        mode, s + 1 with bounded staleness; backup workers give no such bound, and with
+        skipping a worker enters an iteration before the Recv that would hold it)."""
         bound = self.max_ig * hops_ahead
         b0 = {"standard": 1, "staleness": self.staleness + 1}.get(self.mode)
-        return bound if b0 is None else min(bound, b0 * hops_behind)
+        if b0 is None or self.max_jump > 0:  # a jump enters k before its Recv(k - 1)
+            return bound
+        return min(bound, b0 * hops_behind)
 
 
 @dataclass(frozen=True)
@@ -383,7 +386,9 @@ def check_iteration_gaps(timelines: Mapping[int, Sequence[Sequence[float]]],
     others move on, so a gap the protocol holds can never appear larger in the replay."""
     dist = graph_distances(out_neighbours)
     workers = sorted(timelines)
-    bounds = {(i, j): settings.gap_bound(dist[(i, j)], dist[(j, i)])
+    unreachable = 10**9  # hops to a worker no path reaches: nothing bounds that gap
+    bounds = {(i, j): settings.gap_bound(dist.get((i, j), unreachable),
+                                         dist.get((j, i), unreachable))
               for i in workers for j in workers if i != j}
     events = sorted((float(t), w, int(it)) for w, line in timelines.items() for t, it in line)
     now = dict.fromkeys(workers, 0)

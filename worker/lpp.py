@@ -40,7 +40,7 @@ class LppSettings:
     """LPP-SGD (partial backpropagation) or LAP-SGD (always the full model)."""
     updaters: int = 2
     """U: updater processes per worker, sharing its model."""
-    sync_period: int = 16
+    sync_period: int = 1
     """H: after half the budget, average every H updates (before: after every update)."""
     full_fraction: float = 0.1
     """LPP-SGD: T_st = full_fraction x T, the full-model phase (the paper: T/10)."""

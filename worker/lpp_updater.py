@@ -107,6 +107,8 @@ def updater_main(job: UpdaterJob, shared: SharedState) -> None:
 
 def run_updates(job: UpdaterJob, shared: SharedState) -> None:
     torch.set_num_threads(job.num_threads)
+    if shared.flat.device.type == "cuda":
+        torch.cuda.set_device(shared.flat.device)  # not GPU 0's context for cuda:k
     task = build_task(job.task, job.options)
     model = task.model
     bind_parameters(model, shared.flat)
@@ -148,16 +150,16 @@ def run_updates(job: UpdaterJob, shared: SharedState) -> None:
         loss = task.loss_fn(model(inputs), labels)
         # Partial backpropagation: gradients of the block only; the optimizer skips
         # parameters without one (their momentum stays as it was).
+        value = float(loss.detach())
+        if not math.isfinite(value):  # before the step: the shared model stays finite
+            raise FloatingPointError(f"training loss became {value} at update {s}; lower "
+                                     "the learning rate")
         grads = torch.autograd.grad(loss, targets)
         for p, g in zip(targets, grads, strict=True):
             p.grad = g
         task.optimizer.step()
-        value = float(loss.detach())
         compute = time.perf_counter() - t0
         compute += slowdown.after_compute(compute)
-        if not math.isfinite(value):
-            raise FloatingPointError(f"training loss became {value} at update {s}; lower "
-                                     "the learning rate")
         shared.losses[s % LOSS_SLOTS] = value
         shared.compute[job.index] += compute
         shared.done[job.index] += 1

@@ -46,7 +46,13 @@ class DeltaAverager:
             self._snapshot.copy_(self.flat)
             torch.mul(self._snapshot, 1.0 / comm.size, out=self._staged[:n])
             self._staged[n] = control
-            comm.allreduce_sum_(self._staged, timeout_seconds)
+            try:
+                comm.allreduce_sum_(self._staged, timeout_seconds)
+            except BaseException:
+                # A failed collective may still write into its buffer later (rule 4):
+                # the next round gets a buffer of its own.
+                self._staged = torch.empty_like(self._staged)
+                raise
             delta = self._staged[:n].sub_(self._snapshot)
             self.flat.add_(delta)
         return float(self._staged[n])

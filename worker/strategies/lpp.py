@@ -30,7 +30,7 @@ import time
 from multiprocessing.process import BaseProcess
 
 import torch.distributed as dist
-import torch.multiprocessing as tmp
+import torch.multiprocessing as torch_mp
 
 from ripples.worker.communicators import Communicator
 from ripples.worker.loop import WorkerStats
@@ -48,6 +48,7 @@ START_TIMEOUT_SECONDS = 300.0
 """How long the updaters may take to start (import torch, build the task), and a worker
 wait for the others' updaters."""
 JOIN_SECONDS = 10.0
+"""How long the updaters have to finish their update and exit once told to stop."""
 STOP_GRACE_SECONDS = 5.0
 """After a round in which another worker wished to stop, how long to wait for the
 coordinator's stop before leaving."""
@@ -82,8 +83,10 @@ class LppStrategy(SyncStrategy):
         for b in self.buffers:
             if b.device.type == "cpu":
                 b.share_memory_()
-        self.blocks = tuple(partition_blocks([p.numel() for p in ctx.model.parameters()],
-                                             self.settings.updaters))
+        sizes = [p.numel() for p in ctx.model.parameters()]
+        # LAP-SGD never updates a block alone: any number of updaters may share a model.
+        self.blocks = (tuple(partition_blocks(sizes, self.settings.updaters))
+                       if self.settings.partial else ((0, len(sizes)),) * self.settings.updaters)
         self.averager = DeltaAverager(flat)
         self.groups: _GroupAverager | None = None
         self.comm: Communicator | None = None
@@ -139,10 +142,11 @@ class LppStrategy(SyncStrategy):
         if budget <= 0:
             raise ValueError("lap-sgd and lpp-sgd need a budget of iterations or epochs (T "
                              "sets the full-model phase and the synchronisation scheme)")
-        shared = self._start_updaters(job, budget)
         self._batch_size = job.task.batch_size
+        shared = self._shared_state()
         reason = ""
         try:
+            self._start_updaters(job, budget, shared)
             reason = self._start_together(shared)
             s_pre = 0
             reported_done, reported_compute = 0, 0.0
@@ -181,16 +185,20 @@ class LppStrategy(SyncStrategy):
             raise RuntimeError(self._error)
         return reason
 
-    def _start_updaters(self, job: TrainingJob, budget: int) -> SharedState:
-        mp = tmp.get_context("spawn")
+    def _shared_state(self) -> SharedState:
+        mp = torch_mp.get_context("spawn")
         u = self.settings.updaters
-        shared = SharedState(
+        return SharedState(
             flat=self.averager.flat, buffers=self.buffers,
             counter=mp.Value("q", 0), done=mp.Array("q", u, lock=False),
             compute=mp.Array("d", u, lock=False),
             losses=mp.Array("d", [math.nan] * LOSS_SLOTS, lock=False),
             ready=mp.Array("b", u, lock=False), go=mp.Event(), stop=mp.Event(),
             errors=mp.Queue())
+
+    def _start_updaters(self, job: TrainingJob, budget: int, shared: SharedState) -> None:
+        mp = torch_mp.get_context("spawn")
+        u = self.settings.updaters
         cfg = self.ctx.config
         self._full_until = self.settings.full_until(budget)
         for index in range(u):
@@ -205,7 +213,6 @@ class LppStrategy(SyncStrategy):
             self._processes.append(proc)
         logger.info("worker %d started %d updaters (%s, averaging %s)", self.ctx.worker_id, u,
                     "lpp-sgd" if self.settings.partial else "lap-sgd", self.settings.averaging)
-        return shared
 
     def _start_together(self, shared: SharedState) -> str:
         """Wait until this worker's updaters are built (they import torch and build the
@@ -219,6 +226,9 @@ class LppStrategy(SyncStrategy):
             if self._error:
                 raise RuntimeError(self._error)
             if any(p.exitcode is not None for p in self._processes):
+                self._collect_errors(shared, wait_seconds=1.0)  # its message, if it sent one
+                if self._error:
+                    raise RuntimeError(self._error)
                 raise RuntimeError("an updater process exited with code "
                                    f"{[p.exitcode for p in self._processes]} while starting")
             if time.monotonic() > deadline:
