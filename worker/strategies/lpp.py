@@ -52,6 +52,12 @@ JOIN_SECONDS = 10.0
 STOP_GRACE_SECONDS = 5.0
 """After a round in which another worker wished to stop, how long to wait for the
 coordinator's stop before leaving."""
+MAX_LEAD_ROUNDS = 4
+"""Updaters wait once their worker made this many rounds' worth of updates (x U x H)
+beyond the start of the last completed averaging round. Wait-free updaters outran the
+averaging on a busy CPU: on digits (0.7 ms updates, 2 ms rounds), 2 workers x 2 updaters,
+a worker made its whole budget with ~18 updates per round and its Hogwild model broke
+(consensus accuracy 0.1-0.2 in 3 of 7 runs)."""
 REPORT_SECONDS = 0.2
 """How often the updaters' counts reach the worker's progress while it waits for K_j."""
 
@@ -164,6 +170,8 @@ class LppStrategy(SyncStrategy):
                     reason = self.leaving  # group averaging: just leave
                     break
                 result = self.after_step(done)
+                if result.num_groups > result.num_failed_groups:
+                    shared.averaged_at.value = s
                 self._rounds += result.num_groups - result.num_failed_groups
                 with stats.lock:
                     stats.wait_seconds += result.wait_seconds
@@ -194,6 +202,7 @@ class LppStrategy(SyncStrategy):
             compute=mp.Array("d", u, lock=False),
             losses=mp.Array("d", [math.nan] * LOSS_SLOTS, lock=False),
             ready=mp.Array("b", u, lock=False), go=mp.Event(), stop=mp.Event(),
+            averaged_at=mp.Value("q", 0), max_lead=MAX_LEAD_ROUNDS * u * self.settings.sync_period,
             errors=mp.Queue())
 
     def _start_updaters(self, job: TrainingJob, budget: int, shared: SharedState) -> None:
