@@ -310,7 +310,7 @@ class LocalCluster:
         report = check_iteration_gaps(
             {r["worker_id"]: r["iteration_timeline"] for r in records.values()},
             {r["worker_id"]: r["out_neighbours"] for r in records.values()},
-            HopSettings(**next(iter(records.values()))["settings"]))
+            HopSettings.of_run(self.config.run))
         if report.num_violations:
             logger.error("hop iteration gaps over Table 1's bound: %s", report.violations)
         return {"hop_iteration_gaps": asdict(report)}

@@ -14,7 +14,7 @@ import torch
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.metrics import WorkerMetrics
 from ripples.worker.slowdown import Slowdown
-from ripples.worker.strategies.base import SyncStrategy
+from ripples.worker.strategies.base import SyncResult, SyncStrategy
 from ripples.worker.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,15 @@ class WorkerStats:
         self._recent_losses.extend(losses)
         if losses:
             self.last_loss = losses[-1]
+
+    def add_sync(self, result: SyncResult, compute_seconds: float = 0.0) -> float:
+        """Count one synchronisation and the compute before it; returns the smoothed loss."""
+        with self.lock:
+            self.compute_seconds += compute_seconds
+            self.wait_seconds += result.wait_seconds
+            self.preduce_seconds += result.preduce_seconds
+            self.num_groups += result.num_groups
+            return self.smoothed_loss()
 
     def smoothed_loss(self) -> float:
         """Mean loss of the last LOSS_WINDOW iterations (nan before the first); hold `lock`."""
@@ -130,12 +139,7 @@ def train(task: Task, strategy: SyncStrategy, sampler: ShardSampler, stats: Work
         if result.inside_step:  # DDP: the all-reduce ran inside backward
             compute = max(0.0, compute - result.preduce_seconds)
         compute += slowdown.after_compute(compute)
-        with stats.lock:
-            stats.compute_seconds += compute
-            stats.wait_seconds += result.wait_seconds
-            stats.preduce_seconds += result.preduce_seconds
-            stats.num_groups += result.num_groups
-            smoothed_loss = stats.smoothed_loss()
+        smoothed_loss = stats.add_sync(result, compute)
         if metrics is not None:
             metrics.observe_iteration(compute_seconds=compute, result=result, loss=smoothed_loss)
         if not math.isfinite(loss_value):

@@ -19,6 +19,19 @@ PROTOCOLS = ["allreduce", "ripples-random", "ripples-smart", "ripples-static"]
 TARGET_LOSS = 0.2
 
 
+def _run_to_digits_target(out: Path, *args: str, epochs: int = 20) -> dict:
+    """`ripples run ARGS` on digits to TARGET_LOSS (seed 1); returns summary.json after
+    checking that the run stopped at the target with an accurate consensus model."""
+    proc = ripples_cli("run", *args, "--task", "digits", "--epochs", str(epochs),
+                       "--target-loss", str(TARGET_LOSS), "--seed", "1", "--output", str(out),
+                       "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary: dict = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
+    assert summary["final_accuracy"] >= 0.85
+    return summary
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_protocol_reaches_the_loss_target_on_digits(protocol: str, tmp_path: Path) -> None:
     out = tmp_path / protocol
@@ -67,14 +80,8 @@ def test_short_smart_run_is_accurate_and_splits_time(tmp_path: Path) -> None:
     ("adpsgd", "ring"), ("adpsgd", "complete"), ("a2cid2", "ring"), ("a2cid2", "complete")])
 def test_gossip_protocol_reaches_the_loss_target_on_digits(
         protocol: str, topology: str, tmp_path: Path) -> None:
-    out = tmp_path / protocol
-    proc = ripples_cli("run", "--workers", "4", "--protocol", protocol, "--topology", topology,
-                       "--task", "digits", "--epochs", "20", "--target-loss", str(TARGET_LOSS),
-                       "--seed", "1", "--output", str(out), "--quiet")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
-    assert summary["final_accuracy"] >= 0.85
+    summary = _run_to_digits_target(tmp_path / protocol, "--workers", "4", "--protocol",
+                                    protocol, "--topology", topology)
     assert summary["topology"] == topology
     assert 0 < summary["spectral_gap"] <= 1
     # Workers averaged in pairs while training (digits reaches the target in well under a
@@ -102,15 +109,8 @@ def test_hop_variants_reach_the_loss_target_on_digits(
         topology: str, options: list[str], tmp_path: Path) -> None:
     """Each variant trains to the target, and the iterations every worker recorded keep
     every gap within Table 1's bound (Theorems 1-2) over the whole run."""
-    out = tmp_path / "hop"
-    proc = ripples_cli("run", "--workers", "4", "--protocol", "hop", "--topology", topology,
-                       *options, "--task", "digits", "--epochs", "20",
-                       "--target-loss", str(TARGET_LOSS), "--seed", "1", "--output", str(out),
-                       "--quiet")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
-    assert summary["final_accuracy"] >= 0.85
+    summary = _run_to_digits_target(tmp_path / "hop", "--workers", "4", "--protocol", "hop",
+                                    "--topology", topology, *options)
     assert summary["topology"] == topology
     assert all(w["iterations"] > 0 for w in summary["workers"])
     gaps = summary["hop_iteration_gaps"]
@@ -136,16 +136,10 @@ def test_lpp_variants_reach_the_loss_target_on_digits(options: list[str],
                                                       tmp_path: Path) -> None:
     """2 workers x 2 Hogwild updaters sharing each worker's model reach the target; every
     updater contributed updates and the workers averaged."""
-    out = tmp_path / "lpp"
     # Hogwild updates on digits are so quick that the whole run takes seconds: a budget
     # generous enough that the coordinator (heartbeats every 0.5 s) sees the target first.
-    proc = ripples_cli("run", "--workers", "2", *options, "--updaters", "2",
-                       "--task", "digits", "--epochs", "40", "--target-loss", str(TARGET_LOSS),
-                       "--seed", "1", "--output", str(out), "--quiet")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
-    assert summary["final_accuracy"] >= 0.85
+    summary = _run_to_digits_target(tmp_path / "lpp", "--workers", "2", *options,
+                                    "--updaters", "2", epochs=40)
     for w in summary["workers"]:
         lpp = w["lpp"]
         assert lpp["updaters"] == 2 and len(lpp["updates_per_updater"]) == 2

@@ -21,7 +21,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 
 import torch
 
@@ -261,7 +260,7 @@ class HopStrategy(SyncStrategy):
             e = self.engine
             return {
                 "worker_id": self.me, "out_neighbours": list(e.out_neighbours),
-                "settings": asdict(self.settings), "iteration": e.iteration,
+                "iteration": e.iteration,
                 "jumps": e.num_jumps, "iterations_skipped": e.iterations_skipped,
                 "stale_updates": e.num_stale_dropped, "updates_not_sent": e.num_not_sent,
                 "iteration_timeline": [list(entry) for entry in self._timeline],

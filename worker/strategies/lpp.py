@@ -110,6 +110,7 @@ class LppStrategy(SyncStrategy):
         self._updates: list[int] = []
         self._full_until = 0
         self._processes: list[BaseProcess] = []
+        self._mp = torch_mp.get_context("spawn")
 
     # ------------------------------------------------------------ one averaging round
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
@@ -173,11 +174,7 @@ class LppStrategy(SyncStrategy):
                 if result.num_groups > result.num_failed_groups:
                     shared.averaged_at.value = s
                 self._rounds += result.num_groups - result.num_failed_groups
-                with stats.lock:
-                    stats.wait_seconds += result.wait_seconds
-                    stats.preduce_seconds += result.preduce_seconds
-                    stats.num_groups += result.num_groups
-                    loss = stats.smoothed_loss()
+                loss = stats.add_sync(result)  # compute: the updaters' counts, in _report
                 if job.metrics is not None:
                     job.metrics.observe_iteration(compute_seconds=compute - reported_compute,
                                                   result=result, loss=loss,
@@ -194,8 +191,7 @@ class LppStrategy(SyncStrategy):
         return reason
 
     def _shared_state(self) -> SharedState:
-        mp = torch_mp.get_context("spawn")
-        u = self.settings.updaters
+        mp, u = self._mp, self.settings.updaters
         return SharedState(
             flat=self.averager.flat, buffers=self.buffers,
             counter=mp.Value("q", 0), done=mp.Array("q", u, lock=False),
@@ -206,9 +202,7 @@ class LppStrategy(SyncStrategy):
             errors=mp.Queue())
 
     def _start_updaters(self, job: TrainingJob, budget: int, shared: SharedState) -> None:
-        mp = torch_mp.get_context("spawn")
-        u = self.settings.updaters
-        cfg = self.ctx.config
+        u, cfg = self.settings.updaters, self.ctx.config
         self._full_until = self.settings.full_until(budget)
         for index in range(u):
             updater = UpdaterJob(
@@ -216,7 +210,7 @@ class LppStrategy(SyncStrategy):
                 num_workers=self.ctx.num_workers, seed=cfg.seed, budget=budget,
                 full_until=self._full_until, blocks=self.blocks, parent_pid=os.getpid(),
                 slowdown=job.slowdown_spec, num_threads=job.num_threads)
-            proc = mp.Process(target=updater_main, args=(updater, shared), daemon=True,
+            proc = self._mp.Process(target=updater_main, args=(updater, shared), daemon=True,
                               name=f"ripples-updater-{self.ctx.rank}-{index}")
             proc.start()
             self._processes.append(proc)
@@ -231,15 +225,10 @@ class LppStrategy(SyncStrategy):
         Returns why the run ended before it began, or empty."""
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while not all(shared.ready):
-            self._collect_errors(shared)
-            if self._error:
+            # Before it is ready an updater exits only on failure, whatever its code.
+            if self._updater_failure(shared, any(p.exitcode is not None
+                                                 for p in self._processes)):
                 raise RuntimeError(self._error)
-            if any(p.exitcode is not None for p in self._processes):
-                self._collect_errors(shared, wait_seconds=1.0)  # its message, if it sent one
-                if self._error:
-                    raise RuntimeError(self._error)
-                raise RuntimeError("an updater process exited with code "
-                                   f"{[p.exitcode for p in self._processes]} while starting")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the updaters did not start in {START_TIMEOUT_SECONDS:.0f} s")
             time.sleep(0.05)
@@ -271,17 +260,22 @@ class LppStrategy(SyncStrategy):
         except queue.Empty:
             pass
 
+    def _updater_failure(self, shared: SharedState, exited: bool) -> str:
+        """The first updater's error message, once one sent it or (`exited`) one is gone;
+        empty while none failed."""
+        self._collect_errors(shared)
+        if not self._error and exited:
+            self._collect_errors(shared, wait_seconds=1.0)  # its message, if it sent one
+            self._error = self._error or (f"an updater process exited (exit codes "
+                                          f"{[p.exitcode for p in self._processes]})")
+        return self._error
+
     def _check_leaving(self, job: TrainingJob, shared: SharedState, budget: int) -> None:
         """Set `leaving` once this worker wants to stop."""
         if self.leaving:
             return
-        self._collect_errors(shared)
-        if self._error:
-            self.leaving = "an updater failed"
-        elif any(p.exitcode not in (None, 0) for p in self._processes):
-            self._collect_errors(shared, wait_seconds=1.0)  # its message, if it sent one
-            self._error = self._error or (f"an updater process died (exit codes "
-                                          f"{[p.exitcode for p in self._processes]})")
+        if self._updater_failure(shared, any(p.exitcode not in (None, 0)
+                                             for p in self._processes)):
             self.leaving = "an updater failed"
         elif job.local_stop.is_set():
             self.leaving = "stopped by a signal"
