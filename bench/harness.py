@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ripples.bench.scenarios import SCENARIOS, Scenario
-from ripples.coordinator.config import PROTOCOLS
 from ripples.coordinator.topology import TOPOLOGIES
+from ripples.protocols import PROTOCOLS, Coordination
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ def base_protocol(name: str) -> str:
 def takes_topology(name: str) -> bool:
     """Lockstep protocols (allreduce, ripples-static) synchronise every worker together
     and ignore a topology; the group and gossip protocols run on it."""
-    return PROTOCOLS[base_protocol(name)] != "lockstep"
+    return PROTOCOLS[base_protocol(name)].role.takes_topology
 
 
 @dataclass(kw_only=True)
@@ -168,7 +168,7 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
     extra = list(VARIANTS[protocol].flags) if protocol in VARIANTS else []
     if takes_topology(protocol) and cfg.topology != "complete":
         extra += ["--topology", cfg.topology]
-    if PROTOCOLS[base_protocol(protocol)].startswith("gossip:"):
+    if PROTOCOLS[base_protocol(protocol)].role.coordination is Coordination.GOSSIP:
         extra += ["--rate-com", f"{cfg.rate_com:g}"]
     return [sys.executable, "-m", "ripples.cli", "run", "--quiet",
            "--workers", str(cfg.workers), "--workers-per-node", str(cfg.workers_per_node),

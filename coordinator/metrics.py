@@ -95,16 +95,16 @@ class CoreCollector(Collector):
                                 value=float(table.num_executing))
         yield CounterMetricFamily("ripples_coordinator_pending_waits",
                                   "Requests whose group could not execute at once.",
-                                  value=float(core.num_pending_waits))
+                                  value=float(core.groups.num_pending_waits))
         yield CounterMetricFamily("ripples_coordinator_pending_wait_seconds",
                                   "Time requests spent waiting for their group to execute.",
-                                  value=core.pending_wait_seconds)
+                                  value=core.groups.pending_wait_seconds)
         yield CounterMetricFamily("ripples_coordinator_groups_cancelled",
                                   "Groups cancelled because a member's lease expired.",
-                                  value=float(core.num_cancelled))
+                                  value=float(core.groups.num_cancelled))
         yield CounterMetricFamily("ripples_coordinator_groups_failed",
                                   "Groups a member reported failed.",
-                                  value=float(core.num_failed))
+                                  value=float(core.groups.num_failed))
         yield CounterMetricFamily("ripples_coordinator_lease_expirations",
                                   "Workers removed because their lease expired.",
                                   value=float(core.num_lease_expirations))
@@ -121,7 +121,7 @@ class CoreCollector(Collector):
         yield GaugeMetricFamily("ripples_coordinator_topology_spectral_gap",
                                 "1 - lambda_2 of the expected pairwise-gossip matrix of the "
                                 "run's topology (0 before the run starts).",
-                                value=core.spectral_gap)
+                                value=core.graph.spectral_gap)
         distance = core.consensus_distance()
         yield GaugeMetricFamily("ripples_coordinator_consensus_distance",
                                 "Gossip protocols: estimated mean squared distance of the "

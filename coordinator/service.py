@@ -27,6 +27,9 @@ from ripples.coordinator.core import (
 from ripples.coordinator.groups import GroupRecord, GroupState
 from ripples.coordinator.http import SdTargets
 from ripples.coordinator.metrics import CoordinatorMetrics
+from ripples.coordinator.registry import WorkerRecord
+from ripples.coordinator.schema import Schema
+from ripples.protocols import Coordination
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -90,6 +93,11 @@ def progress_to_proto(p: Progress) -> pb.Progress:
     )
 
 
+def _schema(message: pb.TensorSchema) -> Schema:
+    return Schema(tensors=tuple((t.name, tuple(t.shape), t.dtype) for t in message.tensors),
+                  digest=message.digest)
+
+
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     """Translates RPCs into core events and core decisions into replies."""
 
@@ -106,7 +114,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.store_port = store_port
         self.clock = clock
         self._waiters: dict[int, asyncio.Future[GroupDecision]] = {}
+        self._members = asyncio.Event()  # the membership is formed (or the run stopped)
         self._started = asyncio.Event()
+        self._stopped = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
         self.metrics = CoordinatorMetrics(core, clock)
         self.metrics_address = ""  # the coordinator's own HOST:PORT, set by the server
@@ -130,7 +140,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 logger.info("worker %d notified after lease expiry", wid)
             self._resolve(deliveries)
 
+    def _note_run_state(self) -> None:
+        """Wake the long-polls whose condition an event just made true."""
+        if self.core.membership_formed or self.core.stopped:
+            self._members.set()
+        if self.core.stopped:
+            self._stopped.set()
+
     def _resolve(self, deliveries: Deliveries) -> None:
+        self._note_run_state()
         for worker_id, decision in deliveries.items():
             fut = self._waiters.get(worker_id)
             if fut is not None and not fut.done():
@@ -152,6 +170,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         worker_id = await self._call(context, lambda: self.core.register(
             request.host, request.local_rank, request.device or "cpu", request.pid, now))
         assert isinstance(worker_id, int)
+        self._note_run_state()
         w = self.core.workers[worker_id]
         if request.metrics_port:
             host = request.metrics_host or peer_host(context.peer()) or w.host
@@ -168,7 +187,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             request.worker_id, progress, self.clock()))
         assert isinstance(deliveries, dict)
         self._resolve(deliveries)
-        return pb.HeartbeatReply(stop=self.core.stopped, stop_reason=self.core.stop_reason)
+        return pb.HeartbeatReply(stop=self.core.stopped, stop_reason=self.core.stop_reason,
+                                 mean_iterations=self.core.mean_iterations())
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
                     ) -> pb.LeaveReply:
@@ -183,43 +203,73 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             logger.info("worker %d left", request.worker_id)
         return pb.LeaveReply()
 
+    async def AwaitMembers(self, request: pb.AwaitMembersRequest,
+                           context: grpc.aio.ServicerContext) -> pb.Membership:
+        await self._call(context, lambda: self.core.worker(request.worker_id))
+        timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
+        try:
+            await asyncio.wait_for(self._members.wait(), timeout)
+        except TimeoutError:
+            live = len(self.core.live())
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                f"{live} of {self.core.settings.num_workers} workers registered within "
+                f"{timeout:.0f} s; start the missing workers"))
+        if self.core.stopped:  # e.g. the topology does not fit the registered hosts
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the run stopped before training: {self.core.stop_reason}")
+        core = self.core
+        me = await self._call(context, lambda: core.worker(request.worker_id))
+        assert isinstance(me, WorkerRecord)
+        ranks = [pb.WorkerRank(worker_id=w.worker_id, rank=w.rank, node=w.node)
+                 for w in sorted(core.live(), key=lambda x: x.rank)]
+        reply = pb.Membership(
+            num_workers=len(ranks), ranks=ranks, rank=me.rank, num_nodes=core.num_nodes(),
+            neighbours=core.neighbours_of(me.worker_id),
+            spectral_gap=core.graph.spectral_gap)
+        if core.graph.gossip_constants is not None:
+            c = core.graph.gossip_constants
+            reply.gossip.CopyFrom(pb.GossipConstants(
+                chi_1=c.chi_1, chi_2=c.chi_2, eta=c.eta, alpha_tilde=c.alpha_tilde,
+                passive=me.worker_id in core.graph.passive))
+        return reply
+
     async def AwaitStart(self, request: pb.AwaitStartRequest, context: grpc.aio.ServicerContext
                          ) -> pb.AwaitStartReply:
+        schema = _schema(request.schema) if request.HasField("schema") else None
         started = await self._call(context, lambda: self.core.mark_ready(
-            request.worker_id, request.planned_iterations, self.clock()))
+            request.worker_id, request.planned_iterations, self.clock(), schema))
+        self._note_run_state()
         if started and not self._started.is_set():
             logger.info("all %d workers ready: training starts", self.core.settings.num_workers)
             self._started.set()
         timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
         try:
-            await asyncio.wait_for(self._started.wait(), timeout)
+            await asyncio.wait_for(self._until_started_or_stopped(), timeout)
         except TimeoutError:
             live = self.core.live()
             ready = sum(w.ready for w in live)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
                 f"{len(live)} of {self.core.settings.num_workers} workers registered and "
                 f"{ready} ready within {timeout:.0f} s; start the missing workers"))
-        if self.core.settings.protocol == "ripples-static":
-            problem = self.core.static_layout_error()
-            if problem:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        if self.core.stopped:  # e.g. the topology does not fit the registered hosts
+        if self.core.stopped and not self._started.is_set():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the run stopped before training: {self.core.stop_reason}")
-        core = self.core
-        me = core.workers[request.worker_id]
-        ranks = [pb.WorkerRank(worker_id=w.worker_id, rank=w.rank, node=w.node)
-                 for w in sorted(core.live(), key=lambda x: x.rank)]
-        reply = pb.AwaitStartReply(
-            num_workers=len(ranks), ranks=ranks, rank=me.rank, num_nodes=core.num_nodes(),
-            neighbours=core.neighbours_of(me.worker_id),
-            spectral_gap=core.spectral_gap)
-        if core.gossip_constants is not None:
-            c = core.gossip_constants
-            reply.gossip.CopyFrom(pb.GossipConstants(
-                chi_1=c.chi_1, chi_2=c.chi_2, eta=c.eta, alpha_tilde=c.alpha_tilde,
-                passive=me.worker_id in core.passive))
-        return reply
+        return pb.AwaitStartReply(elapsed_seconds=self.core.elapsed(self.clock()))
+
+    async def _until_started_or_stopped(self) -> None:
+        waits = {asyncio.ensure_future(self._started.wait()),
+                 asyncio.ensure_future(self._stopped.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+
+    async def CheckSchema(self, request: pb.CheckSchemaRequest,
+                          context: grpc.aio.ServicerContext) -> pb.CheckSchemaReply:
+        await self._call(context, lambda: self.core.check_schema(
+            request.worker_id, _schema(request.schema)))
+        return pb.CheckSchemaReply()
 
     # ------------------------------------------------------------------ groups
     async def Synchronize(self, request_iterator: AsyncIterator[pb.SyncMessage],
@@ -303,9 +353,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                 context: grpc.aio.ServicerContext) -> pb.StaticScheduleReply:
         w = await self._call(context, lambda: self.core.worker(request.worker_id))
         assert w is not None
-        if self.core.settings.protocol != "ripples-static":
+        if self.core.role.coordination is not Coordination.STATIC:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"protocol is {self.core.settings.protocol}, not ripples-static")
+                                f"protocol {self.core.settings.protocol} does not use the "
+                                "static schedule")
         if self.core.started_at is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the run has not started")
         me = self.core.workers[request.worker_id]
@@ -348,9 +399,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             stop_reason=core.stop_reason, num_groups_formed=core.table.num_formed,
             num_groups_executing=core.table.num_executing,
             num_groups_pending=core.table.num_pending, num_conflicts=core.table.num_conflicts,
-            num_pending_waits=core.num_pending_waits,
-            pending_wait_seconds=core.pending_wait_seconds,
-            num_groups_cancelled=core.num_cancelled, num_groups_failed=core.num_failed,
+            num_pending_waits=core.groups.num_pending_waits,
+            pending_wait_seconds=core.groups.pending_wait_seconds,
+            num_groups_cancelled=core.groups.num_cancelled,
+            num_groups_failed=core.groups.num_failed,
             mean_loss=mean if mean is not None else 0.0,
             time_to_target_seconds=core.time_to_target if core.time_to_target is not None else -1,
             loss_curve=[pb.LossPoint(seconds=s, loss=v, mean_iterations=i)
@@ -361,8 +413,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             num_lease_expirations=core.num_lease_expirations,
             iterations_to_target=(core.iterations_to_target
                                   if core.iterations_to_target is not None else -1),
-            topology_edges=[pb.TopologyEdge(a=a, b=b) for a, b in core.edges],
-            spectral_gap=core.spectral_gap,
+            topology_edges=[pb.TopologyEdge(a=a, b=b) for a, b in core.graph.edges],
+            edges_always_used=core.graph.edges_always_used,
+            spectral_gap=core.graph.spectral_gap,
             consensus_distance=distance if distance is not None else -1.0,
         )
 

@@ -13,9 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ripples.static_schedule import static_groups
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.lpp import LPP_PROTOCOLS
 
 # A worker is flagged slow when its speed falls below this fraction of the median speed.
 SLOW_FRACTION = 0.5
@@ -108,7 +106,8 @@ class RunView:
             "run": {
                 "run_id": c.run_id, "protocol": c.protocol, "task": c.task,
                 "num_workers": c.num_workers, "workers_per_node": c.workers_per_node,
-                "group_size": c.group_size, "target_loss": c.target_loss or None,
+                "group_size": c.group_generator.group_size,
+                "target_loss": c.target_loss or None,
                 "started": status.started, "stopped": status.stopped,
                 "stop_reason": status.stop_reason,
                 "elapsed_seconds": round(status.elapsed_seconds, 3),
@@ -174,28 +173,17 @@ class RunView:
     def _edge_list(self, status: pb.RunStatus, now: float) -> list[dict[str, Any]]:
         """Edges of the topology graph: who averages with whom.
 
-        Group-generator and gossip protocols: the pairs that shared a group lately,
-        weighted by recency; on a sparse topology, every edge of the graph so weighted.
-        Lock-step protocols form their groups without the coordinator, so their
-        edges come from the protocol itself (all pairs for allreduce; the pairs of one
-        period of the static schedule); so do hop, whose workers exchange with every
-        graph neighbour each iteration (all pairs on a complete graph), and lap-sgd /
-        lpp-sgd averaging over all workers."""
-        protocol = status.config.protocol
-        ids = {w.rank: w.worker_id for w in status.workers
-               if STATE_NAMES.get(w.state) not in GONE_STATES}
-        everyone = protocol in ("allreduce", "hop") or (
-            protocol in LPP_PROTOCOLS and status.config.lpp_averaging in ("", "all"))
-        if everyone and status.started and not status.topology_edges:
-            ranks = sorted(ids)
-            return [{"a": ids[a], "b": ids[b], "weight": 1.0}
-                    for i, a in enumerate(ranks) for b in ranks[i + 1:]]
-        if protocol == "ripples-static" and status.started and ids:
-            return self._static_edges(status, ids)
-        if status.topology_edges:  # a sparse topology: every edge, brighter when used lately
-            live = set(ids.values())
+        The coordinator lists the edges to draw (`topology_edges`: the graph's, every pair
+        for lock-step protocols, the static schedule's pairs). When the protocol uses every
+        edge every iteration (`edges_always_used`) they are drawn at full weight; otherwise
+        an edge is as bright as its pair averaged lately (recent groups), and pairs that
+        averaged without an edge listed (none listed yet) are drawn too."""
+        live = {w.worker_id for w in status.workers
+                if STATE_NAMES.get(w.state) not in GONE_STATES}
+        if status.topology_edges:
             return [{"a": e.a, "b": e.b,
-                     "weight": 1.0 if protocol == "hop" else self._recency((e.a, e.b), now)}
+                     "weight": 1.0 if status.edges_always_used
+                     else self._recency((e.a, e.b), now)}
                     for e in status.topology_edges if e.a in live and e.b in live]
         return [{"a": a, "b": b, "weight": self._recency((a, b), now)}
                 for a, b in sorted(self._edges)]
@@ -206,19 +194,6 @@ class RunView:
         if seen is None:
             return 0.0
         return round(max(0.0, 1 - (now - seen) / EDGE_MEMORY_SECONDS), 3)
-
-    @staticmethod
-    def _static_edges(status: pb.RunStatus, ids: dict[int, int]) -> list[dict[str, Any]]:
-        k = max(1, status.config.workers_per_node)
-        num_nodes = max(1, len(ids) // k)
-        if num_nodes * k != len(ids):
-            return []
-        pairs: set[tuple[int, int]] = set()
-        for iteration in range(2 * (k + num_nodes)):
-            for group in static_groups(iteration, num_nodes, k):
-                members = sorted(ids[r] for r in group if r in ids)
-                pairs.update((a, b) for i, a in enumerate(members) for b in members[i + 1:])
-        return [{"a": a, "b": b, "weight": 1.0} for a, b in sorted(pairs)]
 
 
 def disconnected(error: str, last: dict[str, Any] | None) -> dict[str, Any]:

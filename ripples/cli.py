@@ -21,7 +21,7 @@ from ripples.config_cli import add_dataclass_arguments, dataclass_from_args
 
 ENV_COORDINATOR = "RIPPLES_COORDINATOR"
 # Fields of RunSettings that the CLI sets under other names or not at all.
-_RUN_SKIP = {"run_id"}
+_RUN_SKIP = {"run_id", "protocol_settings"}
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -29,10 +29,26 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _run_settings(args: argparse.Namespace):  # -> RunSettings (import kept lazy)
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a run: RunSettings' fields, then every protocol family's settings
+    (flat: --group-size, --hop-mode, ...), each documented once, on its field."""
     from ripples.coordinator.config import RunSettings
+    from ripples.protocols import SETTINGS_CLASSES
 
-    return dataclass_from_args(RunSettings, args)
+    add_dataclass_arguments(parser, RunSettings, skip=_RUN_SKIP,
+                            rename={"num_workers": "workers"})
+    for settings_cls in SETTINGS_CLASSES:
+        add_dataclass_arguments(parser, settings_cls, option_names=settings_cls.cli_names)
+
+
+def _run_settings(args: argparse.Namespace):  # -> RunSettings (import kept lazy)
+    from ripples.coordinator.config import RunSettings, option_names
+    from ripples.protocols import SETTINGS_CLASSES
+
+    names = {f for cls in SETTINGS_CLASSES for f in option_names(cls)}
+    base = dataclass_from_args(RunSettings, args, build=False)
+    options = {**base, **{name: getattr(args, name) for name in names if hasattr(args, name)}}
+    return RunSettings.build(**options)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -125,7 +141,6 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ripples.coordinator.config import RunSettings
     from ripples.dashboard.app import DashboardConfig
     from ripples.worker.daemon import WorkerConfig
 
@@ -133,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a coordinator and N local workers (loopback, gloo)")
-    add_dataclass_arguments(run, RunSettings, skip=_RUN_SKIP, rename={"num_workers": "workers"})
+    _add_run_arguments(run)
     run.add_argument("--slowdown", action="append", default=[], metavar="RANK:FACTOR",
                      help="make worker RANK FACTOR times slower (RANK:FACTOR@PROBABILITY for a "
                           "random straggler); repeat for several workers")
@@ -166,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--exit-when-done", action="store_true",
                        help="exit once the run stopped and every worker left")
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
-    add_dataclass_arguments(serve, RunSettings, skip=_RUN_SKIP, rename={"num_workers": "workers"})
+    _add_run_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
     worker = sub.add_parser("worker", help="the worker daemon")

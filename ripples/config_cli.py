@@ -32,15 +32,20 @@ def field_docs(cls: type) -> dict[str, str]:
 def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
                             skip: Collection[str] = frozenset(),
                             rename: dict[str, str] | None = None,
+                            option_names: dict[str, str] | None = None,
                             defaults: dict[str, object] | None = None) -> None:
     """Add one --option per field of `cls` (bool fields become flags)."""
     docs = field_docs(cls)
     rename = rename or {}
+    option_names = option_names or {}
     defaults = defaults or {}
     for f in dataclasses.fields(cls):
-        if f.name in skip or f.name.startswith("_"):
+        if f.name in skip or f.name.startswith("_") or not f.init:
             continue
-        flag = "--" + rename.get(f.name, f.name.replace("_", "-"))
+        # rename: another flag for the field; option_names: another flag and attribute
+        # (protocol settings, whose field names may repeat across classes).
+        dest = option_names.get(f.name, f.name)
+        flag = "--" + rename.get(f.name, dest.replace("_", "-"))
         default = defaults.get(f.name, f.default)
         if default is dataclasses.MISSING:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
@@ -48,16 +53,18 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
         kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str,
                                                         "bool": bool}.get(str(f.type), str)
         if kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=default,
+            parser.add_argument(flag, dest=dest, type=kind, default=default,
                                 help=f"{help_text} (default: {default})")
 
 
-def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: object) -> Any:
-    """Build `cls` from parsed arguments; fields absent from `args` keep their defaults."""
+def dataclass_from_args(cls: type, args: argparse.Namespace, *, build: bool = True,
+                        **overrides: object) -> Any:
+    """Build `cls` from parsed arguments; fields absent from `args` keep their defaults.
+    `build=False`: return the keyword arguments instead of the object."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-              if hasattr(args, f.name)}
+              if f.init and hasattr(args, f.name)}
     values.update(overrides)
-    return cls(**values)
+    return cls(**values) if build else values

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,11 +23,10 @@ from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.dashboard.app import DashboardConfig
 from ripples.dashboard.server import DashboardServer
+from ripples.protocols import GossipSettings
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from ripples.worker.daemon import WorkerConfig, exit_now, run_worker
-from ripples.worker.hop import HopSettings, check_iteration_gaps
-from ripples.worker.lpp import LPP_PROTOCOLS
 from ripples.worker.slowdown import SlowdownSpec
 from ripples.worker.tasks import TaskOptions, build_task, evaluate
 
@@ -263,8 +262,8 @@ class LocalCluster:
             "num_conflicts": status.num_conflicts,
             "num_pending_waits": status.num_pending_waits,
             "topology": cfg.run.topology,
-            "rate_com": cfg.run.rate_com,
-            "momentum": cfg.run.momentum,
+            "rate_com": cfg.run.settings(GossipSettings).rate_com,
+            "momentum": cfg.run.settings(GossipSettings).momentum,
             "spectral_gap": status.spectral_gap,
             "consensus_distance_final": consensus_distance,
             "consensus_distance_estimate": (status.consensus_distance
@@ -277,12 +276,7 @@ class LocalCluster:
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
             "workers": workers,
         }
-        if cfg.run.protocol == "hop":
-            summary.update(self._hop_summary(workers))
-        elif cfg.run.protocol in LPP_PROTOCOLS:  # updates per updater, averaging rounds
-            records = self._protocol_records()
-            for w in workers:
-                w["lpp"] = records[w["rank"]]
+        summary.update(self._protocol_summary(workers))
         (cfg.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
@@ -298,22 +292,21 @@ class LocalCluster:
             records[record["rank"]] = record[self.config.run.protocol]
         return records
 
-    def _hop_summary(self, workers: list[dict]) -> dict[str, object]:
-        """Per worker its hop counters; for the run, every iteration gap the workers'
-        recorded timelines show, checked against Table 1's bound (they share this host's
-        monotonic clock)."""
+    def _protocol_summary(self, workers: list[dict]) -> dict[str, object]:
+        """What the protocol adds to summary.json: its spec's `summarise` hook folds the
+        workers' records (hop: counters, and every iteration gap checked against Table
+        1's bound); without a hook each worker's record as it is, if it kept one."""
+        run = self.config.run
         records = self._protocol_records()
+        summariser = run.spec.summariser()
+        if summariser is None:
+            per_worker, extra = {r: rec for r, rec in records.items() if rec}, {}
+        else:
+            per_worker, extra = summariser(records, run.to_proto())
         for w in workers:
-            rec = records[w["rank"]]
-            w["hop"] = {k: rec[k] for k in ("iteration", "jumps", "iterations_skipped",
-                                            "stale_updates", "updates_not_sent")}
-        report = check_iteration_gaps(
-            {r["worker_id"]: r["iteration_timeline"] for r in records.values()},
-            {r["worker_id"]: r["out_neighbours"] for r in records.values()},
-            HopSettings.of_run(self.config.run))
-        if report.num_violations:
-            logger.error("hop iteration gaps over Table 1's bound: %s", report.violations)
-        return {"hop_iteration_gaps": asdict(report)}
+            if w["rank"] in per_worker:
+                w[run.spec.record_key or run.protocol] = per_worker[w["rank"]]
+        return extra
 
 
 def _progress_line(status: pb.RunStatus) -> str:

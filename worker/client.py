@@ -52,13 +52,27 @@ class CoordinatorClient:
         assert isinstance(reply, pb.RegisterReply)
         return reply
 
-    def await_start(self, worker_id: int, planned_iterations: int,
-                    timeout_seconds: float) -> pb.AwaitStartReply:
+    def await_members(self, worker_id: int, timeout_seconds: float) -> pb.Membership:
+        """Wait until every expected worker registered: ranks and topology."""
+        req = pb.AwaitMembersRequest(worker_id=worker_id, timeout_seconds=timeout_seconds)
+        reply = self._call(self._stub.AwaitMembers, req, timeout_seconds + self.rpc_timeout)
+        assert isinstance(reply, pb.Membership)
+        return reply
+
+    def await_start(self, worker_id: int, planned_iterations: int, timeout_seconds: float,
+                    schema: pb.TensorSchema | None = None) -> pb.AwaitStartReply:
+        """Declare this worker ready (with the schema of its averaged tensors) and wait
+        until every member is: training starts."""
         req = pb.AwaitStartRequest(worker_id=worker_id, timeout_seconds=timeout_seconds,
-                                   planned_iterations=planned_iterations)
+                                   planned_iterations=planned_iterations, schema=schema)
         reply = self._call(self._stub.AwaitStart, req, timeout_seconds + self.rpc_timeout)
         assert isinstance(reply, pb.AwaitStartReply)
         return reply
+
+    def check_schema(self, worker_id: int, schema: pb.TensorSchema) -> None:
+        """Compare the full schema of averaged tensors with the first worker's."""
+        req = pb.CheckSchemaRequest(worker_id=worker_id, schema=schema)
+        self._call(self._stub.CheckSchema, req, self.rpc_timeout)
 
     def heartbeat(self, worker_id: int, progress: pb.Progress) -> pb.HeartbeatReply:
         req = pb.HeartbeatRequest(worker_id=worker_id, progress=progress)

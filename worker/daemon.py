@@ -108,14 +108,14 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
         heartbeat = HeartbeatThread(client, worker_id, run.heartbeat_interval_seconds,
                                     run.lease_seconds, stats.snapshot)
         heartbeat.start()
+        start = client.await_members(worker_id, config.start_timeout_seconds)
         options = TaskOptions(seed=run.seed, device=str(device),
                               learning_rate=run.learning_rate or None,
                               batch_size=run.batch_size or None)
         task = build_task(config.task or run.task, options)
         per_epoch = iterations_per_epoch(len(task.train_inputs), run.num_workers, task.batch_size)
         stats.planned_iterations = run.iterations or int(round(run.epochs * per_epoch))
-        start = client.await_start(worker_id, stats.planned_iterations,
-                                   config.start_timeout_seconds)
+        client.await_start(worker_id, stats.planned_iterations, config.start_timeout_seconds)
         store = connect_store(reg.store_host, reg.store_port, run.collective_timeout_seconds)
         loopback = reg.store_host in ("127.0.0.1", "localhost")
         factory = CommunicatorFactory(store, device, run.collective_timeout_seconds,
@@ -126,7 +126,7 @@ def run_worker(config: WorkerConfig, local_stop: threading.Event | None = None) 
             client=client, worker_id=worker_id, rank=start.rank, num_workers=start.num_workers,
             config=run, start=start, model=task.model, params=FlatParameters(task.model),
             comms=comms, store=store, device=device, stop_requested=heartbeat.stop_requested,
-            progress=stats.snapshot, optimizer=task.optimizer)
+            progress=stats.snapshot, optimizer=task.optimizer, metrics=metrics.for_protocol())
         strategy = create_strategy(run.protocol, ctx)
         sampler = ShardSampler(len(task.train_inputs), start.rank, start.num_workers,
                                task.batch_size, run.seed)

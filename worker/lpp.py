@@ -23,56 +23,9 @@ docs/lpp-sgd-paper-spec.md extracts the paper.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
-LPP_PROTOCOLS = ("lap-sgd", "lpp-sgd")
-LPP_AVERAGING = ("all", "ripples-random", "ripples-smart")
 FULL_MODEL = 0
 """Block 0 is the whole model (Eq. 10); blocks 1..U partition it."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LppSettings:
-    """The knobs of one LAP-SGD / LPP-SGD run; validate() names what is wrong."""
-
-    partial: bool = True
-    """LPP-SGD (partial backpropagation) or LAP-SGD (always the full model)."""
-    updaters: int = 2
-    """U: updater processes per worker, sharing its model."""
-    sync_period: int = 1
-    """H: after half the budget, average every H updates (before: after every update)."""
-    full_fraction: float = 0.1
-    """LPP-SGD: T_st = full_fraction x T, the full-model phase (the paper: T/10)."""
-    averaging: str = "all"
-    """all: every worker averages together (the paper); ripples-random / ripples-smart:
-    in groups made by the coordinator's Group Generator (P-Reduce)."""
-
-    @classmethod
-    def of_run(cls, run: Any) -> LppSettings:
-        """From a run's options (RunSettings or its RunConfig message: same field names)."""
-        return cls(partial=run.protocol == "lpp-sgd", updaters=run.updaters,
-                   sync_period=run.sync_period, full_fraction=run.full_fraction,
-                   averaging=run.lpp_averaging)
-
-    def validate(self) -> None:
-        if not 1 <= self.updaters <= 64:
-            raise ValueError(f"updaters must be in 1..64, got {self.updaters}")
-        if self.sync_period < 1:
-            raise ValueError(f"sync_period must be at least 1, got {self.sync_period}")
-        if not 0.0 <= self.full_fraction <= 1.0:
-            raise ValueError(f"full_fraction must be in [0, 1], got {self.full_fraction}")
-        if self.averaging not in LPP_AVERAGING:
-            raise ValueError(f"unknown lpp_averaging {self.averaging!r}; choose one of "
-                             f"{', '.join(LPP_AVERAGING)}")
-
-    def full_until(self, budget: int) -> int:
-        """T_st for a budget of T updates (LAP-SGD: the whole run)."""
-        return int(self.full_fraction * budget) if self.partial else budget
-
-    def sync_frequency(self, s: int, budget: int) -> int:
-        """K_j: updates between two averaging rounds once the counter reads s."""
-        return 1 if 2 * s < budget else self.sync_period
 
 
 def partition_blocks(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:

@@ -12,7 +12,8 @@ import logging
 import math
 import threading
 from collections.abc import Iterator
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,7 +26,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ripples.worker.strategies.base import SyncResult
+if TYPE_CHECKING:
+    from ripples.worker.strategies.base import SyncResult
 
 # `_created` series double every counter and histogram and are of no use to the dashboards.
 disable_created_metrics()
@@ -71,6 +73,36 @@ class _CacheCollector(Collector):
         yield from (hits, misses, cached)
 
 
+@dataclass(frozen=True)
+class MetricSpec:
+    """A metric a protocol exports besides the shared ones (hop's lead, gossip's dropped
+    exchanges, ...). Names follow the house conventions: `ripples_worker_<protocol>_...`,
+    base units; prometheus-client adds `_total` to counters."""
+
+    name: str
+    kind: Literal["gauge", "counter"]
+    documentation: str
+
+
+class ProtocolMetrics:
+    """Where a protocol declares its own metrics (a runtime's `metrics` class attribute),
+    labelled like every worker metric, so shared code needs no protocol branch."""
+
+    def __init__(self, registry: CollectorRegistry | None, labels: list[str]) -> None:
+        self.registry = registry
+        self.labels = labels or ["", "", ""]
+
+    def declare(self, *specs: MetricSpec) -> dict[str, Any]:
+        """The labelled metrics of `specs`, by name (registered when the worker exports
+        metrics; otherwise they count where nobody reads)."""
+        made: dict[str, Any] = {}
+        for spec in specs:
+            kind = Gauge if spec.kind == "gauge" else Counter
+            made[spec.name] = kind(spec.name, spec.documentation, LABELS,
+                                   registry=self.registry).labels(*self.labels)
+        return made
+
+
 class WorkerMetrics:
     """The worker's registry and HTTP endpoint. serve() first, then attach(), then observe."""
 
@@ -80,6 +112,11 @@ class WorkerMetrics:
         self._server: object | None = None
         self._thread: threading.Thread | None = None
         self._attached = False
+        self.labels: list[str] = []
+
+    def for_protocol(self) -> ProtocolMetrics:
+        """Where the run's protocol declares its own metrics (after attach())."""
+        return ProtocolMetrics(self.registry, self.labels)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint (port 0: a free one); returns the port."""
@@ -95,6 +132,7 @@ class WorkerMetrics:
     def attach(self, *, worker_id: int, host: str, protocol: str, cache: CacheCounts) -> None:
         """Create the labelled metrics once the worker knows its id."""
         values = [str(worker_id), host, protocol]
+        self.labels = values
         reg = self.registry
         self.iterations = Counter("ripples_worker_iterations", "Training iterations completed.",
                                   LABELS, registry=reg).labels(*values)
@@ -127,27 +165,6 @@ class WorkerMetrics:
         self.preduce_failures = Counter("ripples_worker_preduce_failures",
                                         "P-Reduces that failed (timeout, dead peer).",
                                         LABELS, registry=reg).labels(*values)
-        self.dropped_exchanges = Counter(
-            "ripples_worker_gossip_dropped_exchanges",
-            "Gossip: owed pairwise averagings dropped because the backlog was full "
-            "(exchanges finish slower than --rate-com asks).",
-            LABELS, registry=reg).labels(*values)
-        self.hop_lead = Gauge(
-            "ripples_worker_hop_lead_iterations",
-            "hop: iterations this worker is ahead of its slowest out-neighbour, from its "
-            "tokens (negative: behind all of them); at most max_ig.",
-            LABELS, registry=reg).labels(*values)
-        self.hop_queue_depth = Gauge("ripples_worker_hop_queue_depth",
-                                     "hop: updates held in the worker's update queue.",
-                                     LABELS, registry=reg).labels(*values)
-        self.hop_stale_updates = Counter(
-            "ripples_worker_hop_stale_updates",
-            "hop: received updates dropped as too old to be used.",
-            LABELS, registry=reg).labels(*values)
-        self.hop_iterations_skipped = Counter(
-            "ripples_worker_hop_iterations_skipped",
-            "hop: iterations a straggler skipped by jumping ahead.",
-            LABELS, registry=reg).labels(*values)
         reg.register(_CacheCollector(cache, values))
         self._attached = True
 
@@ -174,16 +191,6 @@ class WorkerMetrics:
         self.preduce_bytes.inc(result.preduce_bytes)
         if result.num_failed_groups:
             self.preduce_failures.inc(result.num_failed_groups)
-        if result.num_dropped_exchanges:
-            self.dropped_exchanges.inc(result.num_dropped_exchanges)
-        if result.hop_lead is not None:
-            self.hop_lead.set(result.hop_lead)
-        if result.hop_queue_depth is not None:
-            self.hop_queue_depth.set(result.hop_queue_depth)
-        if result.hop_stale_updates:
-            self.hop_stale_updates.inc(result.hop_stale_updates)
-        if result.hop_iterations_skipped:
-            self.hop_iterations_skipped.inc(result.hop_iterations_skipped)
 
     def close(self) -> None:
         if self._server is not None:

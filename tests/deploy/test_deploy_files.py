@@ -247,11 +247,13 @@ def exported_series() -> dict[str, str]:
     """Series name -> metric family, for every metric the coordinator and a worker register.
 
     Read from the real registries (a coordinator core with no workers, a worker's metrics
-    attached to an empty communicator cache), so the names cannot drift from the code.
+    attached to an empty communicator cache, with every protocol runtime's own metrics
+    declared), so the names cannot drift from the code.
     """
     from ripples.coordinator.config import RunSettings
     from ripples.coordinator.core import CoordinatorCore
     from ripples.coordinator.metrics import CoordinatorMetrics
+    from ripples.protocols import PROTOCOLS
     from ripples.worker.metrics import WorkerMetrics
 
     class EmptyCache:
@@ -263,6 +265,9 @@ def exported_series() -> dict[str, str]:
 
     worker = WorkerMetrics()
     worker.attach(worker_id=0, host="node", protocol="ripples-smart", cache=EmptyCache())
+    runtimes = {spec.runtime_class() for spec in PROTOCOLS.values()}
+    for runtime in runtimes:
+        worker.for_protocol().declare(*getattr(runtime, "metrics", ()))
     registries = [CoordinatorMetrics(CoordinatorCore(RunSettings(), now=time.monotonic()))
                   .registry, worker.registry]
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"],

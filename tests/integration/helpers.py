@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 @contextmanager
 def running_coordinator(**settings: object) -> Iterator[CoordinatorServer]:
     server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0,
-                                            run=RunSettings(**settings)))  # type: ignore[arg-type]
+                                            run=RunSettings.build(**settings)))
     server.start()
     try:
         yield server

@@ -29,10 +29,18 @@ def _wait_for_status(client: CoordinatorClient, done: Callable[[pb.RunStatus], b
 
 
 def _start_all(
-    client: CoordinatorClient, ids: list[int], planned: int = 100
-) -> list[pb.AwaitStartReply]:
+    client: CoordinatorClient, ids: list[int], planned: int = 100,
+    schemas: list[pb.TensorSchema | None] | None = None,
+) -> list[pb.Membership]:
+    """Every worker learns the membership, then declares itself ready; returns the
+    memberships once training started."""
+    def start(index: int) -> pb.Membership:
+        membership = client.await_members(ids[index], 10.0)
+        client.await_start(ids[index], planned, 10.0, schemas[index] if schemas else None)
+        return membership
+
     with ThreadPoolExecutor(len(ids)) as pool:
-        return list(pool.map(lambda w: client.await_start(w, planned, 10.0), ids))
+        return list(pool.map(start, range(len(ids))))
 
 
 def test_register_heartbeat_leave_and_status() -> None:
@@ -87,6 +95,72 @@ def test_await_start_times_out_with_a_message() -> None:
         with pytest.raises(CoordinatorCallError, match="1 of 3 workers registered") as err:
             client.await_start(wid, 10, 0.5)
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(CoordinatorCallError, match="1 of 3 workers registered") as err:
+            client.await_members(wid, 0.5)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        client.close()
+
+
+def test_await_members_gives_ranks_once_all_registered_then_ready_starts_the_run() -> None:
+    with running_coordinator(num_workers=2, protocol="ripples-smart", group_size=2) as server:
+        client = CoordinatorClient(server.address)
+        first = client.register("node1", 0, "cpu", 1).worker_id
+        with pytest.raises(CoordinatorCallError, match="1 of 2 workers registered") as err:
+            client.await_members(first, 0.3)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        second = client.register("node0", 0, "cpu", 2).worker_id
+        membership = client.await_members(first, 5.0)
+        assert membership.num_workers == 2 and membership.rank == 1  # node0 sorts first
+        assert not client.run_status().started  # ranks are final, the clock not yet
+        starts = _start_all(client, [first, second])
+        assert [m.rank for m in starts] == [1, 0]
+        assert client.run_status().started
+        client.close()
+
+
+def _tensor_schema(*shapes: tuple[int, ...]) -> pb.TensorSchema:
+    tensors = [pb.TensorSpec(name=f"param:{i}", shape=list(shape), dtype="float32")
+               for i, shape in enumerate(shapes)]
+    return pb.TensorSchema(tensors=tensors, digest=repr(shapes))
+
+
+def test_a_worker_with_other_tensors_is_refused_and_the_others_learn_why() -> None:
+    with running_coordinator(num_workers=2) as server:
+        client = CoordinatorClient(server.address)
+        a, b = _register(client, 2)
+        client.await_members(a, 5.0)
+        done: list[BaseException] = []
+
+        def first_ready() -> None:
+            try:
+                client.await_start(a, 10, 10.0, _tensor_schema((4, 2), (4,)))
+            except CoordinatorCallError as err:
+                done.append(err)
+
+        waiter = threading.Thread(target=first_ready)
+        waiter.start()
+        _wait_for_status(client, lambda s: any(w.worker_id == a for w in s.workers))
+        time.sleep(0.2)  # a is ready and waits
+        with pytest.raises(CoordinatorCallError, match=r"tensor 0 is 'param:0' float32 \[4, 3\]"
+                           ) as err:
+            client.await_start(b, 10, 10.0, _tensor_schema((4, 3), (4,)))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        client.leave(b, pb.Progress(), str(err.value))  # the refused worker fails
+        waiter.join(10.0)
+        assert done and "before training started" in str(done[0])
+        assert done[0].code == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+        client.close()
+
+
+def test_check_schema_compares_the_full_tensors_after_the_first_step() -> None:
+    with running_coordinator(num_workers=2) as server:
+        client = CoordinatorClient(server.address)
+        ids = _register(client, 2)
+        _start_all(client, ids, schemas=[_tensor_schema((4,))] * 2)
+        client.check_schema(ids[0], _tensor_schema((4,), (4,)))
+        with pytest.raises(CoordinatorCallError, match="lacks 1 tensor") as err:
+            client.check_schema(ids[1], _tensor_schema((4,)))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         client.close()
 
 

@@ -22,6 +22,7 @@ from ripples.worker.metrics import GROUP_SIZE_BUCKETS, ITERATION_BUCKETS, PREDUC
 
 pytestmark = pytest.mark.slow
 
+# Every worker's metrics; a protocol adds its own (hop's, gossip's), none for ripples-smart.
 WORKER_METRICS = {
     "ripples_worker_iterations": "counter",
     "ripples_worker_time_seconds": "counter",
@@ -31,11 +32,6 @@ WORKER_METRICS = {
     "ripples_worker_preduce_duration_seconds": "histogram",
     "ripples_worker_preduce_bytes": "counter",
     "ripples_worker_preduce_failures": "counter",
-    "ripples_worker_gossip_dropped_exchanges": "counter",
-    "ripples_worker_hop_lead_iterations": "gauge",
-    "ripples_worker_hop_queue_depth": "gauge",
-    "ripples_worker_hop_stale_updates": "counter",
-    "ripples_worker_hop_iterations_skipped": "counter",
     "ripples_worker_communicator_cache_hits": "counter",
     "ripples_worker_communicator_cache_misses": "counter",
     "ripples_worker_cached_communicators": "gauge",

@@ -30,8 +30,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ripples.coordinator.config import RunSettings
-from ripples.coordinator.core import CoordinatorCore, Deliveries, GroupDecision, Outcome, Progress
+from ripples.coordinator.core import (
+    CoordinatorCore,
+    CoordinatorError,
+    Deliveries,
+    GroupDecision,
+    Outcome,
+    Progress,
+)
 from ripples.coordinator.groups import GroupRecord, GroupState
+from ripples.coordinator.schema import Schema
 
 DT = 0.01  # simulated seconds per event
 PROGRESS_ROUNDS = 400  # bound on the fair phase
@@ -250,10 +258,10 @@ class Simulation:
 def _settings(policy: str, num_workers: int, workers_per_node: int, group_size: int,
               c_thres: int, inter_intra: bool, seed: int,
               max_comms_per_worker: int = 64) -> RunSettings:
-    return RunSettings(protocol=f"ripples-{policy}", num_workers=num_workers,
-                       workers_per_node=workers_per_node, group_size=group_size,
-                       c_thres=c_thres, inter_intra=inter_intra, seed=seed, iterations=10**6,
-                       max_comms_per_worker=max_comms_per_worker)
+    return RunSettings.build(protocol=f"ripples-{policy}", num_workers=num_workers,
+                             workers_per_node=workers_per_node, group_size=group_size,
+                             c_thres=c_thres, inter_intra=inter_intra, seed=seed,
+                             iterations=10**6, max_comms_per_worker=max_comms_per_worker)
 
 
 run_st = st.builds(
@@ -385,7 +393,7 @@ def test_departure_cancels_a_pending_group_and_tells_its_waiting_member() -> Non
     sim.expire(w2)
     assert w0.mode == "compute" and w1.mode == "compute"  # told CANCELLED, back to work
     assert ("reply", 0, "cancelled", None, None, False) in sim.trace
-    assert sim.core.num_cancelled >= 1 and sim.core.num_lease_expirations == 1
+    assert sim.core.groups.num_cancelled >= 1 and sim.core.num_lease_expirations == 1
     sim.fair_phase()
 
 
@@ -463,3 +471,77 @@ def test_progress_sent_with_sync_requests_records_the_target_without_heartbeats(
     assert core.iterations_to_target == pytest.approx(12.0)
     assert core.loss_curve[-1] == pytest.approx((0.12, 0.45, 12.0))
     assert core.workers[ids[0]].progress.iteration == 16
+
+
+def _registered(run: RunSettings, hosts: Sequence[str]) -> tuple[CoordinatorCore, list[int]]:
+    core = CoordinatorCore(run, now=0.0)
+    ids = [core.register(host, sum(h == host for h in hosts[:i]), "cpu", i, 0.0)
+           for i, host in enumerate(hosts)]
+    return core, ids
+
+
+@pytest.mark.parametrize(("options", "pairs"), [
+    ({"protocol": "allreduce"}, {(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)}),
+    ({"protocol": "hop", "topology": "ring"}, {(0, 1), (1, 2), (2, 3), (0, 3)}),
+    ({"protocol": "lpp-sgd"}, {(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)}),
+    # The static schedule on 2 nodes of 2: intra-node pairs and the cross-node pairings.
+    ({"protocol": "ripples-static", "workers_per_node": 2},
+     {(0, 1), (2, 3), (0, 2), (0, 3), (1, 2), (1, 3)}),
+])
+def test_the_coordinator_lists_the_edges_a_protocol_always_uses(
+        options: dict[str, object], pairs: set[tuple[int, int]]) -> None:
+    core, _ = _registered(RunSettings.build(num_workers=4, iterations=10, **options),
+                          ["node0", "node0", "node1", "node1"])
+    assert core.membership_formed and not core.stopped
+    assert set(core.graph.edges) <= pairs and core.graph.edges_always_used
+    if options["protocol"] != "ripples-static":
+        assert set(core.graph.edges) == pairs
+
+
+def test_group_protocols_draw_only_the_groups_they_form() -> None:
+    core, _ = _registered(RunSettings(protocol="ripples-smart", num_workers=3, iterations=10),
+                          ["a", "a", "b"])
+    assert not core.graph.edges_always_used
+
+
+def test_ranks_are_fixed_when_the_last_worker_registers_and_the_clock_at_ready() -> None:
+    core, ids = _registered(RunSettings(num_workers=3, iterations=10), ["node10", "node2", "node2"])
+    assert core.membership_formed and core.started_at is None
+    # Nodes by host name in natural order: node2 (two workers) before node10.
+    assert [core.workers[w].rank for w in ids] == [2, 0, 1]
+    with pytest.raises(CoordinatorError, match="already has its 3 workers"):
+        core.register("node3", 0, "cpu", 9, 0.0)
+    assert not core.mark_ready(ids[0], 10, 1.0)
+    assert not core.mark_ready(ids[1], 10, 2.0)
+    assert core.mark_ready(ids[2], 10, 3.0) and core.started_at == 3.0
+
+
+def _schema(*tensors: tuple[str, tuple[int, ...], str]) -> Schema:
+    return Schema(tensors=tensors, digest=repr(tensors))
+
+
+def test_a_worker_averaging_other_tensors_is_refused_naming_the_first_difference() -> None:
+    core, ids = _registered(RunSettings(num_workers=3, iterations=10), ["a", "a", "a"])
+    good = _schema(("param:0.weight", (8, 4), "float32"), ("param:0.bias", (8,), "float32"))
+    core.mark_ready(ids[0], 10, 0.0, good)
+    core.mark_ready(ids[1], 10, 0.0, good)
+    bad = _schema(("param:0.weight", (8, 5), "float32"), ("param:0.bias", (8,), "float32"))
+    with pytest.raises(CoordinatorError, match=r"tensor 0 is 'param:0.weight' float32 \[8, 5\] "
+                                               r"here but 'param:0.weight' float32 \[8, 4\]"):
+        core.mark_ready(ids[2], 10, 0.0, bad)
+    assert core.started_at is None
+    core.check_schema(ids[2], good)  # after the first step: the reference of that stage
+    short = _schema(("param:0.weight", (8, 4), "float32"))
+    with pytest.raises(CoordinatorError, match="lacks 1 tensor"):
+        core.check_schema(ids[1], short)
+    # The refused worker leaves with its error: the run can never start, so it stops.
+    core.leave(ids[2], None, "schema refused", 1.0)
+    assert core.stopped and "before training started" in core.stop_reason
+
+
+def test_a_member_lost_before_the_start_stops_the_run_with_its_reason() -> None:
+    core, ids = _registered(RunSettings(num_workers=2, iterations=10, lease_seconds=5),
+                            ["a", "a"])
+    core.mark_ready(ids[0], 10, 0.0)
+    core.expire_leases(6.0)
+    assert core.stopped and "lease expired" in core.stop_reason

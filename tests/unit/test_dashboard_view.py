@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ripples.dashboard.view import EDGE_MEMORY_SECONDS, RunView, disconnected
-from ripples.static_schedule import static_groups
 from ripples.v1 import coordinator_pb2 as pb
 
 
@@ -59,17 +58,15 @@ def test_edges_are_pairs_that_averaged_lately_and_fade_out() -> None:
     assert gone["edges"] == []
 
 
-def test_lockstep_protocols_show_their_fixed_topology() -> None:
-    # hop on the complete graph and lpp-sgd averaging over all workers: every pair, always
-    for protocol in ("allreduce", "hop", "lpp-sgd"):
-        view = RunView().update(_status({0: 1, 1: 1, 2: 1}, protocol=protocol), now=0.0)
-        assert {(e["a"], e["b"]) for e in view["edges"]} == {(0, 1), (0, 2), (1, 2)}
-        assert all(e["weight"] == 1.0 for e in view["edges"])
-    static = RunView().update(_status({0: 1, 1: 1, 2: 1, 3: 1}, protocol="ripples-static"),
-                              now=0.0)
-    expected = {(a, b) for it in range(16) for g in static_groups(it, 2, 2)
-                for a in g for b in g if a < b}
-    assert {(e["a"], e["b"]) for e in static["edges"]} == expected
+def test_edges_the_protocol_always_uses_are_drawn_at_full_weight() -> None:
+    # The coordinator lists them (every pair for lock-step protocols, the static
+    # schedule's pairs, hop's graph) and says they are always in use: no group history.
+    status = _status({0: 1, 1: 1, 2: 1}, protocol="allreduce")
+    status.topology_edges.extend(pb.TopologyEdge(a=a, b=b) for a, b in [(0, 1), (0, 2), (1, 2)])
+    status.edges_always_used = True
+    view = RunView().update(status, now=0.0)
+    assert {(e["a"], e["b"]) for e in view["edges"]} == {(0, 1), (0, 2), (1, 2)}
+    assert all(e["weight"] == 1.0 for e in view["edges"])
 
 
 def test_a_new_run_on_the_same_dashboard_starts_a_fresh_history() -> None:
@@ -116,4 +113,5 @@ def test_a_sparse_topology_shows_every_edge_brightest_where_pairs_averaged() -> 
     # hop exchanges with every graph neighbour each iteration: every edge at full weight.
     hop = _status({0: 1, 1: 1, 2: 1, 3: 1}, protocol="hop")
     hop.topology_edges.extend(status.topology_edges)
+    hop.edges_always_used = True
     assert {e["weight"] for e in RunView().update(hop, now=0.0)["edges"]} == {1.0}

@@ -173,8 +173,8 @@ def test_fifo_pairing_offers_and_withdrawals() -> None:
 
 
 def _started(protocol: str, n: int = 4, **fields: object) -> CoordinatorCore:
-    core = CoordinatorCore(RunSettings(protocol=protocol, num_workers=n, iterations=10**6,
-                                       **fields), now=0.0)  # type: ignore[arg-type]
+    core = CoordinatorCore(RunSettings.build(protocol=protocol, num_workers=n,
+                                             iterations=10**6, **fields), now=0.0)
     ids = [core.register("node0", r, "cpu", 100 + r, 0.0) for r in range(n)]
     for wid in ids:
         core.mark_ready(wid, 10**6, 0.0)
@@ -199,7 +199,7 @@ def test_a2cid2_wait_ends_with_retry_and_a_worker_without_live_neighbours_is_tol
     core = _started("a2cid2", topology="ring")
     assert core.request_group(0, 1, 0.1)[0] is None
     assert core.abandon_wait(0, 5.0).outcome is Outcome.RETRY
-    assert core.pairing is not None and 0 not in core.pairing
+    assert core.groups.pairing is not None and 0 not in core.groups.pairing
     core.leave(1, None, "", 5.1)
     core.leave(3, None, "", 5.2)
     decision, _ = core.request_group(0, 2, 5.3)
@@ -220,7 +220,7 @@ def test_adpsgd_listener_is_served_as_soon_as_a_neighbour_picks_it() -> None:
 
 def test_adpsgd_bipartite_passive_workers_only_listen() -> None:
     core = _started("adpsgd", topology="ring", adpsgd_mode="bipartite")
-    assert core.passive == frozenset({1, 3})
+    assert core.graph.passive == frozenset({1, 3})
     with pytest.raises(CoordinatorError, match="passive"):
         core.request_group(1, 1, 0.1)
     with pytest.raises(CoordinatorError, match="listen requests belong to adpsgd"):
@@ -245,8 +245,8 @@ def test_consensus_distance_is_estimated_from_pair_distances() -> None:
 def test_topology_reaches_the_group_generator_and_the_views() -> None:
     core = _started("ripples-random", n=6, topology="ring", group_size=2)
     assert core.neighbours_of(0) == (1, 5)
-    assert core.edges == [(0, 1), (0, 5), (1, 2), (2, 3), (3, 4), (4, 5)]
-    assert core.spectral_gap == pytest.approx(build_topology("ring", 6).spectral_gap())
+    assert core.graph.edges == [(0, 1), (0, 5), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert core.graph.spectral_gap == pytest.approx(build_topology("ring", 6).spectral_gap())
     for it in range(1, 30):
         decision, _ = core.request_group(0, it, 0.1 * it)
         if decision is None:
@@ -274,7 +274,7 @@ class GossipSimulation(Simulation):
             super().act(w, fail_group=fail_group)
             return
         listen = self.listen_bits[self.num_requests % len(self.listen_bits)] \
-            and w.worker_id not in self.core.passive or w.worker_id in self.core.passive
+            and w.worker_id not in self.core.graph.passive or w.worker_id in self.core.graph.passive
         self.num_requests += 1
         if not listen:
             super().act(w, fail_group=fail_group)
@@ -303,8 +303,8 @@ class GossipSimulation(Simulation):
                 continue
             head = self.core.table.head(w.worker_id)
             record = self.core.workers[w.worker_id]
-            if self.core.pairing is not None:
-                assert w.worker_id in self.core.pairing and head is None
+            if self.core.groups.pairing is not None:
+                assert w.worker_id in self.core.groups.pairing and head is None
             elif head is None:
                 assert record.listening, f"worker {w.worker_id} waits on nothing"
             else:
@@ -321,10 +321,10 @@ class GossipSimulation(Simulation):
 
 
 gossip_run_st = st.builds(
-    lambda protocol, n, topology, seed: RunSettings(
+    lambda protocol, n, topology, seed: RunSettings.build(
         protocol=protocol, num_workers=n, topology=topology, seed=seed, iterations=10**6,
         adpsgd_mode="bipartite" if protocol == "adpsgd-bipartite" else "serialised")
-    if protocol != "adpsgd-bipartite" else RunSettings(
+    if protocol != "adpsgd-bipartite" else RunSettings.build(
         protocol="adpsgd", num_workers=2 * (n // 2) + 2, topology="ring", seed=seed,
         iterations=10**6, adpsgd_mode="bipartite"),
     protocol=st.sampled_from(["adpsgd", "a2cid2", "adpsgd-bipartite"]),
@@ -343,7 +343,7 @@ def test_gossip_pairs_join_neighbours_once_at_a_time_and_never_deadlock(
     sim.random_phase(choices, allow_departures=True)
     if sim.core.stopped:
         return
-    if run.protocol == "a2cid2" or sim.core.passive:
+    if run.protocol == "a2cid2" or sim.core.graph.passive:
         sim.listen_bits = [False]
     sim.fair_phase()
 

@@ -14,15 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ripples.coordinator.topology import build_topology
-from ripples.worker.hop import (
-    CreditMsg,
-    HopProtocolError,
-    HopSettings,
-    HopWorker,
-    UpdateMsg,
-    check_iteration_gaps,
-    graph_distances,
-)
+from ripples.protocols.hop import HopSettings, check_iteration_gaps, graph_distances
+from ripples.worker.hop import CreditMsg, HopProtocolError, HopWorker, UpdateMsg
 
 
 def _pair(mode: str = "standard", **kw: int) -> tuple[HopWorker[float], HopWorker[float]]:

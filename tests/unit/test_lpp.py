@@ -8,8 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ripples.coordinator.config import RunSettings
+from ripples.protocols import Coordination, Role
+from ripples.protocols.lpp import LppSettings
 from ripples.worker.flat_params import FlatParameters, bind_parameters
-from ripples.worker.lpp import FULL_MODEL, BlockSelection, LppSettings, partition_blocks
+from ripples.worker.lpp import FULL_MODEL, BlockSelection, partition_blocks
 from ripples.worker.tasks import TaskOptions, build_task
 
 
@@ -53,9 +55,8 @@ def test_block_selection_is_full_until_t_st_then_alternates_per_updater() -> Non
     assert [rule.select(s) for s in range(6)] == [FULL_MODEL] * 6
     # After T_st the updater's own steps alternate, whatever counter values it draws.
     assert [rule.select(s) for s in (6, 9, 10, 17, 30)] == [2, FULL_MODEL, 2, FULL_MODEL, 2]
-    lap = LppSettings(partial=False)
-    assert lap.full_until(1000) == 1000  # LAP-SGD: the full model throughout
-    assert LppSettings(partial=True, full_fraction=0.1).full_until(1000) == 100
+    assert LppSettings().full_until(1000, partial=False) == 1000  # LAP-SGD: the full model
+    assert LppSettings(full_fraction=0.1).full_until(1000, partial=True) == 100
 
 
 def test_sync_frequency_is_every_update_until_half_the_budget_then_h() -> None:
@@ -72,16 +73,16 @@ def test_sync_frequency_is_every_update_until_half_the_budget_then_h() -> None:
 ])
 def test_run_settings_name_what_is_wrong(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        RunSettings(protocol="lpp-sgd", **change)
+        RunSettings.build(protocol="lpp-sgd", **change)
 
 
 def test_averaging_in_groups_makes_the_coordinator_generate_groups() -> None:
-    assert RunSettings(protocol="lap-sgd").is_lockstep
-    grouped = RunSettings(protocol="lpp-sgd", lpp_averaging="ripples-smart")
-    assert not grouped.is_lockstep and grouped.policy_name == "smart"
-    assert not grouped.needs_every_worker
-    assert RunSettings(protocol="lpp-sgd", lpp_averaging="ripples-random",
-                       topology="ring").policy_name == "random"
+    assert RunSettings(protocol="lap-sgd").role == Role(Coordination.LOCKSTEP)
+    grouped = RunSettings.build(protocol="lpp-sgd", lpp_averaging="ripples-smart")
+    assert grouped.role == Role(Coordination.GROUPS, "smart")
+    assert not grouped.role.needs_every_worker
+    assert RunSettings.build(protocol="lpp-sgd", lpp_averaging="ripples-random",
+                             topology="ring").role.policy == "random"
     with pytest.raises(ValueError, match="takes no topology"):
         RunSettings(protocol="lap-sgd", topology="ring")
 

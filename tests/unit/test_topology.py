@@ -126,9 +126,10 @@ def test_run_settings_refuse_topologies_that_cannot_work() -> None:
     with pytest.raises(ValueError, match="takes no topology"):
         RunSettings(protocol="allreduce", topology="ring")
     with pytest.raises(ValueError, match="odd cycle"):
-        RunSettings(protocol="adpsgd", adpsgd_mode="bipartite", topology="ring", num_workers=5)
+        RunSettings.build(protocol="adpsgd", adpsgd_mode="bipartite", topology="ring",
+                          num_workers=5)
     with pytest.raises(ValueError, match="rate_com"):
-        RunSettings(protocol="a2cid2", rate_com=0)
+        RunSettings.build(protocol="a2cid2", rate_com=0)
     with pytest.raises(ValueError, match="needs topology_file"):
         RunSettings(protocol="a2cid2", topology="file")
-    RunSettings(protocol="adpsgd", adpsgd_mode="bipartite", topology="ring", num_workers=6)
+    RunSettings.build(protocol="adpsgd", adpsgd_mode="bipartite", topology="ring", num_workers=6)

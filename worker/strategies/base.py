@@ -18,10 +18,10 @@ from ripples.worker.client import CoordinatorClient
 from ripples.worker.communicators import Communicator, CommunicatorCache
 from ripples.worker.flat_params import FlatParameters
 from ripples.worker.group_stream import GroupStream
+from ripples.worker.metrics import MetricSpec, ProtocolMetrics, WorkerMetrics
 
 if TYPE_CHECKING:
     from ripples.worker.loop import ShardSampler, WorkerStats
-    from ripples.worker.metrics import WorkerMetrics
     from ripples.worker.slowdown import Slowdown
     from ripples.worker.tasks import Task, TaskOptions
 
@@ -37,7 +37,7 @@ class SyncContext:
     rank: int
     num_workers: int
     config: pb.RunConfig
-    start: pb.AwaitStartReply
+    start: pb.Membership
     model: torch.nn.Module
     params: FlatParameters
     comms: CommunicatorCache
@@ -46,6 +46,7 @@ class SyncContext:
     stop_requested: threading.Event  # raised by the heartbeat when the coordinator stops the run
     progress: Callable[[], pb.Progress]  # this worker's progress, sent along with sync RPCs
     optimizer: torch.optim.Optimizer
+    metrics: ProtocolMetrics  # where a protocol declares metrics of its own
 
 
 @dataclass(kw_only=True)
@@ -59,11 +60,6 @@ class SyncResult:
     preduce_durations: tuple[float, ...] = ()  # one per collective, seconds
     preduce_bytes: int = 0  # bytes this worker fed into the collectives
     num_failed_groups: int = 0
-    num_dropped_exchanges: int = 0  # gossip: owed averagings dropped at the backlog cap
-    hop_lead: int | None = None  # hop: iterations ahead of the slowest out-neighbour
-    hop_queue_depth: int | None = None  # hop: updates held in the update queue
-    hop_stale_updates: int = 0  # hop: updates dropped as too old since the last result
-    hop_iterations_skipped: int = 0  # hop: iterations skipped by jumps since the last result
     inside_step: bool = False  # the sync ran inside the gradient step (DDP's backward)
     stop: bool = False
     stop_reason: str = ""
@@ -102,6 +98,9 @@ class SyncStrategy(abc.ABC):
     """
 
     name: str = ""
+    metrics: tuple[MetricSpec, ...] = ()
+    """The metrics this protocol exports besides the shared ones (declared in __init__
+    with ctx.metrics.declare)."""
 
     def __init__(self, ctx: SyncContext) -> None:
         self.ctx = ctx

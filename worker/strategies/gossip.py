@@ -24,9 +24,11 @@ import time
 
 import torch
 
+from ripples.protocols import GossipSettings, role_of_config
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.communicators import Communicator
 from ripples.worker.gossip import GossipState, MomentumParameters, StepCredit, exchange_delta
+from ripples.worker.metrics import MetricSpec
 from ripples.worker.strategies.base import (
     SyncContext,
     SyncResult,
@@ -48,28 +50,37 @@ busy drops the excess (counted) instead of averaging in a burst later."""
 JOIN_SECONDS = 30.0
 
 
+DROPPED_METRIC = MetricSpec(
+    "ripples_worker_gossip_dropped_exchanges", "counter",
+    "Gossip: owed pairwise averagings dropped because the backlog was full (exchanges "
+    "finish slower than --rate-com asks).")
+
+
 class GossipStrategy(SyncStrategy):
     """Runs the communication thread and applies its results at step boundaries."""
 
     name = "gossip"
+    metrics = (DROPPED_METRIC,)
 
     def __init__(self, ctx: SyncContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        self.pairing = cfg.protocol  # adpsgd | a2cid2
+        settings = GossipSettings.of_config(cfg)
+        self.pairing = role_of_config(cfg).policy  # adpsgd | a2cid2
         if self.pairing not in ("adpsgd", "a2cid2"):
             raise ValueError(f"GossipStrategy does not run protocol {cfg.protocol!r}")
         constants = ctx.start.gossip
         momentum = MomentumParameters(eta=constants.eta, alpha_tilde=constants.alpha_tilde) \
-            if self.pairing == "a2cid2" and cfg.momentum else MomentumParameters()
+            if self.pairing == "a2cid2" and settings.momentum else MomentumParameters()
         self.passive = constants.passive
         self.timeout = cfg.collective_timeout_seconds
         self.state = GossipState(ctx.params.flat, momentum)
         self._mine = torch.empty_like(ctx.params.flat)  # this side of an exchange
-        self.credit = StepCredit(cfg.rate_com, torch.Generator().manual_seed(
+        self.credit = StepCredit(settings.rate_com, torch.Generator().manual_seed(
             cfg.seed * 1000 + ctx.rank + 17), poisson=self.pairing == "a2cid2")
-        self.max_backlog = max(2, MAX_BACKLOG_STEPS * math.ceil(cfg.rate_com))
+        self.max_backlog = max(2, MAX_BACKLOG_STEPS * math.ceil(settings.rate_com))
         self.num_dropped = 0  # owed averagings dropped at the backlog cap
+        self.dropped_metric = ctx.metrics.declare(*self.metrics)[DROPPED_METRIC.name]
         self.step_seconds = 0.0  # A2CiD2's delta: running estimate of one step's duration
         self._last_boundary = time.perf_counter()
         # Shared with the communication thread, under _cond.
@@ -116,13 +127,15 @@ class GossipStrategy(SyncStrategy):
             self._owed = min(total, self.max_backlog)
             dropped = total - self._owed
             self.num_dropped += dropped
+            if dropped:
+                self.dropped_metric.inc(dropped)
             finished, self._finished = self._finished, []
             failed, self._num_failed = self._num_failed, 0
             self._cond.notify_all()
         boundary = time.perf_counter() - t0
         return SyncResult(
             preduce_seconds=boundary, num_groups=len(finished) + failed,
-            num_failed_groups=failed, num_dropped_exchanges=dropped,
+            num_failed_groups=failed,
             group_sizes=(2,) * len(finished),
             preduce_durations=tuple(finished),
             preduce_bytes=len(finished) * self.ctx.params.size_bytes)

@@ -24,8 +24,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ripples.protocols.hop import HopSettings
 from ripples.worker.communicators import Communicator
-from ripples.worker.hop import CreditMsg, HopSettings, HopWorker, UpdateMsg
+from ripples.worker.hop import CreditMsg, HopWorker, UpdateMsg
+from ripples.worker.metrics import MetricSpec
 from ripples.worker.strategies.base import (
     SyncContext,
     SyncResult,
@@ -59,11 +61,22 @@ class _Link:
 
 class HopStrategy(SyncStrategy):
     name = "hop"
+    metrics = (
+        MetricSpec("ripples_worker_hop_lead_iterations", "gauge",
+                   "hop: iterations this worker is ahead of its slowest out-neighbour, from "
+                   "its tokens (negative: behind all of them); at most max_ig."),
+        MetricSpec("ripples_worker_hop_queue_depth", "gauge",
+                   "hop: updates held in the worker's update queue."),
+        MetricSpec("ripples_worker_hop_stale_updates", "counter",
+                   "hop: received updates dropped as too old to be used."),
+        MetricSpec("ripples_worker_hop_iterations_skipped", "counter",
+                   "hop: iterations a straggler skipped by jumping ahead."),
+    )
 
     def __init__(self, ctx: SyncContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        self.settings = HopSettings.of_run(cfg)
+        self.settings = HopSettings.of_config(cfg)
         neighbours = tuple(sorted(ctx.start.neighbours))
         self.me = ctx.worker_id
         self.timeout = cfg.collective_timeout_seconds
@@ -79,6 +92,7 @@ class HopStrategy(SyncStrategy):
         self._snapshot: torch.Tensor | None = None
         self._reported_stale = 0
         self._reported_skipped = 0
+        self._metrics = ctx.metrics.declare(*self.metrics)
         # (time.monotonic(), iteration) at every advance: one clock for every process of
         # a host, stamped before the credits that let others move on are sent.
         self._timeline: list[tuple[float, int]] = []
@@ -240,19 +254,20 @@ class HopStrategy(SyncStrategy):
                     renewed = self.engine.recv(flat.detach().clone())
                     with torch.no_grad():
                         flat.copy_(renewed.reduce())
-                self._observe(result)
+                self._observe()
         except _Stopped:
             return SyncResult(stop=True, stop_reason="stopped by the coordinator")
         self._snapshot = None
         return result
 
-    def _observe(self, result: SyncResult) -> None:
+    def _observe(self) -> None:
         """The engine's state for the metrics (caller holds _cond)."""
-        e = self.engine
-        result.hop_lead = -e.lag()
-        result.hop_queue_depth = e.queue_depth()
-        result.hop_stale_updates = e.num_stale_dropped - self._reported_stale
-        result.hop_iterations_skipped = e.iterations_skipped - self._reported_skipped
+        e, m = self.engine, self._metrics
+        m["ripples_worker_hop_lead_iterations"].set(-e.lag())
+        m["ripples_worker_hop_queue_depth"].set(e.queue_depth())
+        m["ripples_worker_hop_stale_updates"].inc(e.num_stale_dropped - self._reported_stale)
+        m["ripples_worker_hop_iterations_skipped"].inc(
+            e.iterations_skipped - self._reported_skipped)
         self._reported_stale, self._reported_skipped = e.num_stale_dropped, e.iterations_skipped
 
     def record(self) -> dict[str, object]:

@@ -32,9 +32,10 @@ from multiprocessing.process import BaseProcess
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
+from ripples.protocols.lpp import LppSettings
 from ripples.worker.communicators import Communicator
 from ripples.worker.loop import WorkerStats
-from ripples.worker.lpp import LppSettings, partition_blocks
+from ripples.worker.lpp import partition_blocks
 from ripples.worker.lpp_updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
 from ripples.worker.preduce import DeltaAverager
 from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy, TrainingJob
@@ -79,8 +80,9 @@ class LppStrategy(SyncStrategy):
     def __init__(self, ctx: SyncContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        self.settings = LppSettings.of_run(cfg)
+        self.settings = LppSettings.of_config(cfg)
         self.settings.validate()
+        self.partial = cfg.protocol == "lpp-sgd"  # partial backpropagation (LPP-SGD)
         self.timeout = cfg.collective_timeout_seconds
         flat = ctx.params.flat
         if flat.device.type == "cpu":
@@ -92,7 +94,7 @@ class LppStrategy(SyncStrategy):
         sizes = [p.numel() for p in ctx.model.parameters()]
         # LAP-SGD never updates a block alone: any number of updaters may share a model.
         self.blocks = (tuple(partition_blocks(sizes, self.settings.updaters))
-                       if self.settings.partial else ((0, len(sizes)),) * self.settings.updaters)
+                       if self.partial else ((0, len(sizes)),) * self.settings.updaters)
         self.averager = DeltaAverager(flat)
         self.groups: _GroupAverager | None = None
         self.comm: Communicator | None = None
@@ -203,7 +205,7 @@ class LppStrategy(SyncStrategy):
 
     def _start_updaters(self, job: TrainingJob, budget: int, shared: SharedState) -> None:
         u, cfg = self.settings.updaters, self.ctx.config
-        self._full_until = self.settings.full_until(budget)
+        self._full_until = self.settings.full_until(budget, partial=self.partial)
         for index in range(u):
             updater = UpdaterJob(
                 index=index, task=job.task_spec, options=job.task_options, rank=self.ctx.rank,
@@ -215,7 +217,7 @@ class LppStrategy(SyncStrategy):
             proc.start()
             self._processes.append(proc)
         logger.info("worker %d started %d updaters (%s, averaging %s)", self.ctx.worker_id, u,
-                    "lpp-sgd" if self.settings.partial else "lap-sgd", self.settings.averaging)
+                    "lpp-sgd" if self.partial else "lap-sgd", self.settings.averaging)
 
     def _start_together(self, shared: SharedState) -> str:
         """Wait until this worker's updaters are built (they import torch and build the

@@ -53,13 +53,12 @@ WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "group_size", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "rate_com", "momentum", "adpsgd_mode", "hop_mode", "max_ig", "backup_workers", "staleness", "max_jump", "skip_threshold", "updaters", "lpp_averaging", "sync_period", "full_fraction")
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
-    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     TARGET_LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -72,25 +71,15 @@ class RunConfig(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
-    RATE_COM_FIELD_NUMBER: _ClassVar[int]
-    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
-    ADPSGD_MODE_FIELD_NUMBER: _ClassVar[int]
-    HOP_MODE_FIELD_NUMBER: _ClassVar[int]
-    MAX_IG_FIELD_NUMBER: _ClassVar[int]
-    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
-    STALENESS_FIELD_NUMBER: _ClassVar[int]
-    MAX_JUMP_FIELD_NUMBER: _ClassVar[int]
-    SKIP_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
-    UPDATERS_FIELD_NUMBER: _ClassVar[int]
-    LPP_AVERAGING_FIELD_NUMBER: _ClassVar[int]
-    SYNC_PERIOD_FIELD_NUMBER: _ClassVar[int]
-    FULL_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_GENERATOR_FIELD_NUMBER: _ClassVar[int]
+    GOSSIP_FIELD_NUMBER: _ClassVar[int]
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    LPP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol: str
     task: str
     num_workers: int
     workers_per_node: int
-    group_size: int
     iterations: int
     epochs: float
     target_loss: float
@@ -103,20 +92,59 @@ class RunConfig(_message.Message):
     learning_rate: float
     average_optimizer_state: bool
     topology: str
+    group_generator: GroupGeneratorSettings
+    gossip: GossipSettings
+    hop: HopSettings
+    lpp: LppSettings
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., group_generator: _Optional[_Union[GroupGeneratorSettings, _Mapping]] = ..., gossip: _Optional[_Union[GossipSettings, _Mapping]] = ..., hop: _Optional[_Union[HopSettings, _Mapping]] = ..., lpp: _Optional[_Union[LppSettings, _Mapping]] = ...) -> None: ...
+
+class GroupGeneratorSettings(_message.Message):
+    __slots__ = ("group_size", "c_thres", "inter_intra")
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    C_THRES_FIELD_NUMBER: _ClassVar[int]
+    INTER_INTRA_FIELD_NUMBER: _ClassVar[int]
+    group_size: int
+    c_thres: int
+    inter_intra: bool
+    def __init__(self, group_size: _Optional[int] = ..., c_thres: _Optional[int] = ..., inter_intra: _Optional[bool] = ...) -> None: ...
+
+class GossipSettings(_message.Message):
+    __slots__ = ("rate_com", "momentum", "adpsgd_mode")
+    RATE_COM_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    ADPSGD_MODE_FIELD_NUMBER: _ClassVar[int]
     rate_com: float
     momentum: bool
     adpsgd_mode: str
-    hop_mode: str
+    def __init__(self, rate_com: _Optional[float] = ..., momentum: _Optional[bool] = ..., adpsgd_mode: _Optional[str] = ...) -> None: ...
+
+class HopSettings(_message.Message):
+    __slots__ = ("mode", "max_ig", "backup_workers", "staleness", "max_jump", "skip_threshold")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IG_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_JUMP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    mode: str
     max_ig: int
     backup_workers: int
     staleness: int
     max_jump: int
     skip_threshold: int
+    def __init__(self, mode: _Optional[str] = ..., max_ig: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., max_jump: _Optional[int] = ..., skip_threshold: _Optional[int] = ...) -> None: ...
+
+class LppSettings(_message.Message):
+    __slots__ = ("updaters", "averaging", "sync_period", "full_fraction")
+    UPDATERS_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    SYNC_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    FULL_FRACTION_FIELD_NUMBER: _ClassVar[int]
     updaters: int
-    lpp_averaging: str
+    averaging: str
     sync_period: int
     full_fraction: float
-    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., group_size: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., rate_com: _Optional[float] = ..., momentum: _Optional[bool] = ..., adpsgd_mode: _Optional[str] = ..., hop_mode: _Optional[str] = ..., max_ig: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness: _Optional[int] = ..., max_jump: _Optional[int] = ..., skip_threshold: _Optional[int] = ..., updaters: _Optional[int] = ..., lpp_averaging: _Optional[str] = ..., sync_period: _Optional[int] = ..., full_fraction: _Optional[float] = ...) -> None: ...
+    def __init__(self, updaters: _Optional[int] = ..., averaging: _Optional[str] = ..., sync_period: _Optional[int] = ..., full_fraction: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("host", "local_rank", "device", "pid", "metrics_port", "metrics_host")
@@ -173,12 +201,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "stop_reason")
+    __slots__ = ("stop", "stop_reason", "mean_iterations")
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     stop_reason: str
-    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    mean_iterations: float
+    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "progress", "error")
@@ -194,17 +224,63 @@ class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AwaitMembersRequest(_message.Message):
+    __slots__ = ("worker_id", "timeout_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    timeout_seconds: float
+    def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class TensorSchema(_message.Message):
+    __slots__ = ("tensors", "digest")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    digest: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., digest: _Optional[str] = ...) -> None: ...
+
 class AwaitStartRequest(_message.Message):
-    __slots__ = ("worker_id", "timeout_seconds", "planned_iterations")
+    __slots__ = ("worker_id", "timeout_seconds", "planned_iterations", "schema")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     timeout_seconds: float
     planned_iterations: int
-    def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ...) -> None: ...
+    schema: TensorSchema
+    def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ..., schema: _Optional[_Union[TensorSchema, _Mapping]] = ...) -> None: ...
 
 class AwaitStartReply(_message.Message):
+    __slots__ = ("elapsed_seconds",)
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    elapsed_seconds: float
+    def __init__(self, elapsed_seconds: _Optional[float] = ...) -> None: ...
+
+class CheckSchemaRequest(_message.Message):
+    __slots__ = ("worker_id", "schema")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    schema: TensorSchema
+    def __init__(self, worker_id: _Optional[int] = ..., schema: _Optional[_Union[TensorSchema, _Mapping]] = ...) -> None: ...
+
+class CheckSchemaReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Membership(_message.Message):
     __slots__ = ("num_workers", "ranks", "rank", "num_nodes", "neighbours", "spectral_gap", "gossip")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -397,7 +473,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance")
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -423,6 +499,7 @@ class RunStatus(_message.Message):
     TOPOLOGY_EDGES_FIELD_NUMBER: _ClassVar[int]
     SPECTRAL_GAP_FIELD_NUMBER: _ClassVar[int]
     CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    EDGES_ALWAYS_USED_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     elapsed_seconds: float
@@ -448,7 +525,8 @@ class RunStatus(_message.Message):
     topology_edges: _containers.RepeatedCompositeFieldContainer[TopologyEdge]
     spectral_gap: float
     consensus_distance: float
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ...) -> None: ...
+    edges_always_used: bool
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ...) -> None: ...
 
 class TopologyEdge(_message.Message):
     __slots__ = ("a", "b")

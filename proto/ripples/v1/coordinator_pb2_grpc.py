@@ -49,10 +49,20 @@ class CoordinatorStub:
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.AwaitMembers = channel.unary_unary(
+                '/ripples.v1.Coordinator/AwaitMembers',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.AwaitMembersRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.Membership.FromString,
+                _registered_method=True)
         self.AwaitStart = channel.unary_unary(
                 '/ripples.v1.Coordinator/AwaitStart',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartReply.FromString,
+                _registered_method=True)
+        self.CheckSchema = channel.unary_unary(
+                '/ripples.v1.Coordinator/CheckSchema',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.CheckSchemaRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.CheckSchemaReply.FromString,
                 _registered_method=True)
         self.Synchronize = channel.stream_stream(
                 '/ripples.v1.Coordinator/Synchronize',
@@ -103,8 +113,25 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitMembers(self, request, context):
+        """Long-poll until every expected worker has registered (or the deadline passes): the
+        membership is then final, with ranks and the topology.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AwaitStart(self, request, context):
-        """Long-poll until every expected worker has registered (or the deadline passes).
+        """Long-poll until every member has built its model and is ready to train: the run then
+        starts. The caller's schema of averaged tensors must match the first worker's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckSchema(self, request, context):
+        """The averaged tensors again, once the optimizer's state has joined them (after the
+        first step): refused with FAILED_PRECONDITION if they differ from the first worker's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,10 +195,20 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=ripples_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.LeaveReply.SerializeToString,
             ),
+            'AwaitMembers': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitMembers,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.AwaitMembersRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.Membership.SerializeToString,
+            ),
             'AwaitStart': grpc.unary_unary_rpc_method_handler(
                     servicer.AwaitStart,
                     request_deserializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartRequest.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartReply.SerializeToString,
+            ),
+            'CheckSchema': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckSchema,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.CheckSchemaRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.CheckSchemaReply.SerializeToString,
             ),
             'Synchronize': grpc.stream_stream_rpc_method_handler(
                     servicer.Synchronize,
@@ -291,6 +328,33 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
+    def AwaitMembers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Coordinator/AwaitMembers',
+            ripples_dot_v1_dot_coordinator__pb2.AwaitMembersRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.Membership.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def AwaitStart(request,
             target,
             options=(),
@@ -307,6 +371,33 @@ class Coordinator:
             '/ripples.v1.Coordinator/AwaitStart',
             ripples_dot_v1_dot_coordinator__pb2.AwaitStartRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.AwaitStartReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckSchema(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Coordinator/CheckSchema',
+            ripples_dot_v1_dot_coordinator__pb2.CheckSchemaRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.CheckSchemaReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,310 @@
+"""The Group Generator's service (pure code): group requests, deliveries and releases.
+
+A worker asks for its next group; the policy (random, smart) or the gossip pairing
+decides the members, the GroupTable orders overlapping groups, and the reply goes to
+every member at once when the group may execute and every member has asked for it
+(`Deliveries`: the decisions this event completes for other waiting workers). Failed
+groups retire their communicator; a departed member cancels its groups.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ripples.coordinator.comm_directory import CommDirectory
+from ripples.coordinator.errors import CoordinatorError
+from ripples.coordinator.groups import GroupRecord, GroupTable
+from ripples.coordinator.pairing import FifoPairing
+from ripples.coordinator.policies import ClusterView, GroupPolicy, RandomPolicy, make_policy
+from ripples.coordinator.progress import ProgressTracker
+from ripples.coordinator.registry import GONE, Registry, WorkerRecord, WorkerState
+from ripples.coordinator.run_graph import RunGraph
+from ripples.protocols import Coordination, GroupGeneratorSettings, Role
+
+
+class Outcome(enum.Enum):
+    GROUP = "group"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    NO_GROUP = "no_group"
+    RETRY = "retry"
+
+
+@dataclass(kw_only=True)
+class GroupDecision:
+    """What a worker waiting for the reply to its group request is told."""
+
+    outcome: Outcome
+    group: GroupRecord | None = None
+    more: bool = False
+    evictions: list[int] = field(default_factory=list)
+    detail: str = ""
+
+
+Deliveries = dict[int, GroupDecision]
+
+
+class GroupService:
+    """Groups of one run: the policy or pairing, the table, the communicator directory."""
+
+    def __init__(self, role: Role, group_settings: GroupGeneratorSettings, *,
+                 registry: Registry, graph: Callable[[], RunGraph],
+                 progress: ProgressTracker, rng: random.Random,
+                 max_comms_per_worker: int) -> None:
+        self.registry = registry
+        self._graph = graph
+        self.progress = progress
+        self.rng = rng
+        self.policy: GroupPolicy | None = None
+        if role.coordination is Coordination.GROUPS:
+            self.policy = make_policy(role.policy, group_size=group_settings.group_size,
+                                      c_thres=group_settings.c_thres,
+                                      inter_intra=group_settings.inter_intra)
+        elif role.policy == "adpsgd":
+            # AD-PSGD: each averaging pairs the initiator with one random neighbour; the
+            # group table serialises overlapping pairs in one global order.
+            self.policy = RandomPolicy(group_size=2)
+        self.pairing = FifoPairing() if role.policy == "a2cid2" else None
+        self.listening_allowed = role.policy == "adpsgd"
+        self.table = GroupTable()
+        self.comms = CommDirectory(max_comms_per_worker=max_comms_per_worker)
+        self.recent_groups: deque[GroupRecord] = deque(maxlen=32)
+        self.num_pending_waits = 0
+        self.pending_wait_seconds = 0.0
+        self.num_cancelled = 0
+        self.num_failed = 0
+
+    @property
+    def active(self) -> bool:
+        """The run forms groups at all (group and gossip protocols)."""
+        return self.policy is not None or self.pairing is not None
+
+    # ------------------------------------------------------------------ requests
+    def request(self, w: WorkerRecord, now: float, *,
+                listen: bool) -> tuple[GroupDecision | None, Deliveries]:
+        """`w` asks for its next group (validated by the core; the run goes on)."""
+        worker_id = w.worker_id
+        deliveries: Deliveries = {}
+        head = self.table.head(worker_id)
+        if head is not None and head.delivered and worker_id not in head.released:
+            return self._group_decision(w, head), deliveries  # a retried request
+        if self.pairing is not None or listen:
+            return self._offer_pair(w, now) if self.pairing else self._listen(w, now)
+        assert self.policy is not None
+        continuing = w.round_target is not None and w.round_target in self.table.buffer(worker_id)
+        if not continuing:
+            w.request_count += 1
+            if self.table.is_idle(worker_id) or self.policy.drain_to_own_group:
+                created = self._generate(w, now)
+                deliveries.update(self._arrive_listeners(created, now))
+                own = next((g for g in created if worker_id in g.members), None)
+                if self.policy.drain_to_own_group and own is not None:
+                    w.round_target = own.group_id
+            if not self.policy.drain_to_own_group or w.round_target is None:
+                head = self.table.head(worker_id)
+                w.round_target = head.group_id if head else None
+        if self.table.head(worker_id) is None:
+            return self.decide(w, Outcome.NO_GROUP, now, detail="no eligible peer"), deliveries
+        w.state = WorkerState.WAITING
+        ready = self.table.arrive(worker_id)
+        if ready is None:
+            self.num_pending_waits += 1
+            w.wait_started_at = now
+            return None, deliveries
+        w.wait_started_at = now
+        deliveries.update(self._deliver([ready], now))
+        return deliveries.pop(worker_id), deliveries
+
+    def _offer_pair(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
+        """A2CiD2: the worker is available; pair it first-in-first-out with a neighbour."""
+        assert self.pairing is not None
+        w.request_count += 1
+        w.state = WorkerState.WAITING
+        w.wait_started_at = now
+        self.pairing.withdraw(w.worker_id)  # defensive: one place in the queue per worker
+        neighbours = self.neighbours_of(w.worker_id)
+        if not neighbours:
+            return self.decide(w, Outcome.NO_GROUP, now, detail="no live neighbour"), {}
+        partner = self.pairing.offer(w.worker_id, neighbours)
+        if partner is None:
+            self.num_pending_waits += 1
+            return None, {}
+        group = self._add_group((w.worker_id, partner), w.worker_id, now)
+        self.table.arrive(partner)
+        ready = self.table.arrive(w.worker_id)
+        assert ready is group, "a pair of two idle workers executes at once"
+        deliveries = self._deliver([group], now)
+        return deliveries.pop(w.worker_id), deliveries
+
+    def _listen(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
+        """AD-PSGD's passive side: arrive at the head of the buffer, or wait until a
+        partner's group lands in it (see _generate)."""
+        w.state = WorkerState.WAITING
+        w.wait_started_at = now
+        ready = self.table.arrive(w.worker_id)
+        if ready is None:
+            w.listening = True
+            return None, {}
+        deliveries = self._deliver([ready], now)
+        return deliveries.pop(w.worker_id), deliveries
+
+    def abandon_wait(self, w: WorkerRecord, now: float) -> GroupDecision:
+        """The caller's server-side wait ran out: forget its arrival, tell it to retry."""
+        worker_id = w.worker_id
+        w.listening = False
+        if self.pairing is not None:
+            self.pairing.withdraw(worker_id)
+        head = self.table.head(worker_id)
+        if head is not None and not head.delivered:
+            head.arrived.discard(worker_id)
+        self._account_wait(w, now)
+        w.state = WorkerState.COMPUTING
+        waiting_on = [] if head is None else [
+            m for m in head.members if m not in head.arrived and m != worker_id]
+        return GroupDecision(outcome=Outcome.RETRY, detail=(
+            f"group {head.group_id if head else '-'} still waits for workers {waiting_on}"))
+
+    def release(self, w: WorkerRecord, group_id: int, ok: bool, error: str, now: float,
+                squared_distance: float | None = None) -> Deliveries:
+        worker_id = w.worker_id
+        if squared_distance is not None and not squared_distance >= 0:  # also rejects NaN
+            raise CoordinatorError("INVALID_ARGUMENT",
+                                   f"squared_distance must be >= 0, got {squared_distance}")
+        group = self.table.get(group_id)
+        if group is not None and worker_id in group.members and not group.delivered:
+            raise CoordinatorError(
+                "FAILED_PRECONDITION", f"group {group_id} was not delivered to worker {worker_id}"
+            )
+        if squared_distance is not None and ok:
+            self.progress.add_pair_distance(squared_distance)
+        if not ok:
+            self.num_failed += 1
+            if group is not None:
+                self._retire_comm(group.comm_id)
+            w.error = f"group {group_id} failed: {error}"
+        ready = self.table.release(worker_id, group_id)
+        if w.state is WorkerState.REDUCING:
+            w.state = WorkerState.COMPUTING
+        return self._deliver(ready, now)
+
+    # ------------------------------------------------------------------ membership events
+    def remove(self, w: WorkerRecord, state: WorkerState, now: float) -> Deliveries:
+        """`w` is gone: cancel its groups and tell the peers that waited on them."""
+        deliveries: Deliveries = {}
+        # The group each waiting peer arrived at (its head) before the cancellation.
+        awaited = {}
+        for peer in self.registry.live():
+            head = self.table.head(peer.worker_id)
+            if peer.state is WorkerState.WAITING and head is not None:
+                awaited[peer.worker_id] = head.group_id
+        if self.pairing is not None:
+            self.pairing.withdraw(w.worker_id)
+        cancelled, ready = self.table.cancel_where(w.worker_id)
+        self.num_cancelled += len(cancelled)
+        self.comms.retire_worker(w.worker_id)
+        cancelled_ids = {g.group_id for g in cancelled}
+        for peer in self.registry.live():
+            if peer.round_target in cancelled_ids:
+                peer.round_target = None  # its round now ends with the group it waits on
+            if awaited.get(peer.worker_id) in cancelled_ids:
+                deliveries[peer.worker_id] = self.decide(peer, Outcome.CANCELLED, now, detail=(
+                    f"group {awaited[peer.worker_id]} cancelled: worker {w.worker_id} "
+                    f"{state.value}"))
+        deliveries.update(self._deliver(ready, now))
+        return deliveries
+
+    def stop(self, reason: str, now: float) -> Deliveries:
+        """The run stopped: no group forms any more; waiting workers are told STOP."""
+        if self.pairing is not None:
+            self.pairing.clear()
+        self.num_cancelled += len(self.table.cancel_all_undelivered())
+        return {w.worker_id: self.decide(w, Outcome.STOP, now, detail=reason)
+                for w in self.registry.live() if w.state is WorkerState.WAITING}
+
+    # ------------------------------------------------------------------ helpers
+    def neighbours_of(self, worker_id: int) -> tuple[int, ...]:
+        return self._graph().neighbours_of(worker_id,
+                                           [w.worker_id for w in self.registry.live()])
+
+    def _retire_comm(self, comm_id: int) -> None:
+        """A collective on the comm failed: members drop it, queued groups get a fresh one."""
+        self.comms.retire(comm_id)
+        for g in self.table.unfinished():  # in id order: the first one creates the new comm
+            if g.comm_id == comm_id and not g.delivered:
+                g.comm_id, g.create_comm = self.comms.acquire(
+                    g.members, self.table.comm_ids_in_use())
+
+    def _generate(self, w: WorkerRecord, now: float) -> list[GroupRecord]:
+        assert self.policy is not None
+        live = self.registry.live()
+        view = ClusterView(
+            live=tuple(x.worker_id for x in live),
+            idle=frozenset(x.worker_id for x in live if self.table.is_idle(x.worker_id)),
+            request_counts={x.worker_id: x.request_count for x in live},
+            node_of={x.worker_id: x.node for x in live},
+            neighbours=self._graph().neighbours,
+            own_seconds={x.worker_id: x.own_seconds for x in live if x.own_seconds is not None},
+        )
+        created = []
+        for members in self.policy.generate(w.worker_id, view, self.rng):
+            initiator = w.worker_id if w.worker_id in members else members[0]
+            created.append(self._add_group(members, initiator, now))
+        return created
+
+    def _arrive_listeners(self, created: list[GroupRecord], now: float) -> Deliveries:
+        """Listening workers (adpsgd) arrive at once at the new groups that reach their
+        head, so a partner's request completes the pair without waiting for them."""
+        ready = []
+        workers = self.registry.workers
+        for group in created:
+            for m in group.members:
+                if workers[m].listening:
+                    found = self.table.arrive(m)
+                    if found is not None:
+                        ready.append(found)
+        return self._deliver(ready, now)
+
+    def _add_group(self, members: tuple[int, ...], initiator: int, now: float) -> GroupRecord:
+        group = self.table.add(members, initiator, now)
+        group.comm_id, group.create_comm = self.comms.acquire(
+            group.members, self.table.comm_ids_in_use())
+        return group
+
+    def _deliver(self, groups: list[GroupRecord], now: float) -> Deliveries:
+        deliveries: Deliveries = {}
+        workers = self.registry.workers
+        for g in groups:
+            self.recent_groups.append(g)
+            for m in g.members:
+                deliveries[m] = self._group_decision(workers[m], g)
+                self._account_wait(workers[m], now)
+                workers[m].state = WorkerState.REDUCING
+                workers[m].listening = False
+        return deliveries
+
+    def _group_decision(self, w: WorkerRecord, g: GroupRecord) -> GroupDecision:
+        more = False
+        if w.round_target == g.group_id:
+            w.round_target = None
+        elif w.round_target is not None:
+            more = True
+        return GroupDecision(outcome=Outcome.GROUP, group=g, more=more,
+                             evictions=self.comms.take_evictions(w.worker_id))
+
+    def decide(self, w: WorkerRecord, outcome: Outcome, now: float, detail: str) -> GroupDecision:
+        """A decision other than a group (stop, cancelled, no group) for worker `w`."""
+        self._account_wait(w, now)
+        w.listening = False
+        if w.state not in GONE:
+            w.state = WorkerState.COMPUTING
+        w.round_target = None
+        return GroupDecision(outcome=outcome, detail=detail)
+
+    def _account_wait(self, w: WorkerRecord, now: float) -> None:
+        if w.wait_started_at is not None:
+            self.pending_wait_seconds += now - w.wait_started_at
+            w.wait_started_at = None

@@ -1,0 +1,111 @@
+"""The run's progress as the coordinator sees it (pure code): the loss curve, the time to
+the target loss, each worker's own time per iteration (the smart policy's speed signal)
+and the consensus-distance estimate of gossip runs.
+
+Progress arrives with every heartbeat and group request; recording it stays O(1) in the
+common case (the curve is rate-limited and the mean loss is only computed when due).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from ripples.coordinator.registry import Progress, WorkerRecord
+
+LOSS_CURVE_MIN_STEP_SECONDS = 0.2
+# The consensus-distance estimate averages the pairwise distances of this many recent
+# exchanges per worker.
+DISTANCE_WINDOW_PER_WORKER = 4
+# Weight of the newest report in a worker's moving average of its own time per iteration.
+OWN_SECONDS_SMOOTHING = 0.3
+
+
+class ProgressTracker:
+    """Loss curve, time to target and speed signals of one run."""
+
+    def __init__(self, *, num_workers: int, target_loss: float,
+                 live: Callable[[], list[WorkerRecord]],
+                 everyone: Callable[[], list[WorkerRecord]]) -> None:
+        self.num_workers = num_workers
+        self.target_loss = target_loss
+        self._live = live
+        self._everyone = everyone
+        self.loss_curve: list[tuple[float, float, float]] = []  # (seconds, loss, iterations)
+        self.time_to_target: float | None = None
+        self.iterations_to_target: float | None = None
+        self.pair_sq_distances: deque[float] = deque(
+            maxlen=DISTANCE_WINDOW_PER_WORKER * num_workers)
+
+    def record(self, w: WorkerRecord, p: Progress, elapsed: float | None) -> None:
+        """Take a worker's report; `elapsed` is the training time so far (None before the
+        start or after the stop: then only the worker's own numbers are kept)."""
+        p.iteration = max(p.iteration, w.progress.iteration)
+        _update_own_seconds(w, p)
+        w.progress = p
+        if elapsed is None:
+            return  # after the stop, workers leave one by one: their mean is no training loss
+        target = self.target_loss
+        watching_target = target > 0 and self.time_to_target is None
+        curve_due = (not self.loss_curve
+                     or elapsed - self.loss_curve[-1][0] >= LOSS_CURVE_MIN_STEP_SECONDS)
+        if not (watching_target or curve_due):
+            return  # progress arrives with every group request: keep the common case O(1)
+        mean = self.mean_loss()
+        if mean is None:
+            return
+        reached = watching_target and mean <= target
+        mean_iterations = self.mean_iterations()
+        if reached:
+            self.time_to_target = elapsed
+            self.iterations_to_target = mean_iterations
+        # Rate-limited, except for the point that reaches the target: the curve must show it.
+        if reached or curve_due:
+            self.loss_curve.append((elapsed, mean, mean_iterations))
+
+    def add_pair_distance(self, squared_distance: float) -> None:
+        self.pair_sq_distances.append(squared_distance)
+
+    def mean_loss(self) -> float | None:
+        """Mean of the live workers' latest losses, once every live worker reported one."""
+        losses = [w.progress.loss for w in self._live()]
+        if not losses or any(loss != loss for loss in losses):  # NaN: not reported yet
+            return None
+        return sum(losses) / len(losses)
+
+    def mean_iterations(self) -> float:
+        """Iterations of an average worker: all iterations done, over the run's workers."""
+        return sum(w.progress.iteration for w in self._everyone()) / self.num_workers
+
+    def consensus_distance(self) -> float | None:
+        """Estimated mean squared distance of the models to their average, from recent
+        pairwise exchanges: for distinct workers i, j drawn uniformly,
+        E||x_i - x_j||^2 = 2n/(n-1) * D. Gossip pairs are graph neighbours, which are
+        closer than random pairs on sparse graphs, so this reads low there; it compares
+        protocols on one graph fairly. None before any exchange."""
+        if not self.pair_sq_distances:
+            return None
+        n = max(2, len(self._live()))
+        mean = sum(self.pair_sq_distances) / len(self.pair_sq_distances)
+        return (n - 1) / (2 * n) * mean
+
+
+def _update_own_seconds(w: WorkerRecord, p: Progress) -> None:
+    """Measured between reports of different iterations only: a worker counts an iteration
+    before its synchronisation and adds the iteration's time after it, so the report of
+    iteration k holds the time of iterations 1..k-1, two such reports are whole
+    iterations apart, and reports within an iteration (retries, heartbeats) see the time
+    grow under the same iteration."""
+    base_iteration, base_total = w.own_base
+    total = p.compute_seconds + p.preduce_seconds
+    if p.iteration <= base_iteration:
+        return
+    w.own_base = (p.iteration, total)
+    if base_iteration < 2:  # from reports 1 to 2: iteration 1, which includes warm-up
+        return
+    own = (total - base_total) / (p.iteration - base_iteration)
+    if own < 0:  # a restarted worker's counters: start over
+        w.own_seconds = None
+        return
+    w.own_seconds = own if w.own_seconds is None else (
+        OWN_SECONDS_SMOOTHING * own + (1 - OWN_SECONDS_SMOOTHING) * w.own_seconds)

@@ -1,0 +1,155 @@
+"""Who is in the run: worker records, nodes, ranks and leases (pure code).
+
+Workers register one by one; once the run's `num_workers` have registered, the
+membership is formed (`form`): nodes are numbered by host name, ranks by (node, local
+rank), and nobody else may register. A worker leaves, fails or lets its lease expire;
+its record stays (with its state and error) for the run's views.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+from ripples.coordinator.errors import CoordinatorError
+
+
+class WorkerState(enum.Enum):
+    REGISTERED = "registered"
+    COMPUTING = "computing"
+    WAITING = "waiting"
+    REDUCING = "reducing"
+    LEFT = "left"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+
+GONE = (WorkerState.LEFT, WorkerState.EXPIRED, WorkerState.FAILED)
+
+
+@dataclass(kw_only=True)
+class Progress:
+    iteration: int = 0
+    loss: float = float("nan")
+    samples: int = 0
+    compute_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    preduce_seconds: float = 0.0
+    planned_iterations: int = 0
+
+
+@dataclass(kw_only=True)
+class WorkerRecord:
+    worker_id: int
+    host: str
+    local_rank: int
+    device: str
+    pid: int
+    node: int
+    lease_expires_at: float
+    rank: int = -1
+    state: WorkerState = WorkerState.REGISTERED
+    request_count: int = 0
+    progress: Progress = field(default_factory=Progress)
+    error: str = ""
+    round_target: int | None = None  # the group that ends the worker's current round
+    wait_started_at: float | None = None
+    checkpoint_grant: int = 0
+    ready: bool = False  # built its model and waits in AwaitStart
+    listening: bool = False  # gossip: waits only to serve partners (GroupRequest.listen)
+    own_seconds: float | None = None
+    """Smart GG's speed signal: moving average of the seconds per iteration the worker
+    spends on its own (compute + collectives, not waiting for a group); None until two
+    progress reports after its first iteration."""
+    own_base: tuple[int, float] = (0, 0.0)  # (iteration, own seconds) it is measured from
+
+    def describe(self) -> str:
+        return f"worker {self.worker_id} (host {self.host}, local rank {self.local_rank})"
+
+
+def _natural_key(text: str) -> list[int | str]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+class Registry:
+    """Every worker that ever registered with the run, by id (ids are never reused)."""
+
+    def __init__(self, num_workers: int, lease_seconds: float) -> None:
+        self.num_workers = num_workers
+        self.lease_seconds = lease_seconds
+        self.workers: dict[int, WorkerRecord] = {}
+        self.formed = False
+        """Every expected worker registered; ranks are assigned and final."""
+        self._nodes: dict[str, int] = {}
+        self._next_worker_id = 0
+        self.num_lease_expirations = 0
+
+    def register(self, host: str, local_rank: int, device: str, pid: int,
+                 now: float) -> WorkerRecord:
+        if not host:
+            raise CoordinatorError("INVALID_ARGUMENT", "host must not be empty")
+        if self.formed or len(self.live()) >= self.num_workers:
+            raise CoordinatorError(
+                "FAILED_PRECONDITION",
+                f"the run already has its {self.num_workers} workers; "
+                "start a new coordinator for a new run",
+            )
+        for w in self.live():
+            if w.host == host and w.local_rank == local_rank:
+                raise CoordinatorError(
+                    "FAILED_PRECONDITION",
+                    f"host {host} local rank {local_rank} is already registered as worker "
+                    f"{w.worker_id}; give each worker on a host its own --local-rank",
+                )
+        node = self._nodes.setdefault(host, len(self._nodes))
+        worker_id = self._next_worker_id
+        self._next_worker_id += 1
+        record = WorkerRecord(worker_id=worker_id, host=host, local_rank=local_rank,
+                              device=device, pid=pid, node=node,
+                              lease_expires_at=now + self.lease_seconds)
+        self.workers[worker_id] = record
+        return record
+
+    @property
+    def complete(self) -> bool:
+        return len(self.live()) == self.num_workers
+
+    def form(self) -> list[WorkerRecord]:
+        """Fix the membership: nodes numbered by host name in natural order (node2
+        before node10), so that ranks do not depend on who registered first; ranks by
+        (node, local rank). Returns the members in rank order."""
+        hosts = sorted({w.host for w in self.live()}, key=_natural_key)
+        self._nodes = {h: i for i, h in enumerate(hosts)}
+        for w in self.live():
+            w.node = self._nodes[w.host]
+        ordered = sorted(self.live(), key=lambda w: (w.node, w.local_rank))
+        for rank, w in enumerate(ordered):
+            w.rank = rank
+        self.formed = True
+        return ordered
+
+    def renew(self, w: WorkerRecord, now: float) -> None:
+        w.lease_expires_at = now + self.lease_seconds
+
+    def expired(self, now: float) -> list[WorkerRecord]:
+        """Live workers whose lease ran out (the caller removes them)."""
+        return [w for w in self.live() if w.lease_expires_at < now]
+
+    def live(self) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.state not in GONE]
+
+    def num_nodes(self) -> int:
+        return len({w.node for w in self.live()})
+
+    def worker(self, worker_id: int) -> WorkerRecord:
+        """A live worker; NOT_FOUND for an unknown or departed one."""
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise CoordinatorError("NOT_FOUND", f"unknown worker id {worker_id}; register first")
+        if w.state in GONE:
+            raise CoordinatorError(
+                "NOT_FOUND", f"worker {worker_id} is no longer part of the run ({w.state.value}"
+                + (f": {w.error})" if w.error else ")")
+            )
+        return w

@@ -1,0 +1,87 @@
+"""Who may average with whom in a run, on worker ids (pure code).
+
+Built once, when the membership is formed: the run's topology on ranks (topology.py)
+mapped to worker ids, its spectral gap, A2CiD2's constants for gossip runs, AD-PSGD's
+passive side in bipartite mode, and the edges the dashboard draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ripples.coordinator.config import RunSettings
+from ripples.coordinator.registry import WorkerRecord
+from ripples.coordinator.topology import A2cid2Constants, build_topology
+from ripples.protocols import Coordination, GossipSettings
+from ripples.static_schedule import static_groups
+
+Edge = tuple[int, int]
+
+
+@dataclass(kw_only=True)
+class RunGraph:
+    """The run's graph on worker ids. An empty graph (before the membership is formed)
+    lets everyone average with everyone."""
+
+    neighbours: dict[int, tuple[int, ...]] | None = None
+    """Worker id -> the ids it may average with; None on a complete graph."""
+    edges: list[Edge] = field(default_factory=list)
+    """The edges the dashboard draws, as worker ids a < b: the topology's, except for
+    lock-step protocols (every pair) and the static schedule (the pairs of one period)."""
+    edges_always_used: bool = False
+    """Every edge carries traffic every iteration (lock-step, static, peer to peer)."""
+    spectral_gap: float = 0.0
+    gossip_constants: A2cid2Constants | None = None
+    passive: frozenset[int] = frozenset()
+    """adpsgd bipartite mode: workers that only answer partners, never initiate."""
+
+    @classmethod
+    def build(cls, settings: RunSettings, ordered: list[WorkerRecord]) -> RunGraph:
+        """The graph for the members in rank order; ValueError if the topology does not
+        fit them (e.g. a bipartite pairing on an odd ring)."""
+        topology = build_topology(settings.topology, len(ordered),
+                                  nodes=[w.node for w in ordered],
+                                  edges=settings.topology_edges())
+        settings.check_topology(topology)
+        by_rank = [w.worker_id for w in ordered]
+        role = settings.role
+        graph = cls(spectral_gap=topology.spectral_gap(),
+                    edges_always_used=role.needs_every_worker)
+        graph.edges = sorted((min(by_rank[i], by_rank[j]), max(by_rank[i], by_rank[j]))
+                             for i, j in topology.edges())
+        if role.coordination is Coordination.STATIC:
+            graph.edges = _static_edges(settings.workers_per_node, by_rank)
+        if settings.topology != "complete":
+            graph.neighbours = {by_rank[r]: tuple(by_rank[j] for j in ns)
+                                for r, ns in enumerate(topology.neighbours)}
+        gossip = settings.settings(GossipSettings)
+        if role.coordination is Coordination.GOSSIP:
+            graph.gossip_constants = topology.a2cid2_constants(gossip.rate_com)
+        if role.policy == "adpsgd" and gossip.adpsgd_mode == "bipartite":
+            colours = topology.two_colouring()
+            assert colours is not None, "check_topology admits bipartite graphs only"
+            graph.passive = frozenset(by_rank[r] for r, c in enumerate(colours) if c == 1)
+        return graph
+
+    def neighbours_of(self, worker_id: int, live: list[int]) -> tuple[int, ...]:
+        """The live workers `worker_id` may average with (all others on a complete graph)."""
+        others = [w for w in live if w != worker_id]
+        if self.neighbours is None:
+            return tuple(others)
+        allowed = self.neighbours.get(worker_id, ())
+        return tuple(w for w in others if w in allowed)
+
+
+def _static_edges(workers_per_node: int, by_rank: list[int]) -> list[Edge]:
+    """Every pair that shares a group in one period of the static schedule (as worker ids);
+    none when the layout does not fit the schedule (the run then fails to start)."""
+    k = max(1, workers_per_node)
+    num_nodes = len(by_rank) // k
+    if num_nodes * k != len(by_rank):
+        return []
+    pairs: set[Edge] = set()
+    for iteration in range(2 * (k + num_nodes)):
+        for group in static_groups(iteration, num_nodes, k):
+            members = sorted(by_rank[r] for r in group)
+            pairs.update((a, b) for i, a in enumerate(members) for b in members[i + 1:])
+    return sorted(pairs)

@@ -1,0 +1,55 @@
+"""When the run ends (pure code): the stop flag and reason, the iteration budget, and the
+lock-step protocols' agreement on one stop iteration for every worker."""
+
+from __future__ import annotations
+
+from ripples.coordinator.registry import GONE, WorkerRecord
+
+
+class StopAgreement:
+    """The run's stop, and the stop iteration lock-step workers agree on.
+
+    Lock-step workers (every worker in every collective) must all stop after the same
+    iteration, or one would wait in a collective for a peer that left. A worker asks at
+    every multiple of `interval` completed iterations (`checkpoint`) and is granted the
+    next interval; every worker starts granted the first. Once the run stops, the stop
+    iteration is the largest grant given (or the asker's iteration, if larger), which
+    every worker learns at or before reaching it.
+    """
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.stopped = False
+        self.reason = ""
+        self.stop_at_iteration = 0
+
+    def stop(self, reason: str) -> bool:
+        """Stop the run; False if it had already stopped (the first reason stays)."""
+        if self.stopped:
+            return False
+        self.stopped, self.reason = True, reason
+        return True
+
+    def checkpoint(self, w: WorkerRecord, iteration: int,
+                   workers: list[WorkerRecord]) -> int:
+        """0 to go on, else the common stop iteration."""
+        if self.stopped:
+            if self.stop_at_iteration == 0:
+                grants = [max(x.checkpoint_grant, self.interval) for x in workers]
+                self.stop_at_iteration = max(max(grants), iteration, 1)
+            return self.stop_at_iteration
+        w.checkpoint_grant = max(w.checkpoint_grant, iteration + self.interval)
+        return 0
+
+
+def budget_reached(workers: list[WorkerRecord]) -> str | None:
+    """The stop reason once the workers' iterations reach their planned total, or None.
+    Only when every live worker planned a budget (a user's loop may plan none); a worker
+    that left counts with what it did."""
+    live = [w for w in workers if w.state not in GONE]
+    planned = [w.progress.planned_iterations for w in live]
+    if not planned or not all(planned):
+        return None
+    done = sum(w.progress.iteration for w in workers)
+    budget = sum(planned) + sum(w.progress.iteration for w in workers if w.state in GONE)
+    return f"iteration budget reached ({done} iterations)" if done >= budget else None
