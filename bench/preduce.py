@@ -7,7 +7,7 @@ side in one run, interleaved round by round so that machine noise hits both alik
   the members: the bare collective;
 - ``all_reduce + mean``: the same, then dividing by the group size in place: what a user
   averaging models with torch.distributed would write;
-- ``preduce cached``: ``ripples.worker.preduce.preduce`` on a communicator taken from the
+- ``preduce cached``: ``ripples.worker.dataplane.preduce.preduce`` on a communicator taken from the
   worker's cache (the steady state of a run: scale, collective, pointer swap);
 - ``preduce uncached``: the same, building a fresh communicator for every call (the first
   group of a member set: rendezvous through the store plus the collective).
@@ -33,9 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ripples.worker.communicators import CommunicatorCache, CommunicatorFactory, connect_store
-from ripples.worker.flat_params import FlatParameters
-from ripples.worker.preduce import preduce
+from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.communicators import (
+    CommunicatorCache,
+    CommunicatorFactory,
+    connect_store,
+)
+from ripples.worker.dataplane.preduce import preduce
 
 TIMEOUT_SECONDS = 60.0
 METHODS = ("all_reduce", "all_reduce + mean", "preduce cached", "preduce uncached")
@@ -66,7 +70,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _operations(cache: CommunicatorCache, rank: int, size: int, params: FlatParameters,
+def _operations(cache: CommunicatorCache, rank: int, size: int, params: AveragedState,
                 plain: torch.Tensor, key: str) -> dict[str, Callable[[], None]]:
     uncached_keys = iter(range(10**9))
 
@@ -103,7 +107,7 @@ def _member(rank: int, port: int, cfg: BenchConfig, out: mp.Queue) -> None:
                                                   gloo_hostname="127.0.0.1"))
     results: dict[tuple[int, str], list[float]] = {}
     for numel in cfg.sizes:
-        params = FlatParameters(_Flat(numel).to(device))
+        params = AveragedState(_Flat(numel).to(device))
         plain = torch.randn(numel, device=device)
         key = f"bench/cached/{numel}"
         preduce(params, cache.get(key, rank, cfg.group_size, create=True), TIMEOUT_SECONDS)

@@ -1,6 +1,6 @@
 """The communicator directory: names every data-plane communicator and orders evictions.
 
-Facts it is built on (shared/notes/preduce-findings.md): `new_group` hangs for dynamic
+Facts it is built on (docs/data-plane.md): `new_group` hangs for dynamic
 groups; reusing a store prefix after a group was destroyed reads stale addresses and
 hangs. So every member set gets a comm id that is never reused for anything else, the
 group reply tells members whether to create or reuse it, and evictions are decided here

@@ -54,7 +54,7 @@ class RunSettings:
     adpsgd, a2cid2, hop, lap-sgd or lpp-sgd."""
     task: str = "digits"
     """Training task: a built-in name (digits, synthetic-cnn, synthetic-vgg16) or
-    module:function."""
+    module:function; empty when the workers run the user's own script."""
     num_workers: int = 4
     """Workers that must register before training starts."""
     workers_per_node: int = 4
@@ -165,8 +165,12 @@ class RunSettings:
             raise ValueError("workers_per_node must be at least 1")
         if self.iterations < 0 or self.epochs < 0:
             raise ValueError("iterations and epochs must not be negative")
-        if self.iterations == 0 and self.epochs == 0 and self.target_loss <= 0:
+        if self.task and self.iterations == 0 and self.epochs == 0 and self.target_loss <= 0:
             raise ValueError("give a budget: iterations, epochs or a target loss")
+        if not self.task and not spec.library:
+            raise ValueError(f"{self.protocol} runs several updater processes per worker and "
+                             "needs a built-in task (--task); a script can use any other "
+                             "protocol")
         if self.target_loss < 0:
             raise ValueError("target_loss must not be negative")
         for name in ("collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds"):
@@ -178,7 +182,8 @@ class RunSettings:
             raise ValueError("checkpoint_interval must be at least 1")
         for settings_cls in spec.settings:
             self.settings(settings_cls).validate()
-        if LppSettings in spec.settings and self.iterations == 0 and self.epochs == 0:
+        if (LppSettings in spec.settings and self.task and self.iterations == 0
+                and self.epochs == 0):
             raise ValueError(f"{self.protocol} needs a budget of iterations or epochs: the "
                              "full-model phase and the synchronisation scheme are fractions "
                              "of it")

@@ -152,12 +152,15 @@ class CoordinatorCore:
         return self._check_stop(now)
 
     def leave(
-        self, worker_id: int, progress: Progress | None, error: str, now: float
+        self, worker_id: int, progress: Progress | None, error: str, now: float,
+        reason: str = "",
     ) -> Deliveries:
+        """The worker leaves: FAILED with `error`, or cleanly (`reason`: why it ended)."""
         w = self.worker(worker_id)
         if progress is not None:
             self._record_progress(w, progress, now)
         w.error = error
+        w.leave_reason = reason
         return self._remove(w, WorkerState.FAILED if error else WorkerState.LEFT, now)
 
     def expire_leases(self, now: float) -> Deliveries:
@@ -176,7 +179,7 @@ class CoordinatorCore:
         deliveries.update(self._check_stop(now))
         if self.stopped:
             return deliveries
-        why = f": {w.error}" if w.error else ""
+        why = f": {w.error or w.leave_reason}" if w.error or w.leave_reason else ""
         if self.started_at is None:
             if self.registry.formed:  # a member is missing: the run can never start
                 deliveries.update(self.stop(
@@ -192,7 +195,8 @@ class CoordinatorCore:
                 f"iteration budget reached (worker {w.worker_id} finished its "
                 f"{w.progress.planned_iterations} iterations)", now))
         elif len(self.live()) < 2:
-            deliveries.update(self.stop("fewer than two workers remain", now))
+            last = f" (worker {w.worker_id} {state.value}{why})" if why else ""
+            deliveries.update(self.stop(f"fewer than two workers remain{last}", now))
         return deliveries
 
     # ------------------------------------------------------------------ groups

@@ -53,6 +53,7 @@ class WorkerRecord:
     request_count: int = 0
     progress: Progress = field(default_factory=Progress)
     error: str = ""
+    leave_reason: str = ""  # why a worker that left cleanly ended
     round_target: int | None = None  # the group that ends the worker's current round
     wait_started_at: float | None = None
     checkpoint_grant: int = 0

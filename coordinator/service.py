@@ -194,7 +194,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     ) -> pb.LeaveReply:
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         deliveries = await self._call(context, lambda: self.core.leave(
-            request.worker_id, progress, request.error, self.clock()))
+            request.worker_id, progress, request.error, self.clock(), request.reason))
         assert isinstance(deliveries, dict)
         self._resolve(deliveries)
         if request.error:

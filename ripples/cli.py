@@ -1,10 +1,13 @@
 """The `ripples` command: parse, build a config, call the component's entry point.
 
-    ripples run ...                 coordinator + N local workers, start to summary
-    ripples coordinator serve ...   the gRPC coordinator of a real cluster
-    ripples worker run ...          one worker daemon
-    ripples dashboard serve ...     the live web dashboard of a run
-    ripples schedule ...            print the static schedule
+    ripples run ... [-- python train.py ARGS]   coordinator + N local workers, start to summary
+    ripples coordinator serve ...               the gRPC coordinator of a real cluster
+    ripples worker run ... [-- python train.py] one worker, or a host's K workers
+    ripples dashboard serve ...                 the live web dashboard of a run
+    ripples schedule ...                        print the static schedule
+
+After `--` comes the user's training script, which every worker runs (written against
+`import ripples`: docs/library.md); without it the workers run the built-in task.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import json
 import logging
 import os
 import sys
-import threading
 
 from ripples import schedule_command
 from ripples.config_cli import add_dataclass_arguments, dataclass_from_args
@@ -24,30 +26,45 @@ ENV_COORDINATOR = "RIPPLES_COORDINATOR"
 _RUN_SKIP = {"run_id", "protocol_settings"}
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, who: str = "") -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s {who}%(levelname)s %(name)s: %(message)s")
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_run_arguments(parser: argparse.ArgumentParser,
+                       defaults: dict[str, object] | None = None) -> None:
     """The options of a run: RunSettings' fields, then every protocol family's settings
     (flat: --group-size, --hop-mode, ...), each documented once, on its field."""
     from ripples.coordinator.config import RunSettings
     from ripples.protocols import SETTINGS_CLASSES
 
     add_dataclass_arguments(parser, RunSettings, skip=_RUN_SKIP,
-                            rename={"num_workers": "workers"})
+                            rename={"num_workers": "workers"}, defaults=defaults)
     for settings_cls in SETTINGS_CLASSES:
         add_dataclass_arguments(parser, settings_cls, option_names=settings_cls.cli_names)
 
 
-def _run_settings(args: argparse.Namespace):  # -> RunSettings (import kept lazy)
+def _run_settings(args: argparse.Namespace, script: list[str] | None = None
+                  ):  # -> RunSettings (import kept lazy)
+    """The run's settings from its options. `ripples run` leaves --task and --epochs unset
+    (None) so that a script run can refuse them: a script trains its own model for its
+    own epochs (cap it with --iterations)."""
     from ripples.coordinator.config import RunSettings, option_names
     from ripples.protocols import SETTINGS_CLASSES
 
     names = {f for cls in SETTINGS_CLASSES for f in option_names(cls)}
     base = dataclass_from_args(RunSettings, args, build=False)
     options = {**base, **{name: getattr(args, name) for name in names if hasattr(args, name)}}
+    if script is not None:
+        if script and options.get("task") is not None:
+            raise ValueError("give --task or a script after --, not both")
+        if script and options.get("epochs") is not None:
+            raise ValueError("a script runs its own epochs: drop --epochs (cap the run with "
+                             "--iterations or --target-loss)")
+        defaults = RunSettings.__dataclass_fields__
+        options["task"] = "" if script else (options.get("task") or defaults["task"].default)
+        options["epochs"] = 0.0 if script else (options["epochs"] if options.get("epochs")
+                                                is not None else defaults["epochs"].default)
     return RunSettings.build(**options)
 
 
@@ -57,14 +74,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ripples.local_cluster import INTERRUPTED, LocalRunConfig, parse_slowdowns, run_local
 
     _setup_logging(args.verbose)
+    script: list[str] = args.script
     try:
-        run = _run_settings(args)
+        run = _run_settings(args, script)
         slowdowns = parse_slowdowns(args.slowdown, run.num_workers)
         if args.threads_per_worker < 1:
             raise ValueError("--threads-per-worker must be at least 1")
-        from ripples.worker.tasks import resolve_task
+        if not script:
+            from ripples.worker.tasks import resolve_task
 
-        resolve_task(run.task)  # unknown task: fail before spawning anything
+            resolve_task(run.task)  # unknown task: fail before spawning anything
     except ValueError as err:
         print(f"ripples run: error: {err}", file=sys.stderr)
         return 2
@@ -72,7 +91,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                             threads_per_worker=args.threads_per_worker,
                             timeout_seconds=args.timeout_seconds, progress=not args.quiet,
                             dashboard_port=args.dashboard_port if args.dashboard else None,
-                            worker_log_level=logging.INFO if args.verbose else logging.WARNING)
+                            worker_log_level=logging.INFO if args.verbose else logging.WARNING,
+                            script=tuple(script))
     try:
         summary = run_local(config)
     except (RuntimeError, TimeoutError, OSError) as err:
@@ -89,6 +109,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ripples.coordinator.server import ServerConfig, serve
 
     _setup_logging(not args.quiet)
+    if args.script:
+        print("ripples coordinator serve: error: the coordinator runs no script; start the "
+              "workers with `ripples worker run -- python train.py`", file=sys.stderr)
+        return 2
     try:
         run = _run_settings(args)
         config = ServerConfig(host=args.host, port=args.port, store_port=args.store_port,
@@ -111,18 +135,29 @@ def _check_coordinator(address: str) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from ripples.worker.daemon import WorkerConfig, exit_now, install_signal_handlers, run_worker
+    from ripples.worker.daemon import (
+        WorkerConfig,
+        exit_now,
+        install_signal_handlers,
+        run_host,
+        run_worker,
+    )
 
-    _setup_logging(not args.quiet)
+    script: list[str] = args.script
     try:
         _check_coordinator(args.coordinator)
         config = dataclass_from_args(WorkerConfig, args)
+        if script and config.task:
+            raise ValueError("give --task or a script after --, not both")
     except ValueError as err:
         print(f"ripples worker run: error: {err}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    install_signal_handlers(stop)
-    exit_now(run_worker(config, stop))  # the worker left the run: skip interpreter teardown
+    if script or config.nproc_per_node > 1:
+        _setup_logging(not args.quiet, "host-launcher ")
+        return run_host(config, script, args.quiet)
+    _setup_logging(not args.quiet, f"worker[{config.host or '-'}/{config.local_rank}] ")
+    install_signal_handlers()
+    exit_now(run_worker(config))  # the worker left the run: skip interpreter teardown
     return 1  # not reached
 
 
@@ -147,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ripples", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a coordinator and N local workers (loopback, gloo)")
-    _add_run_arguments(run)
+    run = sub.add_parser("run", help="run a coordinator and N local workers (loopback, gloo)",
+                         usage="ripples run [options] [-- python train.py ARGS]")
+    _add_run_arguments(run, defaults={"task": None, "epochs": None})
     run.add_argument("--slowdown", action="append", default=[], metavar="RANK:FACTOR",
                      help="make worker RANK FACTOR times slower (RANK:FACTOR@PROBABILITY for a "
                           "random straggler); repeat for several workers")
@@ -186,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="the worker daemon")
     worker_sub = worker.add_subparsers(dest="worker_command", required=True)
-    wrun = worker_sub.add_parser("run", help="run one worker until the run ends")
+    wrun = worker_sub.add_parser(
+        "run", help="run one worker (or --nproc-per-node K of them) until the run ends",
+        usage="ripples worker run [options] [-- python train.py ARGS]")
     add_dataclass_arguments(wrun, WorkerConfig, defaults={
         "coordinator": os.environ.get(ENV_COORDINATOR, "")})
     wrun.add_argument("--quiet", action="store_true", help="log warnings only")
@@ -216,7 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         from ripples.bench.harness import main as bench_main
 
         return bench_main(argv[1:])
+    script: list[str] = []
+    if "--" in argv:  # everything after it is the user's training script
+        cut = argv.index("--")
+        argv, script = argv[:cut], argv[cut + 1:]
+        if not script:
+            build_parser().error("nothing after --: give the script, e.g. -- python train.py")
     args = build_parser().parse_args(argv)
+    if script and args.func not in (_cmd_run, _cmd_worker, _cmd_serve):
+        build_parser().error(f"`ripples {argv[0]}` takes no script after --")
+    args.script = script
     code: int = args.func(args)
     return code
 

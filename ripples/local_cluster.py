@@ -1,15 +1,17 @@
-"""`ripples run`: a coordinator and N spawned workers on loopback, start to summary.
+"""`ripples run`: a coordinator and N worker processes on loopback, start to summary.
 
-Starts the coordinator in this process, spawns the workers (gloo on loopback), shows
-progress, names any worker that fails, and at the end averages the workers' models
-into a consensus model, evaluates it, and writes DIR/model.pt and DIR/summary.json.
+Starts the coordinator in this process and N workers (gloo on loopback): the built-in
+runner on a task (`--task digits`), or the user's own script (`ripples run ... -- python
+train.py`), each with the launch environment `ripples.init()` reads. Shows progress, names
+any worker that fails, and at the end averages the workers' final models into the
+consensus model (DIR/model.pt, a state_dict of the model), evaluates it when the task has
+evaluation data, and writes DIR/summary.json.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import signal
 import sys
 import threading
@@ -26,7 +28,13 @@ from ripples.dashboard.server import DashboardServer
 from ripples.protocols import GossipSettings
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from ripples.worker.daemon import WorkerConfig, exit_now, run_worker
+from ripples.worker.launch_env import LaunchEnv
+from ripples.worker.process_launcher import (
+    WorkerProcesses,
+    launch_environment,
+    runner_argv,
+    script_argv,
+)
 from ripples.worker.slowdown import SlowdownSpec
 from ripples.worker.tasks import TaskOptions, build_task, evaluate
 
@@ -43,6 +51,9 @@ class LocalRunConfig:
     progress: bool = True
     worker_log_level: int = logging.WARNING
     dashboard_port: int | None = None  # serve the dashboard on 127.0.0.1:PORT (0: any)
+    script: tuple[str, ...] = ()
+    """The user's training script (`python train.py ARGS`) run by every worker; empty:
+    the built-in runner trains `run.task`."""
 
 
 def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
@@ -65,24 +76,13 @@ def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
 INTERRUPTED = "interrupted by the user"
 
 
-def _worker_entry(config: WorkerConfig, log_level: int) -> None:
-    # Ctrl-C reaches the whole process group: the parent stops the run through the
-    # coordinator and the workers leave after their current iteration, saving their models.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, stream=sys.stderr,
-                        format=f"%(asctime)s worker[{config.host}/{config.local_rank}] "
-                               "%(levelname)s %(name)s: %(message)s")
-    code = run_worker(config)
-    exit_now(code)
-
-
 class LocalCluster:
     """Owns the coordinator thread and the worker processes of one local run."""
 
     def __init__(self, config: LocalRunConfig) -> None:
         self.config = config
         self.server: CoordinatorServer | None = None
-        self.processes: list[mp.process.BaseProcess] = []
+        self.processes = WorkerProcesses()
         self.consensus_curve: list[list[float]] = []
         """[seconds, estimate] of the coordinator's consensus distance, about once a second
         while the run trains (gossip protocols only: others report no estimate)."""
@@ -129,19 +129,20 @@ class LocalCluster:
 
     def _spawn(self) -> None:
         cfg, k = self.config, self.config.run.workers_per_node
-        ctx = mp.get_context("spawn")  # a forked child can hang in torch; gloo dislikes fork
         assert self.server is not None
         for rank in range(cfg.run.num_workers):
-            wc = WorkerConfig(
-                coordinator=self.server.address, host=f"node{rank // k}", local_rank=rank % k,
-                device="cpu", slowdown=cfg.slowdowns.get(rank, ""),
+            env = LaunchEnv(
+                coordinator=self.server.address, launcher="ripples", host=f"node{rank // k}",
+                local_rank=rank % k, local_world_size=k, device="cpu",
+                num_threads=cfg.threads_per_worker, metrics_bind="127.0.0.1",
                 save_model=str(cfg.output / "workers" / f"rank{rank}.pt"),
                 save_record=str(cfg.output / "workers" / f"rank{rank}.json"),
-                num_threads=cfg.threads_per_worker, metrics_bind="127.0.0.1")
-            proc = ctx.Process(target=_worker_entry, args=(wc, cfg.worker_log_level),
-                               name=f"ripples-worker-{rank}", daemon=False)
-            proc.start()
-            self.processes.append(proc)
+                slowdown=cfg.slowdowns.get(rank, ""))
+            argv = script_argv(cfg.script) or runner_argv(
+                env, cfg.run.task, quiet=cfg.worker_log_level > logging.INFO)
+            self.processes.start(f"worker rank {rank}", argv,
+                                 launch_environment(env, rank=rank,
+                                                    world_size=cfg.run.num_workers))
 
     def _monitor(self, client: CoordinatorClient) -> pb.RunStatus:
         deadline = time.monotonic() + self.config.timeout_seconds
@@ -160,7 +161,7 @@ class LocalCluster:
                 client.stop_run("a worker failed")
                 raise RuntimeError("; ".join(failed))
             self._sample_consensus(status)
-            if all(not p.is_alive() for p in self.processes):
+            if not self.processes.alive():
                 return client.run_status()
             if time.monotonic() > deadline:
                 client.stop_run("timeout")
@@ -181,26 +182,19 @@ class LocalCluster:
 
     def _failed_workers(self, status: pb.RunStatus) -> list[str]:
         k = self.config.run.workers_per_node
-        spawn_rank = {(f"node{i // k}", i % k): i for i in range(len(self.processes))}
+        spawn_rank = {(f"node{i // k}", i % k): i for i in range(len(self.processes.children))}
         errors = {spawn_rank.get((w.host, w.local_rank)): w.error for w in status.workers}
         failed = []
-        for rank, proc in enumerate(self.processes):
-            if proc.exitcode not in (None, 0):
+        for rank, child in enumerate(self.processes.children):
+            code = child.process.poll()
+            if code not in (None, 0):
                 why = errors.get(rank) or "it exited without reporting an error (see its log above)"
-                failed.append(f"worker rank {rank} (pid {proc.pid}) exited with code "
-                              f"{proc.exitcode}: {why}")
+                failed.append(f"worker rank {rank} (pid {child.process.pid}) exited with code "
+                              f"{code}: {why}")
         return failed
 
     def _terminate(self) -> None:
-        for proc in self.processes:
-            proc.join(timeout=10.0 if proc.exitcode is None else 0)
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        self.processes.terminate(grace_seconds=10.0)
 
     def _summarise(self, status: pb.RunStatus) -> dict[str, object]:
         cfg = self.config
@@ -213,21 +207,27 @@ class LocalCluster:
             states.append(torch.load(path, map_location="cpu"))
         consensus = {k: sum(s[k].float() for s in states) / len(states) if
                      states[0][k].is_floating_point() else states[0][k] for k in states[0]}
-        task = build_task(cfg.run.task, TaskOptions(seed=cfg.run.seed, device="cpu"))
         # Exact consensus distance of the final models: mean squared distance of the
         # workers' parameters to their average (the model the run returns).
-        names = [name for name, _ in task.model.named_parameters()]
+        names = self._parameter_names(states[0])
         consensus_distance = sum(
             float(sum((s[n].double() - consensus[n].double()).square().sum() for n in names))
             for s in states) / len(states)
-        task.model.load_state_dict(consensus)
-        torch.save(task.model.state_dict(), cfg.output / "model.pt")
-        final_loss, accuracy = (evaluate(task) if task.eval_inputs is not None
-                                else (float("nan"), None))
+        consensus = {k: v.to(states[0][k].dtype) for k, v in consensus.items()}
+        torch.save(consensus, cfg.output / "model.pt")
+        final_loss, accuracy = float("nan"), None
+        task = None
+        if not cfg.script:
+            task = build_task(cfg.run.task, TaskOptions(seed=cfg.run.seed, device="cpu"))
+            if task.eval_data is not None:
+                model = task.build_model()
+                model.load_state_dict(consensus)
+                final_loss, accuracy = evaluate(task, model)
         # An epoch is one pass of the workers together over the training set.
-        batch_size = cfg.run.batch_size or task.batch_size
-        total_iterations = sum(w.progress.iteration for w in status.workers)
-        epochs = total_iterations * batch_size / len(task.train_inputs)
+        total_samples = sum(w.progress.samples for w in status.workers)
+        dataset = task.train_data() if task is not None else None
+        epochs = (total_samples / len(dataset) if dataset is not None
+                  and hasattr(dataset, "__len__") and len(dataset) else None)
         workers = [
             {"rank": w.rank, "worker_id": w.worker_id, "host": w.host,
              "iterations": w.progress.iteration,
@@ -239,7 +239,8 @@ class LocalCluster:
         ]
         summary: dict[str, object] = {
             "protocol": cfg.run.protocol,
-            "task": cfg.run.task,
+            "task": cfg.run.task if not cfg.script else None,
+            "script": list(cfg.script) or None,
             "num_workers": cfg.run.num_workers,
             "wall_seconds": status.elapsed_seconds,
             "stop_reason": status.stop_reason,
@@ -252,10 +253,11 @@ class LocalCluster:
             "iterations_to_target": (status.iterations_to_target
                                      if status.iterations_to_target >= 0 else None),
             "epochs_completed": epochs,
-            # Training throughput of all workers together, start-up of processes included.
-            "samples_per_second": (total_iterations * batch_size / status.elapsed_seconds
-                                   if status.elapsed_seconds > 0 else None),
-            "seconds_per_epoch": status.elapsed_seconds / epochs if epochs > 0 else None,
+            # Training throughput of all workers together, start-up of processes included
+            # (the samples the workers reported with their losses).
+            "samples_per_second": (total_samples / status.elapsed_seconds
+                                   if status.elapsed_seconds > 0 and total_samples else None),
+            "seconds_per_epoch": status.elapsed_seconds / epochs if epochs else None,
             "loss_curve": [[p.seconds, p.loss] for p in status.loss_curve],
             "loss_curve_iterations": [p.mean_iterations for p in status.loss_curve],
             "num_groups_formed": status.num_groups_formed,
@@ -292,6 +294,17 @@ class LocalCluster:
             records[record["rank"]] = record[self.config.run.protocol]
         return records
 
+    def _parameter_names(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """The entries of a saved state_dict that are parameters (the workers' records
+        name them; buffers are averaged too, but the consensus distance is the
+        parameters')."""
+        record = self.config.output / "workers" / "rank0.json"
+        if record.exists():
+            names = json.loads(record.read_text()).get("parameter_names")
+            if names:
+                return [n for n in names if n in state]
+        return [k for k, v in state.items() if v.is_floating_point()]
+
     def _protocol_summary(self, workers: list[dict]) -> dict[str, object]:
         """What the protocol adds to summary.json: its spec's `summarise` hook folds the
         workers' records (hop: counters, and every iteration gap checked against Table
@@ -299,6 +312,7 @@ class LocalCluster:
         run = self.config.run
         records = self._protocol_records()
         summariser = run.spec.summariser()
+        extra: dict[str, object]
         if summariser is None:
             per_worker, extra = {r: rec for r, rec in records.items() if rec}, {}
         else:

@@ -80,8 +80,10 @@ class CoordinatorClient:
         assert isinstance(reply, pb.HeartbeatReply)
         return reply
 
-    def leave(self, worker_id: int, progress: pb.Progress, error: str = "") -> None:
-        req = pb.LeaveRequest(worker_id=worker_id, progress=progress, error=error)
+    def leave(self, worker_id: int, progress: pb.Progress, error: str = "",
+              reason: str = "") -> None:
+        req = pb.LeaveRequest(worker_id=worker_id, progress=progress, error=error,
+                              reason=reason)
         self._call(self._stub.Leave, req, self.rpc_timeout)
 
     def open_group_stream(self, worker_id: int) -> GroupStream:
@@ -133,14 +135,19 @@ class HeartbeatThread(threading.Thread):
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         self.fatal_error = ""
+        self.global_progress = (0.0, 0)
+        """(iterations of an average worker of the run, this worker's iterations) at the
+        last reply: the run's global progress, for learning-rate schedules."""
         self._finish = threading.Event()
 
     def run(self) -> None:
         last_ok = time.monotonic()
         while not self._finish.wait(self.interval):
             try:
-                reply = self.client.heartbeat(self.worker_id, self.progress())
+                progress = self.progress()
+                reply = self.client.heartbeat(self.worker_id, progress)
                 last_ok = time.monotonic()
+                self.global_progress = (reply.mean_iterations, progress.iteration)
             except CoordinatorCallError as err:
                 if err.code == grpc.StatusCode.NOT_FOUND or time.monotonic() - last_ok > self.lease:
                     self.fatal_error = str(err)

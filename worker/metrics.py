@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from ripples.worker.strategies.base import SyncResult
+    from ripples.worker.protocols.base import SyncResult
 
 # `_created` series double every counter and histogram and are of no use to the dashboards.
 disable_created_metrics()

@@ -121,39 +121,39 @@ def _lpp_role(lookup: SettingsLookup[Any]) -> Role:
 
 
 _GROUPS = "P-Reduce in groups of the Group Generator"
-_RUNTIMES = "ripples.worker.strategies"
+_RUNTIMES = "ripples.worker.protocols"
 
 PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
     ProtocolSpec(name="allreduce", summary="PyTorch DDP over all workers (the baseline)",
                  role=Role(Coordination.LOCKSTEP),
-                 runtime=f"{_RUNTIMES}.allreduce:AllReduceStrategy"),
+                 runtime=f"{_RUNTIMES}.allreduce:AllReduceProtocol"),
     ProtocolSpec(name="ripples-random", summary=f"{_GROUPS}: random groups",
                  role=Role(Coordination.GROUPS, "random"), settings=(GroupGeneratorSettings,),
-                 runtime=f"{_RUNTIMES}.ripples_gg:GroupGeneratorStrategy"),
+                 runtime=f"{_RUNTIMES}.group_generator:GroupGeneratorProtocol"),
     ProtocolSpec(name="ripples-smart", summary=f"{_GROUPS}: smart groups (slowdown filter)",
                  role=Role(Coordination.GROUPS, "smart"), settings=(GroupGeneratorSettings,),
-                 runtime=f"{_RUNTIMES}.ripples_gg:GroupGeneratorStrategy"),
+                 runtime=f"{_RUNTIMES}.group_generator:GroupGeneratorProtocol"),
     ProtocolSpec(name="ripples-static", summary="P-Reduce on the static conflict-free schedule",
                  role=Role(Coordination.STATIC),
-                 runtime=f"{_RUNTIMES}.ripples_static:StaticScheduleStrategy"),
+                 runtime=f"{_RUNTIMES}.static_schedule:StaticScheduleProtocol"),
     ProtocolSpec(name="adpsgd", summary="AD-PSGD: wait-free pairwise averaging",
                  role=Role(Coordination.GOSSIP, "adpsgd"), settings=(GossipSettings,),
-                 runtime=f"{_RUNTIMES}.gossip:GossipStrategy"),
+                 runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol"),
     ProtocolSpec(name="a2cid2", summary="A2CiD2: pairwise gossip with continuous momentum",
                  role=Role(Coordination.GOSSIP, "a2cid2"), settings=(GossipSettings,),
-                 runtime=f"{_RUNTIMES}.gossip:GossipStrategy"),
+                 runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol"),
     ProtocolSpec(name="hop", summary="Hop: parameters and tokens worker to worker",
                  role=Role(Coordination.PEER_TO_PEER), settings=(HopSettings,),
-                 runtime=f"{_RUNTIMES}.hop:HopStrategy",
+                 runtime=f"{_RUNTIMES}.hop.protocol:HopProtocol",
                  summarise="ripples.protocols.hop:summarise", record_key="hop"),
     ProtocolSpec(name="lap-sgd", summary="LAP-SGD: Hogwild updaters, background averaging",
                  role=Role(Coordination.LOCKSTEP), settings=(LppSettings, GroupGeneratorSettings),
-                 runtime=f"{_RUNTIMES}.lpp:LppStrategy", library=False, role_from=_lpp_role,
-                 record_key="lpp"),
+                 runtime=f"{_RUNTIMES}.lpp.protocol:LppProtocol", library=False,
+                 role_from=_lpp_role, record_key="lpp"),
     ProtocolSpec(name="lpp-sgd", summary="LPP-SGD: LAP-SGD with partial backpropagation",
                  role=Role(Coordination.LOCKSTEP), settings=(LppSettings, GroupGeneratorSettings),
-                 runtime=f"{_RUNTIMES}.lpp:LppStrategy", library=False, role_from=_lpp_role,
-                 record_key="lpp"),
+                 runtime=f"{_RUNTIMES}.lpp.protocol:LppProtocol", library=False,
+                 role_from=_lpp_role, record_key="lpp"),
 )}
 """Protocol name -> spec, in the order help texts list them."""
 

@@ -1,4 +1,7 @@
-"""A task whose model raises after a few forward passes: a worker that crashes mid-run."""
+"""A task whose model raises after a few forward passes: a worker that crashes mid-run.
+
+The crash comes from a forward pre-hook, so the model keeps the digits model's parameter
+names: its schema matches the healthy workers' and it joins the run like them."""
 
 from __future__ import annotations
 
@@ -10,21 +13,21 @@ from ripples.worker.tasks.digits import digits
 CRASH_AFTER_FORWARDS = 15
 
 
-class _Crashing(torch.nn.Module):
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls > CRASH_AFTER_FORWARDS:
-            raise RuntimeError("simulated device failure in forward")
-        out: torch.Tensor = self.inner(x)
-        return out
-
-
 def crash_after_a_while(options: TaskOptions) -> Task:
     task = digits(options)
-    task.model = _Crashing(task.model)
+    build = task.build_model
+
+    def build_crashing() -> torch.nn.Module:
+        model = build()
+        calls = [0]
+
+        def count(_module: torch.nn.Module, _args: object) -> None:
+            calls[0] += 1
+            if calls[0] > CRASH_AFTER_FORWARDS:
+                raise RuntimeError("simulated device failure in forward")
+
+        model.register_forward_pre_hook(count)
+        return model
+
+    task.build_model = build_crashing
     return task

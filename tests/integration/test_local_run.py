@@ -55,8 +55,9 @@ def test_protocol_reaches_the_loss_target_on_digits(protocol: str, tmp_path: Pat
         assert w["preduce_seconds"] > 0
     # The saved consensus model loads into the task's model and gives the same accuracy.
     task = build_task("digits", TaskOptions(seed=1))
-    task.model.load_state_dict(torch.load(out / "model.pt"))
-    assert evaluate(task)[1] == pytest.approx(summary["final_accuracy"])
+    model = task.build_model()
+    model.load_state_dict(torch.load(out / "model.pt"))
+    assert evaluate(task, model)[1] == pytest.approx(summary["final_accuracy"])
 
 
 def test_short_smart_run_is_accurate_and_splits_time(tmp_path: Path) -> None:

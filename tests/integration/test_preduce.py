@@ -10,13 +10,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ripples.worker.communicators import (
+from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.communicators import (
     CommunicatorCache,
     CommunicatorFactory,
     connect_store,
 )
-from ripples.worker.flat_params import FlatParameters
-from ripples.worker.preduce import DeltaAverager, preduce
+from ripples.worker.dataplane.preduce import DeltaAverager, preduce
 
 NUM_WORKERS = 4
 
@@ -44,7 +44,7 @@ def _worker(rank: int, port: int, rounds: list[list[tuple[int, ...]]], out: mp.Q
     cache = CommunicatorCache(CommunicatorFactory(store, torch.device("cpu"), 30,
                                                   gloo_hostname="127.0.0.1"))
     model = _model(rank)
-    params = FlatParameters(model)
+    params = AveragedState(model)
     ids: dict[tuple[int, ...], int] = {}
     for groups in rounds:
         group = next(g for g in groups if rank in g)
@@ -76,7 +76,7 @@ def test_dynamic_groups_average_exactly_without_hanging() -> None:
         assert p.exitcode == 0
 
     # Replay the same rounds on plain tensors: every P-Reduce is an exact group mean.
-    expected = {r: FlatParameters(_model(r)).flat.clone() for r in range(NUM_WORKERS)}
+    expected = {r: AveragedState(_model(r)).flat.clone() for r in range(NUM_WORKERS)}
     for groups in rounds:
         for g in groups:
             mean = sum(expected[m] for m in g) / len(g)
@@ -88,7 +88,7 @@ def test_dynamic_groups_average_exactly_without_hanging() -> None:
         assert ptrs[0] == flat_ptr, "parameters stay views into the flat buffer"
         assert misses <= 7 and hits + misses == len(rounds), "communicators are cached"
     # Averaging preserves the workers' parameter sum (doubly stochastic).
-    total0 = sum(FlatParameters(_model(r)).flat for r in range(NUM_WORKERS))
+    total0 = sum(AveragedState(_model(r)).flat for r in range(NUM_WORKERS))
     total = sum(results[r][0] for r in range(NUM_WORKERS))
     torch.testing.assert_close(total, total0, rtol=1e-4, atol=1e-4)
 
@@ -98,7 +98,7 @@ def _lonely_member(port: int, out: mp.Queue) -> None:
     store = connect_store("127.0.0.1", port, 10)
     factory = CommunicatorFactory(store, torch.device("cpu"), 3, gloo_hostname="127.0.0.1")
     model = _model(0)
-    params = FlatParameters(model)
+    params = AveragedState(model)
     before = params.flat.clone()
     t0 = time.monotonic()
     try:

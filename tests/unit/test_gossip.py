@@ -15,7 +15,12 @@ from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore, CoordinatorError, Outcome
 from ripples.coordinator.pairing import FifoPairing
 from ripples.coordinator.topology import build_topology
-from ripples.worker.gossip import GossipState, MomentumParameters, StepCredit, exchange_delta
+from ripples.worker.protocols.gossip.state import (
+    GossipState,
+    MomentumParameters,
+    StepCredit,
+    exchange_delta,
+)
 
 # ------------------------------------------------------------------ exchange arithmetic
 

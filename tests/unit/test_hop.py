@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ripples.coordinator.topology import build_topology
 from ripples.protocols.hop import HopSettings, check_iteration_gaps, graph_distances
-from ripples.worker.hop import CreditMsg, HopProtocolError, HopWorker, UpdateMsg
+from ripples.worker.protocols.hop.engine import CreditMsg, HopProtocolError, HopWorker, UpdateMsg
 
 
 def _pair(mode: str = "standard", **kw: int) -> tuple[HopWorker[float], HopWorker[float]]:

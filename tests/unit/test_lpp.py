@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from ripples.coordinator.config import RunSettings
 from ripples.protocols import Coordination, Role
 from ripples.protocols.lpp import LppSettings
-from ripples.worker.flat_params import FlatParameters, bind_parameters
-from ripples.worker.lpp import FULL_MODEL, BlockSelection, partition_blocks
+from ripples.worker.dataplane.averaged_state import AveragedState, bind_parameters
+from ripples.worker.protocols.lpp.rules import FULL_MODEL, BlockSelection, partition_blocks
 from ripples.worker.tasks import TaskOptions, build_task
 
 
@@ -33,7 +33,7 @@ def test_blocks_partition_the_tensors_exactly_into_contiguous_non_empty_runs(
 
 def test_blocks_of_a_real_model_cover_every_parameter_once_and_balance_counts() -> None:
     task = build_task("synthetic-cnn", TaskOptions(seed=0))
-    params = list(task.model.parameters())
+    params = list(task.build_model().parameters())
     sizes = [p.numel() for p in params]
     blocks = partition_blocks(sizes, 3)
     covered = [i for start, end in blocks for i in range(start, end)]
@@ -88,9 +88,9 @@ def test_averaging_in_groups_makes_the_coordinator_generate_groups() -> None:
 
 
 def test_an_updater_model_bound_to_the_flat_buffer_shares_its_storage() -> None:
-    worker = build_task("digits", TaskOptions(seed=0)).model
-    flat = FlatParameters(worker).flat
-    updater = build_task("digits", TaskOptions(seed=5)).model  # other initial values
+    worker = build_task("digits", TaskOptions(seed=0)).build_model()
+    flat = AveragedState(worker).flat
+    updater = build_task("digits", TaskOptions(seed=5)).build_model()  # other initial values
     bind_parameters(updater, flat)
     for mine, theirs in zip(updater.parameters(), worker.parameters(), strict=True):
         assert mine.data_ptr() == theirs.data_ptr()

@@ -39,11 +39,14 @@ def _num_params(model: torch.nn.Module) -> int:
 
 
 def _train_step(task: Task, batch_size: int) -> float:
-    task.model.train()
-    task.optimizer.zero_grad()
-    loss = task.loss_fn(task.model(task.train_inputs[:batch_size]), task.train_targets[:batch_size])
+    model = task.build_model()
+    optimizer = task.build_optimizer(model)
+    inputs, targets = task.train_data()[:batch_size]
+    model.train()
+    optimizer.zero_grad()
+    loss = task.loss_fn(model(inputs), targets)
     loss.backward()
-    task.optimizer.step()
+    optimizer.step()
     return loss.item()
 
 
@@ -101,52 +104,80 @@ def test_factory_returning_wrong_type_is_a_value_error() -> None:
 def test_build_task_applies_overrides() -> None:
     task = build_task("digits", TaskOptions(learning_rate=0.01, batch_size=7))
     assert task.batch_size == 7
-    assert task.optimizer.param_groups[0]["lr"] == 0.01
+    assert task.build_optimizer(task.build_model()).param_groups[0]["lr"] == 0.01
 
 
 def test_digits_defaults_and_shapes() -> None:
     task = build_task("digits", TaskOptions())
     assert task.batch_size == digits_module.DEFAULT_BATCH_SIZE
-    assert task.optimizer.param_groups[0]["lr"] == digits_module.DEFAULT_LEARNING_RATE
+    lr = task.build_optimizer(task.build_model()).param_groups[0]["lr"]
+    assert lr == digits_module.DEFAULT_LEARNING_RATE
     assert task.num_classes == 10
-    assert task.train_inputs.shape == (1437, 64)
-    assert task.eval_inputs is not None and task.eval_inputs.shape == (360, 64)
-    assert 0.0 <= float(task.train_inputs.min()) and float(task.train_inputs.max()) <= 1.0
-    assert task.train_inputs.device.type == "cpu"
+    train = task.train_data()
+    inputs, _ = train.tensors  # type: ignore[attr-defined]
+    assert len(train) == 1437 and inputs.shape == (1437, 64)  # type: ignore[arg-type]
+    assert task.eval_data is not None and len(task.eval_data()) == 360  # type: ignore[arg-type]
+    assert 0.0 <= float(inputs.min()) and float(inputs.max()) <= 1.0
+    assert inputs.device.type == "cpu"
+
+
+def test_a_task_builds_only_what_is_asked_for() -> None:
+    # Building the task loads no data: a worker builds its training set, the launcher the
+    # evaluation set, and each only when it needs it.
+    calls: list[str] = []
+    original = digits_module.load_digits_split
+
+    def counted() -> tuple[torch.Tensor, ...]:
+        calls.append("load")
+        return original()
+
+    digits_module.load_digits_split = counted  # type: ignore[assignment]
+    try:
+        task = build_task("digits", TaskOptions())
+        assert calls == []
+        task.build_model()
+        assert calls == []
+        task.train_data()
+        assert calls == ["load"]
+    finally:
+        digits_module.load_digits_split = original  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("spec", ["digits", "synthetic-cnn"])
 def test_same_seed_gives_identical_models_and_data(spec: str) -> None:
-    first = build_task(spec, TaskOptions(seed=3))
-    second = build_task(spec, TaskOptions(seed=3))
-    other = build_task(spec, TaskOptions(seed=4))
-    for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True):
+    first = build_task(spec, TaskOptions(seed=3)).build_model()
+    second = build_task(spec, TaskOptions(seed=3)).build_model()
+    other_task = build_task(spec, TaskOptions(seed=4))
+    other = other_task.build_model()
+    for a, b in zip(first.parameters(), second.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert not all(
-        torch.equal(a, b)
-        for a, b in zip(first.model.parameters(), other.model.parameters(), strict=True)
-    )
+    assert not all(torch.equal(a, b)
+                   for a, b in zip(first.parameters(), other.parameters(), strict=True))
     # The data split does not depend on the seed: every worker sees the same data.
-    assert torch.equal(first.train_inputs, other.train_inputs)
-    assert torch.equal(first.train_targets, other.train_targets)
+    mine = build_task(spec, TaskOptions(seed=3)).train_data().tensors  # type: ignore[attr-defined]
+    theirs = other_task.train_data().tensors  # type: ignore[attr-defined]
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
 
 def test_digits_trains_to_95_percent_alone() -> None:
     # Pinned to the single-worker recipe (lr 0.05, batch 32) so that tuning the task's
     # defaults for multi-worker runs cannot make this test flaky.
     task = build_task("digits", TaskOptions(seed=0, learning_rate=0.05, batch_size=32))
+    model = task.build_model()
+    optimizer = task.build_optimizer(model)
+    inputs, targets = task.train_data().tensors  # type: ignore[attr-defined]
     generator = torch.Generator().manual_seed(0)
-    num_samples = len(task.train_inputs)
-    initial_loss, initial_accuracy = evaluate(task)
+    num_samples = len(inputs)
+    initial_loss, initial_accuracy = evaluate(task, model)
     for _ in range(20):
         order = torch.randperm(num_samples, generator=generator)
         for start in range(0, num_samples, task.batch_size):
             batch = order[start : start + task.batch_size]
-            task.optimizer.zero_grad()
-            loss = task.loss_fn(task.model(task.train_inputs[batch]), task.train_targets[batch])
+            optimizer.zero_grad()
+            loss = task.loss_fn(model(inputs[batch]), targets[batch])
             loss.backward()
-            task.optimizer.step()
-    loss, accuracy = evaluate(task)
+            optimizer.step()
+    loss, accuracy = evaluate(task, model)
     assert accuracy is not None and initial_accuracy is not None
     assert loss < initial_loss
     assert accuracy >= 0.95, f"test accuracy {accuracy:.3f} after 20 epochs"
@@ -154,39 +185,39 @@ def test_digits_trains_to_95_percent_alone() -> None:
 
 def test_evaluate_uses_the_given_model_and_restores_its_mode() -> None:
     task = build_task("digits", TaskOptions(seed=0))
-    other = build_task("digits", TaskOptions(seed=1)).model
+    other = build_task("digits", TaskOptions(seed=1)).build_model()
     other.train()
-    assert evaluate(task, other) != evaluate(task)
+    assert evaluate(task, other) != evaluate(task, task.build_model())
     assert other.training
 
 
 def test_evaluate_without_eval_data_is_a_value_error() -> None:
     task = build_task("digits", TaskOptions())
-    task.eval_inputs = None
-    task.eval_targets = None
+    task.eval_data = None
     with pytest.raises(ValueError, match="no eval data"):
-        evaluate(task)
+        evaluate(task, task.build_model())
 
 
 def test_evaluate_without_num_classes_reports_no_accuracy() -> None:
     task = build_task("digits", TaskOptions())
     task.num_classes = None
-    loss, accuracy = evaluate(task)
+    loss, accuracy = evaluate(task, task.build_model())
     assert math.isfinite(loss) and accuracy is None
 
 
 def test_synthetic_cnn_is_resnet20_sized_and_steps() -> None:
     task = build_task("synthetic-cnn", TaskOptions(seed=0))
-    assert 200_000 <= _num_params(task.model) <= 350_000
+    assert 200_000 <= _num_params(task.build_model()) <= 350_000
     assert task.batch_size == 32
-    assert task.train_inputs.shape == (4096, 3, 32, 32)
-    assert task.eval_inputs is not None and task.eval_inputs.shape == (512, 3, 32, 32)
-    assert set(task.train_targets.unique().tolist()) == set(range(10))
+    inputs, targets = task.train_data().tensors  # type: ignore[attr-defined]
+    assert inputs.shape == (4096, 3, 32, 32)
+    assert task.eval_data is not None and len(task.eval_data()) == 512  # type: ignore[arg-type]
+    assert set(targets.unique().tolist()) == set(range(10))
     assert math.isfinite(_train_step(task, batch_size=8))
 
 
 def test_synthetic_vgg16_is_vgg16_sized_and_steps() -> None:
     task = build_task("synthetic-vgg16", TaskOptions(seed=0))
-    assert 14_000_000 <= _num_params(task.model) <= 16_000_000
+    assert 14_000_000 <= _num_params(task.build_model()) <= 16_000_000
     assert task.batch_size == 32
     assert math.isfinite(_train_step(task, batch_size=4))

@@ -1,10 +1,15 @@
-"""The task plug-in interface: what a worker trains, and how a task is named on the CLI.
+"""Built-in tasks, and the plug-in interface for `--task module:function`.
 
-A task is a factory ``(TaskOptions) -> Task``. It is named either by a built-in name
-(see ``BUILTIN_TASKS``) or by ``"module:function"`` for user code on the import path.
-Every worker of a run builds the same task with the same seed, so factories must be
-deterministic given ``TaskOptions.seed``: all workers then start from identical models
-and see the same data split (the runtime shards ``train_inputs`` by worker rank).
+A task is a factory ``(TaskOptions) -> Task``; the built-in runner (worker/runner.py)
+trains it through the public API (`ripples.init`, `ripples.Optimizer`,
+`ripples.DistributedSampler`) like any user script. A `Task` holds *builders*, not built
+objects, so that each process builds only what it needs: a worker builds the model, the
+optimizer and the training data; the launcher that evaluates the consensus model builds
+the model and the evaluation data only; an LPP-SGD updater builds its own copy.
+
+It is named either by a built-in name (``BUILTIN_TASKS``) or by ``"module:function"`` for
+user code on the import path. Builders must be deterministic given ``TaskOptions.seed``:
+every worker then starts from the same model.
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -38,7 +44,7 @@ class TaskOptions:
     seed: int = 0
     """Seeds model initialisation; workers given the same seed start identical."""
     device: str = "cpu"
-    """Torch device the factory must place the model on (e.g. ``"cuda:0"``)."""
+    """Torch device the model builder must place the model on (e.g. ``"cuda:0"``)."""
     learning_rate: float | None = None
     """Optimizer learning rate; None uses the task's default."""
     batch_size: int | None = None
@@ -47,29 +53,39 @@ class TaskOptions:
 
 @dataclass(kw_only=True)
 class Task:
-    """A model, its optimizer and loss, and the data to train and evaluate it on.
+    """How to build a model, its optimizer, loss and data: what the runner trains.
 
-    Invariants: ``model`` is on the requested device and ``optimizer`` is built over
-    ``model.parameters()``; data tensors stay on CPU (the runtime moves each batch to
-    the device); ``train_inputs`` and ``train_targets`` have the same first dimension,
-    and so do the eval tensors when present.
+    Invariants: ``build_model()`` returns the same model (values included) every call
+    with the same options, on ``TaskOptions.device``; the datasets yield ``(input,
+    target)`` pairs on CPU (the runner moves each batch to the device).
     """
 
-    model: torch.nn.Module
-    """Already on ``TaskOptions.device``."""
-    optimizer: torch.optim.Optimizer
-    """Built over ``model.parameters()``."""
+    build_model: Callable[[], nn.Module]
+    """The model, initialised from ``TaskOptions.seed``, on ``TaskOptions.device``."""
+    build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    """The optimizer over the model's parameters."""
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     """``loss_fn(model(inputs), targets)`` returns a scalar mean loss."""
-    train_inputs: Tensor
-    """The full training set on CPU; the runtime shards it by worker rank."""
-    train_targets: Tensor
+    train_data: Callable[[], Dataset[Any]]
+    """The training set: a map-style Dataset (the runner shards it by worker with
+    ripples.DistributedSampler) or an IterableDataset (which must shard itself by
+    ``ripples.current_worker().rank``)."""
     batch_size: int
     """Per-worker minibatch size."""
-    eval_inputs: Tensor | None = None
-    eval_targets: Tensor | None = None
+    eval_data: Callable[[], Dataset[Any]] | None = None
+    """The evaluation set, built only where the consensus model is evaluated."""
+    build_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    """A learning-rate scheduler over the (ripples) optimizer, stepped once per step."""
     num_classes: int | None = None
     """When set, ``evaluate`` also reports accuracy (argmax over the model's output)."""
+    grad_clip_norm: float | None = None
+    """Clip the gradients' global norm to this before every step."""
+    autocast_dtype: torch.dtype | None = None
+    """Run forward and loss under ``torch.autocast`` with this dtype (bf16 on CPU)."""
+    loader_workers: int = 0
+    """DataLoader worker processes for the training data."""
+    iterations_per_epoch: int | None = None
+    """Steps per worker per epoch for an IterableDataset (a map-style set has a length)."""
 
 
 TaskFactory = Callable[[TaskOptions], Task]
@@ -131,13 +147,6 @@ def resolve_task(spec: str) -> TaskFactory:
 def build_task(spec: str, options: TaskOptions) -> Task:
     """Resolve a task spec, call its factory and check what it returned.
 
-    Args:
-        spec: A built-in name or ``"module:function"`` (see ``resolve_task``).
-        options: Passed to the factory.
-
-    Returns:
-        The task the factory built.
-
     Raises:
         ValueError: If the spec cannot be resolved or the factory returns something other
             than a consistent ``Task``.
@@ -146,40 +155,21 @@ def build_task(spec: str, options: TaskOptions) -> Task:
     if not isinstance(task, Task):
         raise ValueError(
             f"task {spec!r}: the factory returned a {type(task).__name__}, not a "
-            "ripples.worker.tasks.Task; return Task(model=..., optimizer=..., ...)"
+            "ripples.worker.tasks.Task; return Task(build_model=..., build_optimizer=..., "
+            "loss_fn=..., train_data=..., batch_size=...)"
         )
-    _validate(spec, task)
+    if task.batch_size < 1:
+        raise ValueError(f"task {spec!r}: batch_size must be at least 1, got {task.batch_size}")
+    for name in ("build_model", "build_optimizer", "loss_fn", "train_data"):
+        if not callable(getattr(task, name)):
+            raise ValueError(f"task {spec!r}: {name} must be callable")
     return task
 
 
-def _validate(spec: str, task: Task) -> None:
-    """Check a factory's result for the mistakes that would otherwise fail mid-run."""
-    if task.batch_size < 1:
-        raise ValueError(f"task {spec!r}: batch_size must be at least 1, got {task.batch_size}")
-    if len(task.train_inputs) != len(task.train_targets):
-        raise ValueError(
-            f"task {spec!r}: train_inputs has {len(task.train_inputs)} samples but "
-            f"train_targets has {len(task.train_targets)}; they must match"
-        )
-    if (task.eval_inputs is None) != (task.eval_targets is None):
-        raise ValueError(f"task {spec!r}: set both eval_inputs and eval_targets, or neither")
-    if task.eval_inputs is not None and task.eval_targets is not None:
-        if len(task.eval_inputs) != len(task.eval_targets):
-            raise ValueError(
-                f"task {spec!r}: eval_inputs has {len(task.eval_inputs)} samples but "
-                f"eval_targets has {len(task.eval_targets)}; they must match"
-            )
-
-
-def evaluate(task: Task, model: torch.nn.Module | None = None) -> tuple[float, float | None]:
+def evaluate(task: Task, model: nn.Module) -> tuple[float, float | None]:
     """Mean loss, and accuracy when ``task.num_classes`` is set, over the eval data.
 
     Runs under ``torch.no_grad()`` in eval mode, restoring the model's previous mode.
-
-    Args:
-        task: The task whose eval data and loss are used.
-        model: The model to evaluate; defaults to ``task.model``. Its device is used for
-            the data.
 
     Returns:
         ``(mean_loss, accuracy)``; accuracy is None when the task has no ``num_classes``.
@@ -187,31 +177,26 @@ def evaluate(task: Task, model: torch.nn.Module | None = None) -> tuple[float, f
     Raises:
         ValueError: If the task has no eval data.
     """
-    if task.eval_inputs is None or task.eval_targets is None or len(task.eval_inputs) == 0:
-        raise ValueError(
-            "this task has no eval data; set eval_inputs and eval_targets in its factory "
-            "to evaluate it"
-        )
-    model = task.model if model is None else model
+    if task.eval_data is None:
+        raise ValueError("this task has no eval data; give its Task an eval_data builder")
     first_param = next(model.parameters(), None)
     device = first_param.device if first_param is not None else torch.device("cpu")
     was_training = model.training
     model.eval()
-    total_loss = 0.0
-    num_correct = 0
-    num_samples = len(task.eval_inputs)
+    total_loss, num_correct, num_samples = 0.0, 0, 0
     try:
         with torch.no_grad():
-            for start in range(0, num_samples, EVAL_BATCH_SIZE):
-                inputs = task.eval_inputs[start : start + EVAL_BATCH_SIZE].to(device)
-                targets = task.eval_targets[start : start + EVAL_BATCH_SIZE].to(device)
+            for inputs, targets in DataLoader(task.eval_data(), batch_size=EVAL_BATCH_SIZE):
+                inputs, targets = inputs.to(device), targets.to(device)
                 outputs = model(inputs)
                 # loss_fn returns a batch mean; weight by batch size for an exact overall mean.
                 total_loss += float(task.loss_fn(outputs, targets)) * len(inputs)
+                num_samples += len(inputs)
                 if task.num_classes is not None:
                     num_correct += int((outputs.argmax(dim=1) == targets).sum())
     finally:
         model.train(was_training)
-    mean_loss = total_loss / num_samples
+    if num_samples == 0:
+        raise ValueError("the task's eval data is empty")
     accuracy = num_correct / num_samples if task.num_classes is not None else None
-    return mean_loss, accuracy
+    return total_loss / num_samples, accuracy

@@ -10,6 +10,7 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from ripples.worker.tasks import Task, TaskOptions
 
@@ -66,23 +67,32 @@ def digits(options: TaskOptions) -> Task:
             learning rate (default 0.1) and batch size (default 16).
 
     Returns:
-        The task, with the 1437-sample training set and the 360-sample test set.
+        The task: the 1437-sample training set and the 360-sample test set, each loaded
+        only by the process that asks for it.
     """
-    train_x, train_y, test_x, test_y = load_digits_split()
-    torch.manual_seed(options.seed)
-    model = build_digits_model().to(options.device)
     learning_rate = (
         DEFAULT_LEARNING_RATE if options.learning_rate is None else options.learning_rate
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=MOMENTUM)
+
+    def build_model() -> nn.Module:
+        torch.manual_seed(options.seed)
+        return build_digits_model().to(options.device)
+
+    def train_data() -> TensorDataset:
+        train_x, train_y, _, _ = load_digits_split()
+        return TensorDataset(train_x, train_y)
+
+    def eval_data() -> TensorDataset:
+        _, _, test_x, test_y = load_digits_split()
+        return TensorDataset(test_x, test_y)
+
     return Task(
-        model=model,
-        optimizer=optimizer,
+        build_model=build_model,
+        build_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=learning_rate,
+                                                      momentum=MOMENTUM),
         loss_fn=nn.CrossEntropyLoss(),
-        train_inputs=train_x,
-        train_targets=train_y,
+        train_data=train_data,
+        eval_data=eval_data,
         batch_size=DEFAULT_BATCH_SIZE if options.batch_size is None else options.batch_size,
-        eval_inputs=test_x,
-        eval_targets=test_y,
         num_classes=NUM_CLASSES,
     )

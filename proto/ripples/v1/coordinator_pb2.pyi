@@ -211,14 +211,16 @@ class HeartbeatReply(_message.Message):
     def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id", "progress", "error")
+    __slots__ = ("worker_id", "progress", "error", "reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     progress: Progress
     error: str
-    def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()

@@ -8,10 +8,11 @@ side in a thread of its own: an update frame (i's parameters at the start of an
 iteration) or a credit frame (i entered an iteration: j may spend a token). Our
 topologies are undirected, so i's credits for an in-neighbour j travel on the link i -> j.
 
-The compute thread sends (enter) before the gradient step, then after it waits for the
-Recv, reduces, adds the step's own change and waits for the tokens of the next
-iteration (or jumps). Every wait polls the coordinator's stop and the link threads'
-errors and gives up with a message after `max_wait_seconds`.
+An iteration's parameters go out when it starts (`begin()` for iteration 0, then at the
+end of each step, for the next), so they travel while the step computes; after the local
+optimizer step the worker waits for the Recv, reduces, adds the step's own change and
+waits for the tokens of the next iteration (or jumps). Every wait polls the coordinator's
+stop and the link threads' errors and gives up with a message after `max_wait_seconds`.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ripples.protocols.hop import HopSettings
-from ripples.worker.communicators import Communicator
-from ripples.worker.hop import CreditMsg, HopWorker, UpdateMsg
+from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.metrics import MetricSpec
-from ripples.worker.strategies.base import (
-    SyncContext,
+from ripples.worker.protocols.base import (
+    Protocol,
+    ProtocolContext,
     SyncResult,
-    SyncStrategy,
     max_peer_wait_seconds,
 )
+from ripples.worker.protocols.hop.engine import CreditMsg, HopWorker, UpdateMsg
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class _Link:
         self.comm.recv(tensor, 0, self.timeout)
 
 
-class HopStrategy(SyncStrategy):
+class HopProtocol(Protocol):
     name = "hop"
     metrics = (
         MetricSpec("ripples_worker_hop_lead_iterations", "gauge",
@@ -73,11 +74,11 @@ class HopStrategy(SyncStrategy):
                    "hop: iterations a straggler skipped by jumping ahead."),
     )
 
-    def __init__(self, ctx: SyncContext) -> None:
+    def __init__(self, ctx: ProtocolContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
         self.settings = HopSettings.of_config(cfg)
-        neighbours = tuple(sorted(ctx.start.neighbours))
+        neighbours = tuple(sorted(ctx.membership.neighbours))
         self.me = ctx.worker_id
         self.timeout = cfg.collective_timeout_seconds
         self.max_wait_seconds = max_peer_wait_seconds(cfg)
@@ -168,7 +169,7 @@ class HopStrategy(SyncStrategy):
                         self._cond.notify_all()
                     return
                 if kind == UPDATE:
-                    payload = torch.empty_like(self.ctx.params.flat)
+                    payload = torch.empty_like(self.ctx.state.flat)
                     link.recv(payload)
                     with self._cond:
                         self.engine.on_update(UpdateMsg(self.me, link.peer, iteration, payload))
@@ -224,15 +225,21 @@ class HopStrategy(SyncStrategy):
             return SyncResult(stop=True, stop_reason="stopped by the coordinator")
         return None
 
-    def before_step(self, completed: int) -> None:
-        snapshot = self.ctx.params.flat.detach().clone()
+    def begin(self) -> None:
+        """Enter iteration 0: send its parameters (the identical initial models)."""
+        self._enter()
+
+    def _enter(self) -> None:
+        """Send the parameters the current iteration starts from to the out-neighbours;
+        they are also the base its reduce adds the step's own change to."""
+        snapshot = self.ctx.state.flat.detach().clone()
         with self._cond:
             self._dispatch(self.engine.enter(snapshot))
         self._snapshot = snapshot
 
     def after_step(self, completed: int) -> SyncResult:
-        assert self._snapshot is not None, "before_step sends the iteration's parameters"
-        flat = self.ctx.params.flat
+        assert self._snapshot is not None, "begin() sends iteration 0's parameters"
+        flat = self.ctx.state.flat
         result = SyncResult()
         try:
             with self._cond:
@@ -257,7 +264,9 @@ class HopStrategy(SyncStrategy):
                 self._observe()
         except _Stopped:
             return SyncResult(stop=True, stop_reason="stopped by the coordinator")
-        self._snapshot = None
+        # The next iteration starts now: its parameters go out at once, while this
+        # worker computes its step (they are x_{k+1}, which the next step starts from).
+        self._enter()
         return result
 
     def _observe(self) -> None:

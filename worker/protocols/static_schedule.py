@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 from ripples.static_schedule import static_group_of
-from ripples.worker.preduce import preduce
-from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy
-from ripples.worker.strategies.lockstep import LockstepStop
+from ripples.worker.dataplane.preduce import preduce
+from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult
+from ripples.worker.protocols.lockstep import LockstepStop
 
 
-class StaticScheduleStrategy(SyncStrategy):
+class StaticScheduleProtocol(Protocol):
     """Each iteration, P-Reduce in the group the rule S(iteration, rank) gives.
 
     The coordinator serves only the schedule's parameters (nodes, workers per node, this
@@ -20,8 +20,9 @@ class StaticScheduleStrategy(SyncStrategy):
     """
 
     name = "ripples-static"
+    averages_optimizer_state = True
 
-    def __init__(self, ctx: SyncContext) -> None:
+    def __init__(self, ctx: ProtocolContext) -> None:
         super().__init__(ctx)
         params = ctx.client.static_schedule(ctx.worker_id)
         self.num_nodes = params.num_nodes
@@ -40,7 +41,7 @@ class StaticScheduleStrategy(SyncStrategy):
         key = f"static/{self.run_id}/{'-'.join(map(str, group))}"
         t0 = time.perf_counter()
         comm = self.ctx.comms.get(key, group.index(self.rank), len(group), create=True)
-        state = self.averaged_state()
+        state = self.ctx.state
         preduce(state, comm, self.ctx.config.collective_timeout_seconds)
         seconds = time.perf_counter() - t0
         return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(len(group),),

@@ -26,15 +26,20 @@ import torch
 
 from ripples.protocols import GossipSettings, role_of_config
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.communicators import Communicator
-from ripples.worker.gossip import GossipState, MomentumParameters, StepCredit, exchange_delta
+from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.metrics import MetricSpec
-from ripples.worker.strategies.base import (
-    SyncContext,
+from ripples.worker.protocols.base import (
+    Protocol,
+    ProtocolContext,
     SyncResult,
-    SyncStrategy,
     max_peer_wait_seconds,
     run_group_collective,
+)
+from ripples.worker.protocols.gossip.state import (
+    GossipState,
+    MomentumParameters,
+    StepCredit,
+    exchange_delta,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,26 +61,26 @@ DROPPED_METRIC = MetricSpec(
     "finish slower than --rate-com asks).")
 
 
-class GossipStrategy(SyncStrategy):
+class GossipProtocol(Protocol):
     """Runs the communication thread and applies its results at step boundaries."""
 
     name = "gossip"
     metrics = (DROPPED_METRIC,)
 
-    def __init__(self, ctx: SyncContext) -> None:
+    def __init__(self, ctx: ProtocolContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
         settings = GossipSettings.of_config(cfg)
         self.pairing = role_of_config(cfg).policy  # adpsgd | a2cid2
         if self.pairing not in ("adpsgd", "a2cid2"):
-            raise ValueError(f"GossipStrategy does not run protocol {cfg.protocol!r}")
-        constants = ctx.start.gossip
+            raise ValueError(f"GossipProtocol does not run protocol {cfg.protocol!r}")
+        constants = ctx.membership.gossip
         momentum = MomentumParameters(eta=constants.eta, alpha_tilde=constants.alpha_tilde) \
             if self.pairing == "a2cid2" and settings.momentum else MomentumParameters()
         self.passive = constants.passive
         self.timeout = cfg.collective_timeout_seconds
-        self.state = GossipState(ctx.params.flat, momentum)
-        self._mine = torch.empty_like(ctx.params.flat)  # this side of an exchange
+        self.state = GossipState(ctx.state.flat, momentum)
+        self._mine = torch.empty_like(ctx.state.flat)  # this side of an exchange
         self.credit = StepCredit(settings.rate_com, torch.Generator().manual_seed(
             cfg.seed * 1000 + ctx.rank + 17), poisson=self.pairing == "a2cid2")
         self.max_backlog = max(2, MAX_BACKLOG_STEPS * math.ceil(settings.rate_com))
@@ -138,7 +143,7 @@ class GossipStrategy(SyncStrategy):
             num_failed_groups=failed,
             group_sizes=(2,) * len(finished),
             preduce_durations=tuple(finished),
-            preduce_bytes=len(finished) * self.ctx.params.size_bytes)
+            preduce_bytes=len(finished) * self.ctx.state.size_bytes)
 
     def close(self) -> None:
         with self._cond:
@@ -221,7 +226,7 @@ class GossipStrategy(SyncStrategy):
         mine = self._mine
         self.state.current(out=mine)
         # A fresh buffer per exchange: a failed collective may still write into its
-        # buffer later (notes/preduce-findings.md rule 4).
+        # buffer later (docs/data-plane.md rule 4).
         pair = torch.mul(mine, 1.0 / comm.size)
         comm.allreduce_sum_(pair, self.timeout)
         distance = exchange_delta(mine, pair)

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from ripples.worker.flat_params import bind_parameters
-from ripples.worker.loop import ShardSampler
-from ripples.worker.lpp import BlockSelection
+from ripples.worker.dataplane.averaged_state import bind_parameters
+from ripples.worker.protocols.lpp.rules import BlockSelection
+from ripples.worker.sampler import DistributedSampler
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 from ripples.worker.tasks import TaskOptions, build_task
 
@@ -38,7 +39,7 @@ class SharedState:
     """What a worker's processes share; pickled once into each updater at spawn."""
 
     flat: torch.Tensor
-    """The model's parameters, back to back (FlatParameters' layout)."""
+    """The model's averaged state, parameters first (AveragedState's layout)."""
     buffers: list[torch.Tensor]
     """The model's buffers (BatchNorm statistics), in module.buffers() order."""
     counter: Any
@@ -84,6 +85,39 @@ class UpdaterJob:
     num_threads: int = 1
 
 
+class ShardBatches:
+    """Mini-batches from the worker's shard of the training set (its DistributedSampler
+    shard of epoch 0), in an order of this updater's own: the updaters of a worker share
+    its data, each with its own stream (Algorithm 1). The shard is reshuffled after each
+    pass; a last partial batch is dropped."""
+
+    def __init__(self, dataset: Dataset[Any], rank: int, num_workers: int, batch_size: int,
+                 seed: int, stream: int) -> None:
+        self.dataset = dataset
+        self.shard = torch.tensor(list(DistributedSampler(dataset, num_replicas=num_workers,
+                                                          rank=rank, seed=seed)))
+        if len(self.shard) == 0:
+            raise ValueError(f"{num_workers} workers leave rank {rank} no training data")
+        self.batch_size = min(batch_size, len(self.shard))
+        self._generator = torch.Generator().manual_seed(seed * 7919 + rank + 1 + stream * 104729)
+        self._order = self._shuffled()
+        self._pos = 0
+
+    def _shuffled(self) -> torch.Tensor:
+        return self.shard[torch.randperm(len(self.shard), generator=self._generator)]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pos + self.batch_size > len(self._order):
+            self._order, self._pos = self._shuffled(), 0
+        indices = self._order[self._pos : self._pos + self.batch_size]
+        self._pos += self.batch_size
+        if isinstance(self.dataset, TensorDataset):  # one gather per tensor, no collate
+            inputs, targets = (t[indices] for t in self.dataset.tensors)
+            return inputs, targets
+        batch = default_collate([self.dataset[int(i)] for i in indices])
+        return batch[0], batch[1]
+
+
 def take_counter(counter: Any, budget: int) -> int | None:
     """read&inc: the counter's value, incremented atomically; None once it reached budget."""
     with counter.get_lock():
@@ -123,7 +157,8 @@ def run_updates(job: UpdaterJob, shared: SharedState) -> None:
     if shared.flat.device.type == "cuda":
         torch.cuda.set_device(shared.flat.device)  # not GPU 0's context for cuda:k
     task = build_task(job.task, job.options)
-    model = task.model
+    model = task.build_model()
+    optimizer = task.build_optimizer(model)
     bind_parameters(model, shared.flat)
     own_buffers = list(model.buffers())
     if len(own_buffers) != len(shared.buffers):
@@ -134,8 +169,9 @@ def run_updates(job: UpdaterJob, shared: SharedState) -> None:
     params = list(model.parameters())
     first, end = job.blocks[job.index]
     own_block = params[first:end]
-    sampler = ShardSampler(len(task.train_inputs), job.rank, job.num_workers,
-                           task.batch_size, job.seed, stream=job.index + 1)
+    dataset = task.train_data()
+    batches = ShardBatches(dataset, job.rank, job.num_workers, task.batch_size, job.seed,
+                           stream=job.index + 1)
     selection = BlockSelection(job.index + 1, job.full_until)
     spec = (SlowdownSpec.parse(job.slowdown, seed=job.seed * 1000 + job.rank * 64 + job.index)
             if job.slowdown else SlowdownSpec())
@@ -158,11 +194,11 @@ def run_updates(job: UpdaterJob, shared: SharedState) -> None:
         if s is None:
             return
         targets = params if selection.select(s) == 0 else own_block
-        idx = sampler.next_indices()
-        inputs = task.train_inputs[idx].to(device, non_blocking=True)
-        labels = task.train_targets[idx].to(device, non_blocking=True)
+        inputs, labels = batches.next_batch()
+        inputs = inputs.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
         t0 = time.perf_counter()
-        task.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         loss = task.loss_fn(model(inputs), labels)
         # Partial backpropagation: gradients of the block only; the optimizer skips
         # parameters without one (their momentum stays as it was).
@@ -173,7 +209,7 @@ def run_updates(job: UpdaterJob, shared: SharedState) -> None:
         grads = torch.autograd.grad(loss, targets)
         for p, g in zip(targets, grads, strict=True):
             p.grad = g
-        task.optimizer.step()
+        optimizer.step()
         compute = time.perf_counter() - t0
         compute += slowdown.after_compute(compute)
         shared.losses[s % LOSS_SLOTS] = value

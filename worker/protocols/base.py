@@ -1,51 +1,54 @@
-"""The interface between the shared compute loop and a synchronisation protocol."""
+"""The interface between ripples.Optimizer and a synchronisation protocol.
+
+`ripples.Optimizer.step()` runs the local optimizer step, checks the averaged state is
+finite, then calls the protocol's `after_step(completed)` (synchronise: P-Reduce in a
+group, queue a gossip exchange, hop's Recv/Reduce, ...) and `should_stop(completed,
+planned)` (is the run over for this worker?). A protocol gets everything it may use in a
+`ProtocolContext`, built once the run has started. docs/architecture.md says how to add
+one.
+"""
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from ripples.worker.communicators import Communicator, CommunicatorCache
-from ripples.worker.flat_params import FlatParameters
+from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.communicators import Communicator, CommunicatorCache
 from ripples.worker.group_stream import GroupStream
-from ripples.worker.metrics import MetricSpec, ProtocolMetrics, WorkerMetrics
-
-if TYPE_CHECKING:
-    from ripples.worker.loop import ShardSampler, WorkerStats
-    from ripples.worker.slowdown import Slowdown
-    from ripples.worker.tasks import Task, TaskOptions
+from ripples.worker.metrics import MetricSpec, ProtocolMetrics
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class SyncContext:
-    """Everything a strategy may use; built once by the daemon after the run starts."""
+class ProtocolContext:
+    """Everything a protocol may use; built once the run has started."""
 
     client: CoordinatorClient
     worker_id: int
     rank: int
     num_workers: int
     config: pb.RunConfig
-    start: pb.Membership
+    membership: pb.Membership
     model: torch.nn.Module
-    params: FlatParameters
+    state: AveragedState
+    """What is averaged (parameters, float buffers, adopted optimizer state)."""
     comms: CommunicatorCache
     store: dist.Store
     device: torch.device
     stop_requested: threading.Event  # raised by the heartbeat when the coordinator stops the run
     progress: Callable[[], pb.Progress]  # this worker's progress, sent along with sync RPCs
-    optimizer: torch.optim.Optimizer
     metrics: ProtocolMetrics  # where a protocol declares metrics of its own
 
 
@@ -60,28 +63,11 @@ class SyncResult:
     preduce_durations: tuple[float, ...] = ()  # one per collective, seconds
     preduce_bytes: int = 0  # bytes this worker fed into the collectives
     num_failed_groups: int = 0
-    inside_step: bool = False  # the sync ran inside the gradient step (DDP's backward)
+    inside_step_seconds: float = 0.0
+    """Of preduce_seconds, the part spent inside the backward pass (DDP's bucketed
+    all-reduce), which the optimizer's compute time would otherwise count too."""
     stop: bool = False
     stop_reason: str = ""
-
-
-@dataclass(kw_only=True)
-class TrainingJob:
-    """What a worker trains with, built by the daemon; SyncStrategy.run_training runs it."""
-
-    task: Task
-    task_spec: str
-    """The task's spec (processes of their own, such as LPP-SGD's updaters, rebuild it)."""
-    task_options: TaskOptions
-    sampler: ShardSampler
-    stats: WorkerStats
-    slowdown: Slowdown
-    slowdown_spec: str
-    """FACTOR[@PROBABILITY] or empty, for processes of their own."""
-    device: torch.device
-    local_stop: threading.Event
-    metrics: WorkerMetrics | None
-    num_threads: int = 1
 
 
 def max_peer_wait_seconds(config: pb.RunConfig) -> float:
@@ -90,54 +76,45 @@ def max_peer_wait_seconds(config: pb.RunConfig) -> float:
     return max(300.0, 5 * config.collective_timeout_seconds)
 
 
-class SyncStrategy(abc.ABC):
-    """A protocol plugged into the compute loop.
+class Protocol(abc.ABC):
+    """A synchronisation protocol behind ripples.Optimizer.
 
-    The loop calls, per iteration: should_stop(completed) -> before_step(completed) ->
-    gradient step -> after_step(completed). `completed` counts finished gradient steps.
+    Per optimizer step: after_step(completed) synchronises, then should_stop(completed,
+    planned) tells whether the run is over for this worker. `completed` counts finished
+    optimizer steps. begin() runs once before the first step, close() once at the end.
     """
 
     name: str = ""
     metrics: tuple[MetricSpec, ...] = ()
     """The metrics this protocol exports besides the shared ones (declared in __init__
     with ctx.metrics.declare)."""
+    syncs_gradients: bool = False
+    """Gradients are averaged inside backward (allreduce), not the model after the step."""
+    averages_optimizer_state: bool = False
+    """The optimizer's per-parameter state joins the averaged state after the first step
+    (with the run's average_optimizer_state): protocols that replace the model with a
+    group's average. Protocols that exchange deltas or snapshots of a flat buffer fixed at
+    the start (gossip, hop, lap/lpp) average parameters and buffers only, as their papers."""
 
-    def __init__(self, ctx: SyncContext) -> None:
+    def __init__(self, ctx: ProtocolContext) -> None:
         self.ctx = ctx
-        self._state_adopted = False
 
-    def averaged_state(self) -> FlatParameters:
-        """What a P-Reduce averages: the flat parameters, and with the run's
-        average_optimizer_state also the optimizer's per-parameter state, which exists
-        only after the first step and is adopted into the flat buffer at the first call."""
-        if self.ctx.config.average_optimizer_state and not self._state_adopted:
-            self.ctx.params.adopt_optimizer_state(self.ctx.optimizer)
-            self._state_adopted = True
-        return self.ctx.params
+    def begin(self) -> None:  # noqa: B027 (optional hook)
+        """Once, after the start and before the first step (hop sends iteration 0)."""
 
-    def training_model(self) -> torch.nn.Module:
-        """The module the loop runs forward/backward on (DDP wraps it)."""
-        return self.ctx.model
-
-    def run_training(self, job: TrainingJob) -> str:
-        """Train to the end; returns why it ended. The shared compute loop calls this
-        strategy's hooks each iteration; a protocol with processes of its own (LPP-SGD)
-        runs them instead."""
-        from ripples.worker.loop import train  # the loop imports this module
-
-        return train(job.task, self, job.sampler, job.stats, job.slowdown, job.device,
-                     job.local_stop, job.metrics)
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """While active, backward passes do not synchronise gradients (gradient
+        accumulation). Only protocols that synchronise inside backward (allreduce) do
+        anything here; the others synchronise in step()."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
-        """Before a step: a SyncResult with stop=True ends training."""
-
-    def before_step(self, completed: int) -> None:  # noqa: B027 (optional hook)
-        """Before the gradient step (hop sends the parameters the step starts from)."""
+        """After a step and its sync: a SyncResult with stop=True ends training."""
 
     @abc.abstractmethod
     def after_step(self, completed: int) -> SyncResult:
-        """After the optimizer step: synchronise (or not)."""
+        """After the local optimizer step: synchronise (or not)."""
 
     def record(self) -> dict[str, object]:
         """What the protocol tells of this worker's run, as JSON values, for the run's
@@ -145,16 +122,16 @@ class SyncStrategy(abc.ABC):
         return {}
 
     def close(self) -> None:  # noqa: B027 (optional hook, deliberately empty)
-        """Release protocol resources (not communicators: the daemon owns the cache)."""
+        """Release protocol resources (not communicators: the session owns the cache)."""
 
 
 def run_group_collective(
-    ctx: SyncContext, stream: GroupStream, group: pb.Group, key: str,
+    ctx: ProtocolContext, stream: GroupStream, group: pb.Group, key: str,
     collective: Callable[[Communicator], float | None],
 ) -> tuple[float, bool]:
     """Run `collective` on the group's communicator (`key` in the cache), then release the
     group: ok, with the squared distance `collective` returns if any; or failed, with the
-    communicator dropped and never rebuilt (notes/preduce-findings.md rule 4).
+    communicator dropped and never rebuilt (docs/data-plane.md rule 4).
     Returns (seconds, ok)."""
     members = list(group.members)
     t0 = time.perf_counter()

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ripples.worker.communicators import Communicator
-from ripples.worker.flat_params import FlatParameters
+from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.communicators import Communicator
 
 
-def preduce(params: FlatParameters, comm: Communicator, timeout_seconds: float) -> None:
+def preduce(params: AveragedState, comm: Communicator, timeout_seconds: float) -> None:
     """Replace the local model with the mean of the group's models.
 
     One SUM collective over the flat buffer, pre-scaled by 1/|G| (gloo's AVG is not
-    trusted, notes/preduce-findings.md). On any error the staging buffer is abandoned
+    trusted, docs/data-plane.md). On any error the staging buffer is abandoned
     and the parameters keep their local values; the caller reports the group failed and
     drops the communicator.
     """
@@ -31,7 +31,7 @@ class DeltaAverager:
     snapshot v = x; the members' sum of v/|G| (plus one control value each, summed) in a
     separate buffer; then x += avg - v. Updates made to x while the collective runs stay
     in x. On a failed collective x is untouched (the collective writes only its own
-    buffer, notes/preduce-findings.md rule 4)."""
+    buffer, docs/data-plane.md rule 4)."""
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat

@@ -26,20 +26,24 @@ import logging
 import math
 import os
 import queue
+import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from ripples.protocols.lpp import LppSettings
-from ripples.worker.communicators import Communicator
-from ripples.worker.loop import WorkerStats
-from ripples.worker.lpp import partition_blocks
-from ripples.worker.lpp_updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
-from ripples.worker.preduce import DeltaAverager
-from ripples.worker.strategies.base import SyncContext, SyncResult, SyncStrategy, TrainingJob
-from ripples.worker.strategies.ripples_gg import GroupGeneratorStrategy
+from ripples.worker.dataplane.communicators import Communicator
+from ripples.worker.dataplane.preduce import DeltaAverager
+from ripples.worker.metrics import WorkerMetrics
+from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult
+from ripples.worker.protocols.group_generator import GroupGeneratorProtocol
+from ripples.worker.protocols.lpp.rules import partition_blocks
+from ripples.worker.protocols.lpp.updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
+from ripples.worker.stats import WorkerStats
+from ripples.worker.tasks import TaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +67,27 @@ REPORT_SECONDS = 0.2
 """How often the updaters' counts reach the worker's progress while it waits for K_j."""
 
 
-class _GroupAverager(GroupGeneratorStrategy):
+@dataclass(kw_only=True)
+class TrainingJob:
+    """What the built-in runner hands this runner-only protocol: the task to rebuild in
+    each updater process, and where the worker's progress goes."""
+
+    task_spec: str
+    """The task's spec (each updater process builds the task itself)."""
+    task_options: TaskOptions
+    batch_size: int
+    stats: WorkerStats
+    local_stop: threading.Event
+    metrics: WorkerMetrics | None
+    slowdown_spec: str = ""
+    """FACTOR[@PROBABILITY] or empty, for the updaters."""
+    num_threads: int = 1
+
+
+class _GroupAverager(GroupGeneratorProtocol):
     """The Group Generator's rounds with the delta rule instead of replacing the model."""
 
-    def __init__(self, ctx: SyncContext, averager: DeltaAverager) -> None:
+    def __init__(self, ctx: ProtocolContext, averager: DeltaAverager) -> None:
         super().__init__(ctx)
         self.averager = averager
 
@@ -74,17 +95,17 @@ class _GroupAverager(GroupGeneratorStrategy):
         self.averager.average(comm, self.timeout)
 
 
-class LppStrategy(SyncStrategy):
+class LppProtocol(Protocol):
     name = "lpp"
 
-    def __init__(self, ctx: SyncContext) -> None:
+    def __init__(self, ctx: ProtocolContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
         self.settings = LppSettings.of_config(cfg)
         self.settings.validate()
         self.partial = cfg.protocol == "lpp-sgd"  # partial backpropagation (LPP-SGD)
         self.timeout = cfg.collective_timeout_seconds
-        flat = ctx.params.flat
+        flat = ctx.state.flat
         if flat.device.type == "cpu":
             flat.share_memory_()  # in place: the model's parameters stay views into it
         self.buffers = list(ctx.model.buffers())
@@ -151,7 +172,7 @@ class LppStrategy(SyncStrategy):
         if budget <= 0:
             raise ValueError("lap-sgd and lpp-sgd need a budget of iterations or epochs (T "
                              "sets the full-model phase and the synchronisation scheme)")
-        self._batch_size = job.task.batch_size
+        self._batch_size = job.batch_size
         shared = self._shared_state()
         reason = ""
         try:

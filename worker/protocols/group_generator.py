@@ -6,12 +6,12 @@ import logging
 import time
 
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.communicators import Communicator
-from ripples.worker.preduce import preduce
-from ripples.worker.strategies.base import (
-    SyncContext,
+from ripples.worker.dataplane.communicators import Communicator
+from ripples.worker.dataplane.preduce import preduce
+from ripples.worker.protocols.base import (
+    Protocol,
+    ProtocolContext,
     SyncResult,
-    SyncStrategy,
     max_peer_wait_seconds,
     run_group_collective,
 )
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 GROUP_POLL_SECONDS = 10.0
 
 
-class GroupGeneratorStrategy(SyncStrategy):
+class GroupGeneratorProtocol(Protocol):
     """After each step: ask the coordinator for groups and P-Reduce in each, in order.
 
     The coordinator decides the policy (random or smart) from the run config; this side
@@ -31,8 +31,9 @@ class GroupGeneratorStrategy(SyncStrategy):
     """
 
     name = "ripples-gg"
+    averages_optimizer_state = True
 
-    def __init__(self, ctx: SyncContext) -> None:
+    def __init__(self, ctx: ProtocolContext) -> None:
         super().__init__(ctx)
         self.timeout = ctx.config.collective_timeout_seconds
         # A group may wait for slow peers' iterations; give up only after this long.
@@ -66,13 +67,13 @@ class GroupGeneratorStrategy(SyncStrategy):
                 break
             if reply.outcome != pb.GROUP_OUTCOME_GROUP:  # NO_GROUP, CANCELLED: go on training
                 if reply.outcome == pb.GROUP_OUTCOME_CANCELLED:
-                    logger.warning("group cancelled: %s", reply.detail)
+                    logger.info("group cancelled: %s", reply.detail)
                 break
             seconds, ok = self._execute(reply.group)
             result.preduce_seconds += seconds
             result.num_groups += 1
             result.num_failed_groups += not ok
-            result.preduce_bytes += self.ctx.params.size_bytes
+            result.preduce_bytes += self.ctx.state.size_bytes
             sizes.append(len(reply.group.members))
             durations.append(seconds)
             if not reply.more:
@@ -90,7 +91,7 @@ class GroupGeneratorStrategy(SyncStrategy):
 
     def average(self, comm: Communicator) -> None:
         """Average the model over the group (LPP-SGD's averaging process overrides it)."""
-        preduce(self.averaged_state(), comm, self.timeout)
+        preduce(self.ctx.state, comm, self.timeout)
 
     def close(self) -> None:
         self.stream.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ripples.worker.strategies.base import SyncContext, SyncResult
+from ripples.worker.protocols.base import ProtocolContext, SyncResult
 
 
 class LockstepStop:
@@ -12,7 +12,7 @@ class LockstepStop:
     CoordinatorCore.checkpoint), so no worker is left alone inside a collective.
     """
 
-    def __init__(self, ctx: SyncContext) -> None:
+    def __init__(self, ctx: ProtocolContext) -> None:
         self.ctx = ctx
         self.interval = max(1, ctx.config.checkpoint_interval)
         self.stop_at = 0

@@ -2,7 +2,7 @@
 
 `dist.new_group` hangs for groups decided at run time (its store prefix depends on each
 process's history), so communicators are built directly on the coordinator's rendezvous
-store under a name the coordinator hands out (shared/notes/preduce-findings.md):
+store under a name the coordinator hands out (docs/data-plane.md):
 gloo on CPU, NCCL on CUDA. No default process group is needed.
 """
 

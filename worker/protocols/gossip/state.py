@@ -1,7 +1,7 @@
 """Pairwise gossip state shared by the compute thread and the communication thread.
 
 AD-PSGD and A2CiD2 average in pairs while the model keeps training (wait-free, AD-PSGD
-Appendix A). Following notes/preduce-findings.md rule 6, the communication thread never
+Appendix A). Following docs/data-plane.md rule 6, the communication thread never
 writes the model: it averages a snapshot and hands back a *delta*, which the compute
 thread adds at the next step boundary.
 

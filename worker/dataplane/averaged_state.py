@@ -1,0 +1,208 @@
+"""What a protocol averages, in one flat contiguous buffer, double-buffered for P-Reduce.
+
+The averaged state of a worker is, in this order:
+
+1. every parameter of the model (`model.named_parameters()`, shared parameters once);
+2. every floating-point buffer (`model.named_buffers()`: BatchNorm's running mean and
+   variance; integer buffers such as `num_batches_tracked` are not averaged);
+3. once adopted (`adopt_optimizer_state`, after the first step), the optimizer's
+   per-parameter state tensors shaped like their parameter (SGD's momentum buffer, Adam's
+   moments; not scalars such as Adam's step).
+
+Each of them is a view into `flat` (`p.data`, a buffer's `.data` and the optimizer's state
+entry are re-pointed), so averaging the state is one collective on one tensor with no
+concatenation or split. Averaging runs in a second buffer of the same size: `stage()`
+writes state/|G| into it, the collective sums it in place, and `commit()` re-points the
+tensors at it (the old buffer becomes the next staging buffer). A failed collective may
+still write into its buffer after the error (rule 4 of docs/data-plane.md), so on
+failure the staging buffer is abandoned and the tensors, never touched by the collective,
+keep the local values.
+
+`schema()` lists the tensors (name, shape, dtype) in buffer order: the coordinator refuses
+a worker whose schema differs from the others', so workers never average mismatched
+buffers. `nonfinite()` is the gate that keeps a NaN or inf from ever leaving the process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+
+from ripples.v1 import coordinator_pb2 as pb
+
+StateSlot = tuple[dict[str, Any], str]
+"""(the optimizer's state dict of one parameter, a key in it) naming one state tensor."""
+
+
+class AveragedState:
+    """Owns the flat storage of a model's averaged tensors.
+
+    Invariant: every averaged tensor, in the order `names` lists them, is a view into
+    `self.flat`; `self.flat` is never handed to a collective (only the staging buffer is).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, include_buffers: bool = True) -> None:
+        named = list(model.named_parameters())
+        if not named:
+            raise ValueError("the model has no parameters to synchronise")
+        self.params = [p for _, p in named]
+        self.buffers: list[torch.Tensor] = []
+        self.names = [f"param:{n}" for n, _ in named]
+        if include_buffers:
+            for name, buf in model.named_buffers():
+                if buf.is_floating_point():
+                    self.buffers.append(buf)
+                    self.names.append(f"buffer:{name}")
+        self._param_names = [n for n, _ in named]
+        tensors = [*self.params, *self.buffers]
+        devices = {t.device for t in tensors}
+        dtypes = {t.dtype for t in tensors}
+        if len(devices) != 1 or len(dtypes) != 1:
+            kinds = sorted({f"{t.dtype} on {t.device}" for t in tensors})
+            raise ValueError(
+                "Ripples averages one flat buffer: every parameter and floating-point buffer "
+                f"must share one dtype and device, found {', '.join(kinds)}; convert the "
+                "model with model.to(device, dtype) (autocast keeps low-precision compute)")
+        self.slots: list[StateSlot] = []
+        self._slot_labels: list[str] = []
+        self.flat = self._allocate(sum(t.numel() for t in tensors))
+        with torch.no_grad():
+            self._point_views_at(self.flat, copy=True)
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+    @property
+    def size_bytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+    @property
+    def num_model_tensors(self) -> int:
+        """Parameters and buffers (the optimizer's state tensors follow them)."""
+        return len(self.params) + len(self.buffers)
+
+    def _allocate(self, numel: int) -> torch.Tensor:
+        first = self.params[0]
+        return torch.empty(numel, dtype=first.dtype, device=first.device)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*(p.data for p in self.params), *(b.data for b in self.buffers),
+                *(state[key] for state, key in self.slots)]
+
+    def _point_views_at(self, buffer: torch.Tensor, *, copy: bool) -> None:
+        views = []
+        offset = 0
+        for tensor in self._tensors():
+            n = tensor.numel()
+            view = buffer[offset : offset + n].view_as(tensor)
+            if copy:
+                view.copy_(tensor)
+            views.append(view)
+            offset += n
+        model_views = views[: self.num_model_tensors]
+        for t, view in zip([*self.params, *self.buffers], model_views, strict=True):
+            t.data = view
+        for (state, key), view in zip(self.slots, views[self.num_model_tensors :], strict=True):
+            state[key] = view
+
+    # ------------------------------------------------------------------ optimizer state
+    def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> int:
+        """Move the optimizer's per-parameter tensors into the flat buffer.
+
+        Every floating tensor in `optimizer.state[p]` shaped like `p` (SGD's momentum
+        buffer, Adam's exp_avg and exp_avg_sq; not scalars such as Adam's step) becomes a
+        view into the buffer after the parameters and buffers, so a P-Reduce averages the
+        group's update directions along with its models. PyTorch's optimizers look their
+        state up by key at every step and update it in place, so they keep working on the
+        views. Optimizers create state lazily: call after the first step, and again after
+        `optimizer.load_state_dict` (which replaces the state tensors). Returns the number
+        of tensors adopted.
+        """
+        first = self.params[0]
+        slots: list[StateSlot] = []
+        labels: list[str] = []
+        for name, p in zip(self._param_names, self.params, strict=True):
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if (isinstance(value, torch.Tensor) and value.shape == p.shape
+                        and value.dtype == first.dtype and value.device == first.device):
+                    slots.append((state, key))
+                    labels.append(f"state:{name}.{key}")
+        self.slots, self._slot_labels = slots, labels
+        self.flat = self._allocate(sum(t.numel() for t in self._tensors()))
+        with torch.no_grad():
+            self._point_views_at(self.flat, copy=True)
+        self._staging = None
+        return len(slots)
+
+    # ------------------------------------------------------------------ collectives
+    def stage(self, scale: float) -> torch.Tensor:
+        """A buffer holding the flat state * scale, ready for an in-place SUM collective."""
+        if self._staging is None:
+            self._staging = torch.empty_like(self.flat)
+        with torch.no_grad():
+            torch.mul(self.flat, scale, out=self._staging)
+        return self._staging
+
+    def commit(self) -> None:
+        """Adopt the staged buffer (now holding the group average) as the state."""
+        assert self._staging is not None, "commit() without stage()"
+        staged, self._staging = self._staging, self.flat
+        self.flat = staged
+        self._point_views_at(self.flat, copy=False)
+
+    def abandon(self) -> None:
+        """Forget the staging buffer after a failed collective; the state stays put."""
+        self._staging = None
+
+    # ------------------------------------------------------------------ checks
+    def nonfinite(self) -> str | None:
+        """None when every averaged value is finite, else the name of the first tensor
+        holding a NaN or an infinity. The fast path is one reduction (the sum of finite
+        values is finite: an overflow of the sum would need values near 1e34); the
+        tensor is looked for only when it fails. On a GPU this reads one scalar back."""
+        total = torch.sum(self.flat, dtype=torch.float64 if self.flat.dtype == torch.float64
+                          else torch.float32)
+        if math.isfinite(float(total)):
+            return None
+        names = [*self.names, *self.optimizer_state_labels()]
+        for name, tensor in zip(names, self._tensors(), strict=True):
+            if not bool(torch.isfinite(tensor).all()):
+                return name
+        return "an averaged tensor"  # the sum overflowed: no single value is non-finite
+
+    def optimizer_state_labels(self) -> list[str]:
+        """Names of the adopted optimizer state tensors: state:<parameter>.<key>."""
+        return list(self._slot_labels)
+
+    def schema(self) -> pb.TensorSchema:
+        """The averaged tensors in buffer order, with a digest the coordinator compares."""
+        specs = [pb.TensorSpec(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix(
+                     "torch.")) for name, t in zip([*self.names, *self.optimizer_state_labels()],
+                                                   self._tensors(), strict=True)]
+        digest = hashlib.sha256()
+        for s in specs:
+            digest.update(f"{s.name}|{list(s.shape)}|{s.dtype}\n".encode())
+        return pb.TensorSchema(tensors=specs, digest=digest.hexdigest())
+
+
+def bind_parameters(module: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Point `module`'s parameters at views into `flat`, laid out as AveragedState lays
+    out an identically built module (parameters in order, back to back, first): how an
+    LPP-SGD updater process shares its worker's model. The parameters' values become
+    flat's."""
+    params = list(module.parameters())
+    numel = sum(p.numel() for p in params)
+    if flat.numel() < numel or flat.dtype != params[0].dtype or flat.device != params[0].device:
+        raise ValueError(f"a flat buffer of {flat.numel()} {flat.dtype} on {flat.device} cannot "
+                         f"hold this model's {numel} {params[0].dtype} on {params[0].device}")
+    offset = 0
+    for p in params:
+        p.data = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()

@@ -1,0 +1,299 @@
+"""`ripples.Optimizer`: the user's optimizer, then the run's synchronisation.
+
+Wraps any `torch.optim.Optimizer` built over the model's parameters. `step()` runs the
+wrapped optimizer's step (the local step), then the run's protocol: a P-Reduce in the
+group the coordinator forms, a gossip exchange, hop's Recv/Reduce, or nothing more for
+`allreduce`, whose DDP hooks averaged the gradients during backward. In single-process
+mode (no coordinator) `step()` is the wrapped step and nothing else.
+
+It is a `torch.optim.Optimizer` itself, sharing the wrapped optimizer's `param_groups`
+and `state`, so learning-rate schedulers, `torch.amp.GradScaler` and gradient clipping
+work on it as on the optimizer it wraps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from ripples.worker.synchronizer import StepSynchronizer, StepTimes
+
+logger = logging.getLogger(__name__)
+
+LOSS_FLUSH_STEPS = 16
+"""Losses reported as device tensors are read back in batches of this many steps (one
+host-device sync per batch instead of one per step)."""
+
+
+class Optimizer(torch.optim.Optimizer):
+    """The wrapped optimizer's step, then this run's synchronisation.
+
+    Args:
+        optimizer: The local optimizer, built over `model`'s parameters.
+        model: The model whose state the workers average (parameters, floating-point
+            buffers such as BatchNorm statistics, and by default the optimizer's
+            per-parameter state); see docs/library.md for each protocol.
+        average_optimizer_state: Average the optimizer's per-parameter state (momentum,
+            Adam's moments) with the model, for protocols that replace the model by a
+            group's average. None: the run's setting (on by default).
+        on_nonfinite: "raise" (default): a non-finite value in the averaged state fails
+            the worker with a FloatingPointError before anything is sent. "skip": a step
+            whose gradients are not all finite is skipped (not applied, counted in
+            `skipped_steps`); training and synchronisation go on.
+        planned_steps: How many steps this worker intends to make (e.g. epochs x
+            len(loader)): the run's progress and its iteration budget. None: the run's
+            `--iterations`, else no budget (your loop decides; `stopped` still turns True
+            when the coordinator stops the run).
+
+    One ripples.Optimizer per process. Check `stopped` after each step and leave the loop
+    when it is True: the coordinator stopped the run (budget, target loss, a stop
+    request, a peer that lock-step protocols cannot do without) or a signal asked this
+    worker to stop.
+    """
+
+    _step_supports_amp_scaling = True
+    """GradScaler hands the step its inf check (`found_inf`) instead of skipping step()
+    altogether, so that a skipped local step still takes part in the synchronisation."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
+                 average_optimizer_state: bool | None = None,
+                 on_nonfinite: Literal["raise", "skip"] = "raise",
+                 planned_steps: int | None = None) -> None:
+        from ripples.worker.api import init
+
+        if isinstance(optimizer, Optimizer):
+            raise ValueError("this optimizer is already a ripples.Optimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ripples.Optimizer wraps a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        if planned_steps is not None and planned_steps < 0:
+            raise ValueError("planned_steps must not be negative")
+        own = {id(p) for p in model.parameters()}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+        if foreign:
+            raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not "
+                             "parameters of the model; build it over model.parameters()")
+        # torch.optim.Optimizer's own attributes; the state and param groups are the
+        # wrapped optimizer's (properties below), so its __init__ is not called.
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
+            OrderedDict())
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
+            OrderedDict())
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
+            OrderedDict())
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
+            OrderedDict())
+        self.optimizer = optimizer
+        """The wrapped (local) optimizer."""
+        self.model = model
+        self.on_nonfinite = on_nonfinite
+        self.local_step = 0
+        """Optimizer steps this worker made."""
+        self.skipped_steps = 0
+        """Steps not applied: non-finite gradients (on_nonfinite="skip") or GradScaler."""
+        self.stop_reason = ""
+        self._pending_losses: list[torch.Tensor] = []
+        self._warned_after_stop = False
+        self.worker = init()
+        self.worker._register_optimizer(self)
+        config = self.worker._session.config if self.worker._session else None
+        if planned_steps is None:
+            planned_steps = int(config.iterations) if config is not None else 0
+        self.planned_steps = planned_steps
+        self._sync: StepSynchronizer | None = None
+        if self.worker._session is not None:
+            self._sync = StepSynchronizer(self.worker._session, model, optimizer,
+                                          average_optimizer_state=average_optimizer_state,
+                                          planned_steps=planned_steps)
+        self._check_gradients = on_nonfinite == "skip" or (
+            self._sync is not None and self._sync.protocol.syncs_gradients)
+
+    # ------------------------------------------------------------------ torch.optim API
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("the averaged state is fixed when ripples.Optimizer is "
+                                  "built: add every parameter group to the optimizer first")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict, plus Ripples' own counters under "ripples"
+        (a plain optimizer loads it too, ignoring that key)."""
+        state = self.optimizer.state_dict()
+        state["ripples"] = {"local_step": self.local_step, "skipped_steps": self.skipped_steps}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the wrapped optimizer; its new state tensors rejoin the averaged
+        state (the protocols that average it keep doing so)."""
+        state_dict = dict(state_dict)
+        own = state_dict.pop("ripples", None)
+        self.optimizer.load_state_dict(state_dict)
+        if own is not None:
+            self.local_step = int(own.get("local_step", self.local_step))
+            self.skipped_steps = int(own.get("skipped_steps", self.skipped_steps))
+        if self._sync is not None:
+            self._sync.readopt_after_load()
+
+    def __repr__(self) -> str:
+        protocol = self.worker.protocol or "single-process"
+        return f"ripples.Optimizer({self.optimizer!r}, protocol={protocol})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a ripples.Optimizer cannot be pickled; save state_dict() instead")
+
+    # ------------------------------------------------------------------ training
+    @property
+    def stopped(self) -> bool:
+        """The run is over for this worker: leave the training loop."""
+        return bool(self.stop_reason)
+
+    @property
+    def global_step(self) -> int:
+        """Steps of an average worker of the run (its global progress): what learning-
+        rate schedules should follow, so that a worker that is slower, or joined late,
+        follows the run's schedule rather than its own count. Single-process: local_step."""
+        session = self.worker._session
+        if session is None:
+            return self.local_step
+        return max(0, round(session.global_iterations(self.local_step)))
+
+    @property
+    def step_times(self) -> StepTimes:
+        """Where the steps spent their time: local step, sync, Ripples' own overhead."""
+        return self._sync.times if self._sync is not None else StepTimes()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside do not synchronise gradients (gradient accumulation with
+        `allreduce`, as DDP's `model.no_sync()`); other protocols synchronise in step()
+        only, so it changes nothing for them."""
+        return self._sync.protocol.no_sync() if self._sync is not None else (
+            contextlib.nullcontext())
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """The local step, then the protocol's synchronisation (see the class doc)."""
+        for hook in self._optimizer_step_pre_hooks.values():
+            hook(self, (), {})
+        started = time.perf_counter()
+        loss = self._local_step(closure)
+        local_seconds = time.perf_counter() - started
+        self.local_step += 1
+        sync = self._sync
+        if self.stop_reason:
+            if not self._warned_after_stop:
+                logger.warning("the run has stopped (%s); this step and later ones are "
+                               "local: check opt.stopped and leave the loop", self.stop_reason)
+                self._warned_after_stop = True
+        elif sync is not None:
+            self.stop_reason = sync.after_local_step(self.local_step, local_seconds, started)
+        elif self.planned_steps and self.local_step >= self.planned_steps:
+            self.stop_reason = f"iteration budget reached ({self.planned_steps} steps)"
+        for hook in self._optimizer_step_post_hooks.values():
+            hook(self, (), {})
+        return loss
+
+    def _local_step(self, closure: Callable[[], float] | None) -> float | None:
+        inner = self.optimizer
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
+        if found_inf is None:
+            if self._check_gradients and self._gradients_nonfinite():
+                if self.on_nonfinite == "raise":
+                    raise FloatingPointError(
+                        f"non-finite gradients at step {self.local_step + 1} (with "
+                        "allreduce: after averaging, so some worker's loss or gradients "
+                        "were not finite); nothing was applied. Lower the learning rate, "
+                        "clip the gradients, or pass on_nonfinite='skip'")
+                self.skipped_steps += 1
+                return None
+            return inner.step(closure) if closure is not None else inner.step()
+        grad_scale = getattr(self, "grad_scale", None)
+        if getattr(inner, "_step_supports_amp_scaling", False):  # e.g. fused Adam
+            inner.grad_scale, inner.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+            try:
+                return inner.step(closure) if closure is not None else inner.step()
+            finally:
+                del inner.grad_scale, inner.found_inf  # type: ignore[attr-defined]
+        if float(found_inf) > 0:  # the read GradScaler's own path makes too
+            self.skipped_steps += 1
+            return None
+        if grad_scale is not None:  # the scaler did not unscale_ yet: unscale here
+            grads = [p.grad for g in self.param_groups for p in g["params"]
+                     if p.grad is not None]
+            torch._foreach_div_(grads, grad_scale.to(grads[0].device) if grads else grad_scale)
+        return inner.step(closure) if closure is not None else inner.step()
+
+    def _gradients_nonfinite(self) -> bool:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return False
+        largest = torch.stack(torch._foreach_norm(grads, math.inf)).max()
+        return not math.isfinite(float(largest))
+
+    def report_loss(self, loss: float | torch.Tensor, num_samples: int | None = None) -> None:
+        """This step's training loss (and batch size), for the run's progress: the
+        coordinator's mean loss, the dashboard's curves and the target loss. A tensor on
+        a GPU is read back in batches, not one host sync per step. Non-finite losses are
+        not reported."""
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach()
+            if value.device.type != "cpu":
+                self._pending_losses.append(value.reshape(()))
+                if len(self._pending_losses) >= LOSS_FLUSH_STEPS:
+                    self._flush_losses()
+                self._count_samples(num_samples)
+                return
+            loss = float(value)
+        self._add_loss(float(loss))
+        self._count_samples(num_samples)
+
+    def _flush_losses(self) -> None:
+        values = torch.stack(self._pending_losses).tolist()
+        self._pending_losses.clear()
+        for value in values:
+            self._add_loss(value)
+
+    def _add_loss(self, value: float) -> None:
+        session = self.worker._session
+        if session is None or not math.isfinite(value):
+            return
+        with session.stats.lock:
+            session.stats.add_loss(value)
+
+    def _count_samples(self, num_samples: int | None) -> None:
+        session = self.worker._session
+        if session is not None and num_samples:
+            with session.stats.lock:
+                session.stats.samples += num_samples
+
+    # ------------------------------------------------------------------ the end
+    def _finish(self, error: str) -> dict[str, object] | None:
+        """Called by the worker's shutdown: flush the losses, close the protocol; returns
+        this worker's record of the run (None in single-process mode)."""
+        if self._pending_losses:
+            self._flush_losses()
+        if self._sync is None:
+            return None
+        self._sync.close()
+        return self._sync.record(self.stop_reason or error or "the training loop ended")

@@ -1,0 +1,166 @@
+"""Starting worker processes: the environment `ripples.init()` reads, and a watcher that
+passes signals on and names the first process that failed.
+
+Used by `ripples worker run --nproc-per-node K` (one host's workers) and `ripples run`
+(a whole local cluster). Children run in process groups of their own, so a Ctrl-C at the
+terminal reaches this process only; it passes SIGTERM on (each worker finishes its step
+and leaves the run) and, on a second signal, kills them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ripples.worker.launch_env import ENV_COORDINATOR, LaunchEnv
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+TERMINATE_GRACE_SECONDS = 30.0
+"""After passing a signal on, how long the children have to leave before they are killed."""
+
+
+def launch_environment(env: LaunchEnv, *, rank: int | None,
+                       world_size: int | None) -> dict[str, str]:
+    """The environment of one child: the parent's, plus where the child stands (torchrun's
+    variables and Ripples' own); `rank`/`world_size` None leaves them unset."""
+    variables = {
+        ENV_COORDINATOR: env.coordinator,
+        "RIPPLES_LAUNCHER": "ripples",
+        "RIPPLES_HOST": env.host,
+        "LOCAL_RANK": str(env.local_rank),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "RIPPLES_METRICS_PORT": str(env.metrics_port),
+        "RIPPLES_METRICS_BIND": env.metrics_bind,
+        "RIPPLES_CONNECT_TIMEOUT_SECONDS": str(env.connect_timeout_seconds),
+        "RIPPLES_START_TIMEOUT_SECONDS": str(env.start_timeout_seconds),
+    }
+    optional = {"RIPPLES_DEVICE": env.device, "RIPPLES_METRICS_HOST": env.metrics_host,
+                "RIPPLES_SAVE_MODEL": env.save_model, "RIPPLES_SAVE_RECORD": env.save_record,
+                "RIPPLES_SLOWDOWN": env.slowdown}
+    variables.update({k: v for k, v in optional.items() if v})
+    if env.num_threads:
+        variables["RIPPLES_NUM_THREADS"] = str(env.num_threads)
+        variables["OMP_NUM_THREADS"] = str(env.num_threads)
+    if rank is not None and world_size is not None:
+        variables.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    # The parent's own launcher variables (its torchrun rank) are not the child's; with
+    # RIPPLES_LAUNCHER=ripples the child reads Ripples' and torchrun's names only, not
+    # SLURM's or Kubeflow's (an `srun` around this process gave them all one rank).
+    child = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    child.update(variables)
+    return child
+
+
+def script_argv(script: list[str] | tuple[str, ...]) -> list[str]:
+    """The user's command; a bare `python` or `python3` is the interpreter that runs
+    Ripples itself, so the script sees the same packages (as torchrun runs a script)."""
+    import sys
+
+    argv = list(script)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+def runner_argv(env: LaunchEnv, task: str, *, quiet: bool) -> list[str]:
+    """The command line of one built-in-runner worker standing where `env` says."""
+    import sys
+
+    argv = [sys.executable, "-m", "ripples.cli", "worker", "run",
+            "--coordinator", env.coordinator, "--host", env.host,
+            "--local-rank", str(env.local_rank), "--metrics-port", str(env.metrics_port),
+            "--metrics-bind", env.metrics_bind,
+            "--connect-timeout-seconds", str(env.connect_timeout_seconds),
+            "--start-timeout-seconds", str(env.start_timeout_seconds)]
+    for flag, value in (("--task", task), ("--device", env.device),
+                        ("--metrics-host", env.metrics_host), ("--save-model", env.save_model),
+                        ("--save-record", env.save_record), ("--slowdown", env.slowdown)):
+        if value:
+            argv += [flag, value]
+    if env.num_threads:
+        argv += ["--num-threads", str(env.num_threads)]
+    return argv + (["--quiet"] if quiet else [])
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[bytes]
+
+
+@dataclass
+class WorkerProcesses:
+    """Child processes started together and watched until every one has ended."""
+
+    children: list[_Child] = field(default_factory=list)
+    _signals: int = 0
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        # A process group of its own (a terminal's Ctrl-C then reaches this process only),
+        # not a session of its own: with the kernel's autogroup scheduling (on by default
+        # on desktops and here), every session is scheduled as one unit, and workers in
+        # sessions of their own got unequal CPU shares (measured with a2cid2 on digits,
+        # 4 workers on 2 cores: 174-1490 steps each in one run instead of 783-825, and a
+        # quarter of the pairwise exchanges).
+        process = subprocess.Popen(argv, env=env, process_group=0)
+        self.children.append(_Child(name, process))
+
+    def alive(self) -> bool:
+        return any(c.process.poll() is None for c in self.children)
+
+    def failures(self) -> list[str]:
+        """The children that ended with an error, named with their exit codes."""
+        return [f"{c.name} (pid {c.process.pid}) exited with code {c.process.returncode}"
+                for c in self.children
+                if c.process.returncode is not None and c.process.returncode != 0]
+
+    def pass_signal(self, signum: int) -> None:
+        """First call: SIGTERM to every child (it finishes its step and leaves the run);
+        later calls: SIGKILL."""
+        self._signals += 1
+        sent = signal.SIGTERM if self._signals == 1 else signal.SIGKILL
+        for c in self.children:
+            if c.process.poll() is None:
+                try:
+                    os.kill(c.process.pid, sent)
+                except ProcessLookupError:
+                    pass
+
+    def terminate(self, grace_seconds: float = TERMINATE_GRACE_SECONDS) -> None:
+        """Stop every child that still runs: SIGTERM, then SIGKILL after the grace time."""
+        if not self.alive():
+            return
+        self.pass_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        for c in self.children:
+            if c.process.poll() is None:
+                c.process.kill()
+            c.process.wait()
+
+    def wait_all(self) -> int:
+        """Wait for every child, passing SIGINT/SIGTERM on; returns 0 if all succeeded,
+        else the exit code of the first that failed (named in the log)."""
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                handlers[signum] = signal.signal(
+                    signum, lambda s, _f: self.pass_signal(s))
+        try:
+            while self.alive():
+                time.sleep(POLL_SECONDS)
+        finally:
+            for signum, previous in handlers.items():
+                signal.signal(signum, previous)
+        failed = [c for c in self.children if c.process.returncode not in (0, None)]
+        for line in self.failures():
+            logger.error("%s", line)
+        return failed[0].process.returncode if failed else 0

@@ -1,0 +1,146 @@
+"""A worker's part in a run, as the coordinator sees it: registration, lease, start, leave.
+
+`join()` connects, registers (the coordinator hands out the run's settings and a worker
+id), starts the heartbeat that keeps the lease and reports progress, and waits until every
+expected worker registered: ranks and topology are then final. `start()` declares the
+worker ready with the schema of its averaged tensors and waits until every member is;
+then it opens the data plane (the rendezvous store and the communicator cache). `leave()`
+ends the worker's part, with the error that ended it, if any. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.client import CoordinatorCallError, CoordinatorClient, HeartbeatThread
+from ripples.worker.dataplane.communicators import (
+    CommunicatorCache,
+    CommunicatorFactory,
+    connect_store,
+)
+from ripples.worker.launch_env import LaunchEnv
+from ripples.worker.metrics import WorkerMetrics
+from ripples.worker.stats import WorkerStats
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(env: LaunchEnv) -> torch.device:
+    """The launch's device, else cuda:<local rank> when CUDA is available, else cpu."""
+    if env.device:
+        device = torch.device(env.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {env.device} requested but CUDA is not available")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Session:
+    """One worker's membership in one run (the coordinator's side of a worker's life)."""
+
+    def __init__(self, env: LaunchEnv) -> None:
+        if not env.distributed:
+            raise ValueError("a session needs a coordinator address")
+        self.env = env
+        self.device = resolve_device(env)
+        self.client = CoordinatorClient(env.coordinator)
+        self.stats = WorkerStats()
+        self.metrics = WorkerMetrics()
+        self.local_stop = threading.Event()
+        """Set by a signal: this worker finishes its step and leaves."""
+        self.worker_id: int | None = None
+        self.config = pb.RunConfig()
+        self.membership = pb.Membership()
+        self.heartbeat: HeartbeatThread | None = None
+        self.store: dist.Store | None = None
+        self.comms: CommunicatorCache | None = None
+        self._store_address = ("", 0)
+        self._left = False
+
+    # ------------------------------------------------------------------ life
+    def join(self) -> None:
+        """Register and wait until every expected worker has (ranks are then final)."""
+        env = self.env
+        if env.num_threads:
+            torch.set_num_threads(env.num_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.client.wait_until_reachable(env.connect_timeout_seconds)
+        metrics_port = (self.metrics.serve(env.metrics_bind, env.metrics_port)
+                        if env.metrics_port >= 0 else 0)
+        reg = self.client.register(env.host, env.local_rank, str(self.device), os.getpid(),
+                                   metrics_port=metrics_port, metrics_host=env.metrics_host)
+        self.worker_id, self.config = reg.worker_id, reg.config
+        self._store_address = (reg.store_host, reg.store_port)
+        logger.info("registered as worker %d for run %s (%s)", self.worker_id,
+                    self.config.run_id, self.config.protocol)
+        self.heartbeat = HeartbeatThread(self.client, self.worker_id,
+                                         self.config.heartbeat_interval_seconds,
+                                         self.config.lease_seconds, self.stats.snapshot)
+        self.heartbeat.start()
+        self.membership = self.client.await_members(self.worker_id, env.start_timeout_seconds)
+
+    def start(self, schema: pb.TensorSchema | None, planned_iterations: int) -> None:
+        """Declare this worker ready and wait for every member; then open the data plane."""
+        assert self.worker_id is not None, "join() first"
+        self.stats.planned_iterations = planned_iterations
+        self.client.await_start(self.worker_id, planned_iterations,
+                                self.env.start_timeout_seconds, schema)
+        timeout = self.config.collective_timeout_seconds
+        host, port = self._store_address
+        self.store = connect_store(host, port, timeout)
+        loopback = host in ("127.0.0.1", "localhost")
+        factory = CommunicatorFactory(self.store, self.device, timeout,
+                                      gloo_hostname="127.0.0.1" if loopback else "")
+        self.comms = CommunicatorCache(factory)
+        self.metrics.attach(worker_id=self.worker_id, host=self.env.host,
+                            protocol=self.config.protocol, cache=self.comms)
+
+    def check_schema(self, schema: pb.TensorSchema) -> None:
+        assert self.worker_id is not None
+        self.client.check_schema(self.worker_id, schema)
+
+    def leave(self, error: str = "", reason: str = "") -> None:
+        """Leave the run (once): cleanly (`reason`: why it ended), or FAILED with `error`."""
+        if self._left:
+            return
+        self._left = True
+        if self.heartbeat is not None:
+            self.heartbeat.finish()
+        if self.comms is not None:
+            self.comms.close()
+        if self.worker_id is not None:
+            try:
+                self.client.leave(self.worker_id, self.stats.snapshot(), error, reason)
+            except CoordinatorCallError as err:
+                logger.warning("could not leave cleanly: %s", err)
+        self.client.close()
+        self.metrics.close()
+
+    # ------------------------------------------------------------------ what the run says
+    @property
+    def stop_requested(self) -> threading.Event:
+        """Raised by the heartbeat once the coordinator stopped the run."""
+        assert self.heartbeat is not None
+        return self.heartbeat.stop_requested
+
+    @property
+    def fatal_error(self) -> str:
+        """Why the coordinator is lost to this worker (lease gone, unreachable), if it is."""
+        return self.heartbeat.fatal_error if self.heartbeat is not None else ""
+
+    def global_iterations(self, own_iterations: int) -> float:
+        """Iterations of an average worker of the run now: the coordinator's figure at the
+        last heartbeat plus this worker's own iterations since."""
+        if self.heartbeat is None:
+            return float(own_iterations)
+        mean, own_then = self.heartbeat.global_progress
+        return mean + (own_iterations - own_then) if own_then else float(own_iterations)
