@@ -1,6 +1,6 @@
 """A plain PyTorch DDP training script (the starting point of "Migrating from DDP").
 
-    torchrun --nproc-per-node 2 examples/ddp_digits.py --epochs 3
+    torchrun --standalone --nproc-per-node 2 examples/ddp_digits.py --epochs 3
 
 Handwritten digits (scikit-learn's bundled set) with a small MLP, SGD with momentum, a
 cosine learning-rate schedule, gradient clipping; gloo on CPU, NCCL on GPUs.

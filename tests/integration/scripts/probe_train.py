@@ -1,0 +1,85 @@
+"""A training script for tests, written against the public API only: digits with an MLP
+(optionally with BatchNorm), and knobs to misbehave on one rank (a NaN loss, an exception,
+a different model), to accumulate gradients, and to record what the worker saw."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ripples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--wider-on-rank", type=int, default=-1)
+    parser.add_argument("--nan-at", type=int, default=-1)
+    parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--skip-nonfinite", action="store_true")
+    parser.add_argument("--raise-at", type=int, default=-1)
+    parser.add_argument("--raise-rank", type=int, default=-1)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--loader-workers", type=int, default=0)
+    parser.add_argument("--record", default="", help="a JSON file per rank: {rank} in it")
+    args = parser.parse_args()
+
+    worker = ripples.init()
+    data = load_digits()
+    dataset = TensorDataset(torch.tensor(data.data / 16.0, dtype=torch.float32),
+                            torch.tensor(data.target))
+    torch.manual_seed(0)
+    hidden = 96 if worker.rank == args.wider_on_rank else 64
+    layers: list[nn.Module] = [nn.Linear(64, hidden)]
+    if args.batchnorm:
+        layers.append(nn.BatchNorm1d(hidden))
+    model = nn.Sequential(*layers, nn.ReLU(), nn.Linear(hidden, 10)).to(worker.device)
+    opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                            on_nonfinite="skip" if args.skip_nonfinite else "raise")
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0 / (1 + opt.global_step / 50))
+    sampler = ripples.DistributedSampler(dataset, seed=0)
+    loader = DataLoader(dataset, batch_size=16, sampler=sampler,
+                        num_workers=args.loader_workers)
+    seen: list[dict[str, float]] = []
+    step = micro = 0
+    epoch = 0
+    while step < args.steps and not opt.stopped:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            micro += 1
+            last = micro % args.accumulate == 0
+            with opt.no_sync() if not last else contextlib.nullcontext():
+                loss = nn.functional.cross_entropy(model(x), y) / args.accumulate
+                if worker.rank == args.nan_rank and step + 1 == args.nan_at:
+                    loss = loss * math.nan
+                loss.backward()
+            if not last:
+                continue
+            if worker.rank == args.raise_rank and step + 1 == args.raise_at:
+                raise KeyError("the probe's deliberate failure")
+            opt.step()
+            opt.zero_grad()
+            opt.report_loss(loss * args.accumulate, num_samples=len(x))
+            schedule.step()
+            step += 1
+            seen.append({"step": opt.local_step, "global_step": opt.global_step,
+                         "lr": schedule.get_last_lr()[0], "loss": loss.item()})
+            if opt.stopped or step >= args.steps:
+                break
+        epoch += 1
+    if args.record:
+        with open(args.record.format(rank=worker.rank), "w") as f:
+            json.dump({"rank": worker.rank, "seen": seen, "skipped": opt.skipped_steps,
+                       "stop_reason": opt.stop_reason}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Library mode end to end: user scripts written against `import ripples`, launched by
+`ripples run -- python script.py`, by `ripples worker run --nproc-per-node K`, by
+torchrun, or run alone; real worker processes on gloo, a real coordinator."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, ripples_cli, running_coordinator
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.client import CoordinatorClient
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = str(REPO / "examples" / "ripples_digits.py")
+PROBE = str(REPO / "tests" / "integration" / "scripts" / "probe_train.py")
+LIBRARY_PROTOCOLS = ["allreduce", "ripples-random", "ripples-smart", "ripples-static",
+                     "adpsgd", "a2cid2", "hop"]
+TARGET_LOSS = 0.25
+
+
+def _accuracy(state_dict: dict[str, torch.Tensor]) -> float:
+    """The example's model, loaded with `state_dict`, on the held-out fifth of digits."""
+    data = load_digits()
+    _, test_x, _, test_y = train_test_split(data.data / 16.0, data.target, test_size=0.2,
+                                            random_state=0, stratify=data.target)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    model.load_state_dict(state_dict)
+    with torch.no_grad():
+        predicted = model(torch.tensor(test_x, dtype=torch.float32)).argmax(dim=1)
+    return float((predicted == torch.tensor(test_y)).float().mean())
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment without any launcher's variables (single-process mode)."""
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("RIPPLES_", "SLURM_", "PET_")) and k not in launch}
+
+
+@pytest.mark.parametrize("protocol", LIBRARY_PROTOCOLS)
+def test_every_library_protocol_trains_a_user_script_to_the_target(protocol: str,
+                                                                   tmp_path: Path) -> None:
+    """The migration example, unchanged, under each protocol: the run stops at the target
+    loss and DIR/model.pt, the average of the workers' final models, classifies digits."""
+    proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
+                       protocol, "--target-loss", str(TARGET_LOSS), "--seed", "1",
+                       "--output", str(tmp_path), "--quiet", "--", "python", EXAMPLE,
+                       "--epochs", "30")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
+    assert summary["script"] == ["python", EXAMPLE, "--epochs", "30"]
+    assert summary["samples_per_second"] > 0  # the script reports its batch sizes
+    assert all(w["iterations"] > 0 for w in summary["workers"])
+    assert _accuracy(torch.load(tmp_path / "model.pt")) >= 0.9
+
+
+def test_the_same_script_runs_alone_without_a_coordinator(tmp_path: Path) -> None:
+    out = tmp_path / "alone.pt"
+    proc = subprocess.run([sys.executable, EXAMPLE, "--epochs", "4", "--save", str(out)],
+                          capture_output=True, text=True, timeout=240, env=_clean_env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 3:" in proc.stdout
+    assert _accuracy(torch.load(out)) >= 0.9
+
+
+def test_a_worker_whose_loss_turns_nan_fails_and_no_peer_holds_a_non_finite_value(
+        tmp_path: Path) -> None:
+    proc = ripples_cli("run", "--workers", "3", "--protocol", "ripples-smart",
+                       "--group-size", "3", "--output", str(tmp_path), "--quiet", "--",
+                       "python", PROBE, "--steps", "60", "--nan-rank", "1", "--nan-at", "20")
+    assert proc.returncode == 1
+    assert "FloatingPointError" in proc.stderr and "nothing was sent to any peer" in proc.stderr
+    assert "worker rank 1" in proc.stderr
+    for rank in (0, 2):  # the others trained on and saved finite models
+        state = torch.load(tmp_path / "workers" / f"rank{rank}.pt")
+        assert all(torch.isfinite(t).all() for t in state.values())
+    assert not (tmp_path / "workers" / "rank1.pt").exists()
+
+
+def test_skipping_non_finite_steps_keeps_training(tmp_path: Path) -> None:
+    record = str(tmp_path / "rank{rank}.json")
+    proc = ripples_cli("run", "--workers", "2", "--protocol", "allreduce", "--output",
+                       str(tmp_path), "--quiet", "--", "python", PROBE, "--steps", "30",
+                       "--nan-rank", "1", "--nan-at", "10", "--skip-nonfinite",
+                       "--record", record)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # allreduce averages the gradients, so both workers see the NaN and both skip the
+    # step: their models stay identical and finite.
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["skipped"] for s in seen] == [1, 1]
+    states = [torch.load(tmp_path / "workers" / f"rank{r}.pt") for r in (0, 1)]
+    for name in states[0]:
+        assert torch.isfinite(states[0][name]).all()
+        assert torch.equal(states[0][name], states[1][name])
+
+
+def test_any_exception_marks_the_worker_failed_with_its_error(tmp_path: Path) -> None:
+    proc = ripples_cli("run", "--workers", "3", "--protocol", "ripples-random",
+                       "--group-size", "2", "--output", str(tmp_path), "--quiet", "--",
+                       "python", PROBE, "--steps", "60", "--raise-rank", "2", "--raise-at", "5")
+    assert proc.returncode == 1
+    assert "KeyError: \"the probe's deliberate failure\"" in proc.stderr
+    assert "worker rank 2" in proc.stderr
+
+
+def test_a_worker_with_another_model_is_refused_naming_the_first_difference(
+        tmp_path: Path) -> None:
+    proc = ripples_cli("run", "--workers", "2", "--protocol", "ripples-smart", "--output",
+                       str(tmp_path), "--quiet", "--", "python", PROBE, "--wider-on-rank", "1")
+    assert proc.returncode == 1
+    assert "averages other tensors" in proc.stderr
+    assert "'param:0.weight' float32 [96, 64]" in proc.stderr
+    assert "'param:0.weight' float32 [64, 64]" in proc.stderr
+
+
+@pytest.mark.parametrize("protocol", ["allreduce", "ripples-static"])
+def test_batchnorm_statistics_are_averaged(protocol: str, tmp_path: Path) -> None:
+    """Two workers that average everything each step (allreduce: gradients and buffers;
+    the static schedule on one node of two: the whole state) end with one model,
+    BatchNorm's running statistics included."""
+    proc = ripples_cli("run", "--workers", "2", "--workers-per-node", "2", "--protocol",
+                       protocol, "--output", str(tmp_path), "--quiet", "--", "python", PROBE,
+                       "--steps", "20", "--batchnorm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    states = [torch.load(tmp_path / "workers" / f"rank{r}.pt") for r in (0, 1)]
+    assert "1.running_mean" in states[0]
+    for name in ("1.running_mean", "1.running_var"):
+        torch.testing.assert_close(states[0][name], states[1][name])
+    assert not torch.equal(states[0]["1.running_var"], torch.ones(64))  # they did update
+
+
+def test_gradient_accumulation_and_a_loader_with_worker_processes(tmp_path: Path) -> None:
+    record = str(tmp_path / "rank{rank}.json")
+    proc = ripples_cli("run", "--workers", "2", "--protocol", "allreduce", "--output",
+                       str(tmp_path), "--quiet", "--", "python", PROBE, "--steps", "12",
+                       "--accumulate", "3", "--loader-workers", "2", "--record", record)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [w["iterations"] for w in summary["workers"]] == [12, 12]  # one sync per 3 batches
+    states = [torch.load(tmp_path / "workers" / f"rank{r}.pt") for r in (0, 1)]
+    for name in states[0]:
+        torch.testing.assert_close(states[0][name], states[1][name])
+
+
+def test_the_schedule_follows_the_runs_global_step_on_a_slow_worker(tmp_path: Path) -> None:
+    record = str(tmp_path / "rank{rank}.json")
+    proc = ripples_cli("run", "--workers", "3", "--protocol", "ripples-smart",
+                       "--group-size", "2", "--slowdown", "2:6", "--output", str(tmp_path),
+                       "--quiet", "--", "python", PROBE, "--steps", "150", "--record", record)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = {r: json.loads((tmp_path / f"rank{r}.json").read_text())["seen"] for r in range(3)}
+    slow = seen[2][-1]
+    # The straggler made fewer steps than the run's average worker: its schedule follows
+    # the run (global_step), not its own count, and its learning rate decayed accordingly.
+    assert slow["global_step"] > slow["step"] * 1.5, slow
+    assert slow["lr"] == pytest.approx(0.05 / (1 + slow["global_step"] / 50), rel=0.05)
+    fast = seen[0][-1]
+    assert fast["global_step"] <= fast["step"]
+
+
+def test_a_protocol_that_needs_the_runner_is_refused_for_scripts() -> None:
+    proc = ripples_cli("run", "--workers", "2", "--protocol", "lpp-sgd", "--", "python", PROBE,
+                       timeout=60)
+    assert proc.returncode == 2
+    assert "needs a built-in task" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--task", "digits"], ["--epochs", "3"]])
+def test_a_script_run_refuses_task_options(args: list[str]) -> None:
+    proc = ripples_cli("run", "--workers", "2", *args, "--", "python", PROBE, timeout=60)
+    assert proc.returncode == 2 and "ripples run: error" in proc.stderr
+
+
+def test_torchrun_with_the_coordinator_in_the_environment() -> None:
+    """Plain torchrun starts the script; RIPPLES_COORDINATOR makes it a Ripples run."""
+    with running_coordinator(num_workers=2, protocol="ripples-smart", group_size=2,
+                             iterations=40) as server:
+        env = {**_clean_env(), "RIPPLES_COORDINATOR": server.address,
+               "RIPPLES_METRICS_BIND": "127.0.0.1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", "0", EXAMPLE, "--epochs", "50"],
+            capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        status = CoordinatorClient(server.address).run_status()
+    assert status.stopped and status.stop_reason.startswith("iteration budget")
+    assert [w.state for w in status.workers] == [pb.WORKER_STATE_LEFT] * 2
+    assert sorted(w.local_rank for w in status.workers) == [0, 1]
+
+
+def test_a_host_daemon_starts_its_workers_with_nproc_per_node(tmp_path: Path) -> None:
+    with running_coordinator(num_workers=2, protocol="adpsgd", iterations=30) as server:
+        proc = ripples_cli("worker", "run", "--coordinator", server.address,
+                           "--nproc-per-node", "2", "--metrics-bind", "127.0.0.1", "--quiet",
+                           "--save-model", str(tmp_path / "model.pt"), "--",
+                           "python", EXAMPLE, "--epochs", "50", env=_clean_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        status = CoordinatorClient(server.address).run_status()
+    assert status.stop_reason.startswith("iteration budget")
+    assert sorted(w.local_rank for w in status.workers) == [0, 1]
+    for local_rank in (0, 1):  # each process saved its own model
+        state = torch.load(tmp_path / f"model.{local_rank}.pt")
+        assert all(math.isfinite(float(t.abs().max())) for t in state.values())
+
+
+def test_the_ddp_example_it_migrates_from_runs_under_torchrun() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", str(REPO / "examples" / "ddp_digits.py"), "--epochs", "2"],
+        capture_output=True, text=True, timeout=240, env=_clean_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 1:" in proc.stdout
+
+
+LM = str(REPO / "examples" / "transformer_lm.py")
+SMALL_LM = ["--steps", "40", "--d-model", "64", "--layers", "2", "--heads", "2",
+            "--block-size", "64", "--batch-size", "8", "--warmup", "5", "--log-every", "20"]
+
+
+def test_the_language_model_example_trains_alone_and_on_a_cluster(tmp_path: Path) -> None:
+    """AdamW, warm-up + cosine on the global step, clipping and bf16 autocast on CPU, with
+    its data streamed from the standard library's source files."""
+    alone = subprocess.run([sys.executable, LM, *SMALL_LM], capture_output=True, text=True,
+                           timeout=300, env=_clean_env(), cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in alone.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 2 and losses[-1] < math.log(256)  # below a uniform guess
+    proc = ripples_cli("run", "--workers", "2", "--protocol", "ripples-smart", "--output",
+                       str(tmp_path / "run"), "--quiet", "--", "python", LM, *SMALL_LM,
+                       timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [w["iterations"] for w in summary["workers"]] == [40, 40]
+    assert summary["final_train_loss"] < math.log(256)
+    assert (tmp_path / "run" / "model.pt").exists()
