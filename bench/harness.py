@@ -63,6 +63,16 @@ VARIANTS: dict[str, Variant] = {
         description="LPP-SGD averaging in the smart Group Generator's groups (P-Reduce)"),
 }
 MATRIX_PROTOCOLS: tuple[str, ...] = (*PROTOCOLS, *VARIANTS)
+
+SCRIPT_WORKLOADS: dict[str, tuple[str, ...]] = {
+    "transformer-lm": ("python", "-m", "ripples.examples.transformer_lm", "--d-model", "64",
+                       "--layers", "2", "--heads", "2", "--block-size", "64",
+                       "--log-every", "1000000000"),
+}
+"""Workloads that are user scripts (`ripples run -- python ...`), not built-in tasks: a
+small decoder-only Transformer LM (examples/transformer_lm.py: 0.13M parameters, bytes of
+the standard library's source, AdamW, warm-up + cosine, bf16 autocast). The bench passes
+each its step cap (`max_steps`), seed and batch size."""
 """What the matrix can run: every registered protocol, then the variants."""
 
 
@@ -86,12 +96,16 @@ class HarnessConfig:
     matrix."""
     scenarios: tuple[str, ...] = tuple(SCENARIOS)
     task: str = "synthetic-cnn"
+    """A built-in task, or a script workload (SCRIPT_WORKLOADS: transformer-lm)."""
     batch_size: int = 16
     target_loss: float = 1.4
     """Training loss that allreduce reaches in about 50 s here (8 workers, homogeneous,
     about 4.5 epochs); lower targets make its straggler runs (10x slower) last too long."""
     max_epochs: float = 12.0
-    """Cap on each run; a run that does not reach the target records no time to target."""
+    """Cap on each run of a task; a run that does not reach the target records no time to
+    target."""
+    max_steps: int = 2000
+    """Cap on each worker's steps in a script workload (which has no epochs)."""
     repeats: int = 2
     seed: int = 0
     """Seed of the first repeat; repeat r uses seed + r."""
@@ -170,14 +184,18 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
         extra += ["--topology", cfg.topology]
     if PROTOCOLS[base_protocol(protocol)].role.coordination is Coordination.GOSSIP:
         extra += ["--rate-com", f"{cfg.rate_com:g}"]
-    return [sys.executable, "-m", "ripples.cli", "run", "--quiet",
-           "--workers", str(cfg.workers), "--workers-per-node", str(cfg.workers_per_node),
-           "--protocol", base_protocol(protocol), *extra,
-           "--task", cfg.task, "--batch-size", str(cfg.batch_size),
-           "--target-loss", str(cfg.target_loss), "--epochs", str(cfg.max_epochs),
-           "--seed", str(cfg.seed + repeat), "--output", str(out),
-           "--timeout-seconds", str(cfg.run_timeout_seconds),
-           *scenario.slowdown_flags(cfg.workers)]
+    seed = cfg.seed + repeat
+    command = [sys.executable, "-m", "ripples.cli", "run", "--quiet",
+               "--workers", str(cfg.workers), "--workers-per-node", str(cfg.workers_per_node),
+               "--protocol", base_protocol(protocol), *extra,
+               "--target-loss", str(cfg.target_loss), "--seed", str(seed),
+               "--output", str(out), "--timeout-seconds", str(cfg.run_timeout_seconds),
+               *scenario.slowdown_flags(cfg.workers)]
+    if cfg.task in SCRIPT_WORKLOADS:
+        return [*command, "--", *SCRIPT_WORKLOADS[cfg.task], "--steps", str(cfg.max_steps),
+                "--seed", str(seed), "--batch-size", str(cfg.batch_size)]
+    return [*command, "--task", cfg.task, "--batch-size", str(cfg.batch_size),
+            "--epochs", str(cfg.max_epochs)]
 
 
 def run_one(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int) -> RunRecord:
@@ -445,12 +463,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-com", type=float, default=defaults.rate_com,
                         help="gossip averagings per worker per step, the same for every "
                              "gossip protocol (default %(default)s)")
-    parser.add_argument("--task", default=defaults.task)
+    parser.add_argument("--task", default=defaults.task,
+                        help="a built-in task, or a script workload: "
+                             f"{', '.join(SCRIPT_WORKLOADS)} (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--target-loss", type=float,
                         help=f"default {defaults.target_loss} ({QUICK.target_loss} with --quick)")
     parser.add_argument("--max-epochs", type=float,
                         help=f"default {defaults.max_epochs} ({QUICK.max_epochs} with --quick)")
+    parser.add_argument("--max-steps", type=int, default=defaults.max_steps,
+                        help="per-worker step cap of a script workload (default %(default)s)")
     parser.add_argument("--repeats", type=int, help=f"default {defaults.repeats}")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--output", type=Path, default=defaults.output)
@@ -471,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         task=args.task, batch_size=args.batch_size,
         target_loss=args.target_loss or base.target_loss,
         max_epochs=args.max_epochs or base.max_epochs, repeats=args.repeats or base.repeats,
+        max_steps=args.max_steps,
         seed=args.seed, output=args.output, topology=args.topology, rate_com=args.rate_com,
     )
     try:

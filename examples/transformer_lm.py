@@ -109,6 +109,11 @@ class TinyGPT(nn.Module):
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB_SIZE, bias=False)
         self.head.weight = self.tokens.weight  # tied
+        for module in self.modules():  # GPT-2's initialisation: small logits at the start
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)

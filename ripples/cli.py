@@ -248,18 +248,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the options, the user's training script after the first `--`)."""
+    if "--" not in argv:
+        return list(argv), []
+    cut = argv.index("--")
+    return list(argv[:cut]), list(argv[cut + 1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         from ripples.bench.harness import main as bench_main
 
         return bench_main(argv[1:])
-    script: list[str] = []
-    if "--" in argv:  # everything after it is the user's training script
-        cut = argv.index("--")
-        argv, script = argv[:cut], argv[cut + 1:]
-        if not script:
-            build_parser().error("nothing after --: give the script, e.g. -- python train.py")
+    separated = "--" in argv
+    argv, script = split_script(argv)
+    if separated and not script:
+        build_parser().error("nothing after --: give the script, e.g. -- python train.py")
     args = build_parser().parse_args(argv)
     if script and args.func not in (_cmd_run, _cmd_worker, _cmd_serve):
         build_parser().error(f"`ripples {argv[0]}` takes no script after --")

@@ -74,17 +74,13 @@ class WorkerConfig:
     """How long to wait for every expected worker to register, and to be ready."""
 
     def __post_init__(self) -> None:
-        if self.local_rank < 0:
-            raise ValueError("local rank must not be negative")
         if self.num_threads < 1:
             raise ValueError("num_threads must be at least 1")
         if self.nproc_per_node < 1:
             raise ValueError("nproc_per_node must be at least 1")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics port {self.metrics_port} is out of range: give 0-65535, "
-                             "or -1 for no metrics endpoint")
         if self.slowdown:
             SlowdownSpec.parse(self.slowdown)  # fail early with the parse message
+        self.launch_env()  # the rest is the launch environment's to check
 
     def launch_env(self) -> LaunchEnv:
         """This (single) worker process's launch environment."""

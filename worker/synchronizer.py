@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,7 +107,10 @@ class StepSynchronizer:
         """Everything after the local step of step `completed`; returns why the run is
         over for this worker, or "" to go on."""
         stats = self.session.stats
-        compute = time.perf_counter() - self._since
+        # Compute: everything since the last step returned, less a sync that ran inside
+        # backward (DDP), which a slower device would not make slower.
+        inside = self.protocol.backward_sync_seconds()
+        compute = max(0.0, time.perf_counter() - self._since - inside)
         bad = self.state.nonfinite()
         if bad is not None:
             raise FloatingPointError(
@@ -123,7 +125,6 @@ class StepSynchronizer:
         injected = self.slowdown.after_compute(compute)
         compute += injected
         result = self.protocol.after_step(completed)
-        compute = max(0.0, compute - result.inside_step_seconds)
         smoothed = stats.add_sync(result, compute)
         self.session.metrics.observe_iteration(compute_seconds=compute, result=result,
                                                loss=smoothed)
@@ -181,11 +182,5 @@ def write_json(path: Path, value: object) -> None:
     """Write whole or not at all (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, default=_json_default) + "\n")
+    partial.write_text(json.dumps(value) + "\n")
     partial.replace(path)
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")

@@ -25,7 +25,7 @@ from grafana_dashboard import load_dashboard, panels, queries, template_variable
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ripples.cli import build_parser
+from ripples.cli import build_parser, split_script
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -95,8 +95,8 @@ def test_compose_file_follows_the_compose_specification() -> None:
 def test_compose_runs_the_whole_stack_with_health_checks() -> None:
     services = _compose()["services"]
     assert {"coordinator", "dashboard", "prometheus", "grafana"} <= services.keys()
-    workers = {n for n, s in services.items() if s.get("command", [None])[0] == "worker"}
-    assert len(workers) == 4, f"expected four worker services, got {sorted(workers)}"
+    nodes = {n for n, s in services.items() if s.get("command", [None])[0] == "worker"}
+    assert len(nodes) == 2, f"expected two node services, got {sorted(nodes)}"
     for name, service in services.items():
         assert "healthcheck" in service, f"service {name} has no health check"
         for dependency, condition in service.get("depends_on", {}).items():
@@ -116,30 +116,34 @@ def test_compose_commands_parse_with_the_ripples_cli() -> None:
     parser = build_parser()
     for name, service in _ripples_services(_compose()).items():
         command = [_interpolate(str(arg)) for arg in service["command"]]
+        options, script = split_script(command)
         try:
-            parser.parse_args(command)
+            parser.parse_args(options)
         except SystemExit as exit_:
             pytest.fail(f"service {name}: `ripples {' '.join(command)}` is rejected by the "
                         f"CLI (exit {exit_.code}); see the error above")
+        if script:
+            assert options[:2] == ["worker", "run"], f"{name}: only workers run a script"
 
 
-def test_compose_workers_match_the_coordinator_layout() -> None:
+def test_compose_nodes_match_the_coordinator_layout() -> None:
     compose = _compose()
     ripples = _ripples_services(compose)
     coordinator = _options([_interpolate(a) for a in ripples["coordinator"]["command"]])
-    workers = {n: _options(s["command"]) for n, s in ripples.items()
-               if s["command"][:2] == ["worker", "run"]}
-    assert len(workers) == int(coordinator["workers"])
-    slots = [(w["host"], int(w["local-rank"])) for w in workers.values()]
-    assert len(set(slots)) == len(slots), f"two workers share a node slot: {slots}"
-    per_node = {host: sum(1 for h, _ in slots if h == host) for host, _ in slots}
-    assert set(per_node.values()) == {int(coordinator["workers-per-node"])}, per_node
-    for name, options in workers.items():
-        # Prometheus scrapes the address the worker registers; the service name resolves
-        # on the compose network.
-        assert options["metrics-host"] == name
+    nodes = {n: _options(split_script(s["command"])[0]) for n, s in ripples.items()
+             if s["command"][:2] == ["worker", "run"]}
+    per_node = [int(options["nproc-per-node"]) for options in nodes.values()]
+    assert sum(per_node) == int(coordinator["workers"])
+    assert set(per_node) == {int(coordinator["workers-per-node"])}, per_node
+    assert len({options["host"] for options in nodes.values()}) == len(nodes)
+    for name, options in nodes.items():
+        # Prometheus scrapes the address the workers register; the service name resolves
+        # on the compose network, and each worker picks a free port.
+        assert options["metrics-host"] == name and options["metrics-port"] == "0"
         env = ripples[name].get("environment", {})
         assert env.get("RIPPLES_COORDINATOR") == f"coordinator:{coordinator['port']}"
+        script = split_script(ripples[name]["command"])[1]
+        assert script[:3] == ["python", "-m", "ripples.examples.transformer_lm"]
     dashboard = _options(ripples["dashboard"]["command"])
     assert dashboard["coordinator"] == f"coordinator:{coordinator['port']}"
     assert coordinator["advertise-host"] == "coordinator"

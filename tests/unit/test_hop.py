@@ -1,5 +1,5 @@
-"""Hop's queue protocol (worker/hop.py): the arithmetic of each mode, and a discrete-event
-simulation of whole runs with random slowdowns and message delays that checks the
+"""Hop's queue protocol (worker/protocols/hop/engine.py): the arithmetic of each mode, and
+a discrete-event simulation of whole runs with random slowdowns and message delays that checks the
 iteration-gap bounds of Table 1 (Theorems 1 and 2) and the queue capacities at every
 event, and that every run finishes (no deadlock)."""
 

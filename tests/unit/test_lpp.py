@@ -1,5 +1,5 @@
-"""LAP-SGD / LPP-SGD rules (worker/lpp.py): blocks, block selection, the synchronisation
-scheme, settings; and how an updater shares its worker's model (bind_parameters)."""
+"""LAP-SGD / LPP-SGD rules (worker/protocols/lpp/rules.py): blocks, block selection, the
+synchronisation scheme, settings; and how an updater shares its worker's model (bind_parameters)."""
 
 from __future__ import annotations
 

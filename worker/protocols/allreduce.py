@@ -61,12 +61,16 @@ class AllReduceProtocol(Protocol):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return _no_gradient_sync(self.ctx.model)
 
+    def backward_sync_seconds(self) -> float:
+        window = self._window
+        return (max(window) - min(window)) if len(window) >= 2 else 0.0
+
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         return self.stopper.should_stop(completed, planned)
 
     def after_step(self, completed: int) -> SyncResult:
-        window, self._window[:] = list(self._window), []
-        seconds = (max(window) - min(window)) if len(window) >= 2 else 0.0
+        seconds = self.backward_sync_seconds()
+        self._window[:] = []
         buffer_seconds = 0.0
         if self._buffers is not None:
             t0 = time.perf_counter()

@@ -102,6 +102,11 @@ class Protocol(abc.ABC):
     def begin(self) -> None:  # noqa: B027 (optional hook)
         """Once, after the start and before the first step (hop sends iteration 0)."""
 
+    def backward_sync_seconds(self) -> float:
+        """Seconds this step's backward pass spent synchronising (DDP's bucketed
+        all-reduce), known before after_step; 0 for protocols that sync in step()."""
+        return 0.0
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """While active, backward passes do not synchronise gradients (gradient
         accumulation). Only protocols that synchronise inside backward (allreduce) do

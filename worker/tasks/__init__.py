@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -29,6 +29,7 @@ __all__ = [
     "TaskFactory",
     "TaskOptions",
     "build_task",
+    "classification_task",
     "evaluate",
     "resolve_task",
 ]
@@ -96,6 +97,46 @@ BUILTIN_TASKS: dict[str, str] = {
     "synthetic-vgg16": "ripples.worker.tasks.synthetic_cnn:synthetic_vgg16",
 }
 """Built-in task name -> ``"module:function"`` of its factory."""
+
+
+TensorSplit = tuple[Tensor, Tensor, Tensor, Tensor]
+"""(train inputs, train targets, eval inputs, eval targets), on CPU."""
+
+
+def classification_task(options: TaskOptions, *, load: Callable[[], TensorSplit],
+                        build_model: Callable[[], nn.Module], learning_rate: float,
+                        momentum: float, batch_size: int, num_classes: int) -> Task:
+    """A classification task on in-memory tensors, trained with SGD and momentum (the
+    built-in tasks): `load` runs where a dataset is asked for, and keeps only its part.
+
+    Args:
+        options: The runtime's; its learning rate and batch size override the defaults.
+        load: Returns the whole split, deterministically (every worker the same data).
+        build_model: The model on CPU; seeded with ``options.seed`` and moved to the device.
+    """
+    lr = learning_rate if options.learning_rate is None else options.learning_rate
+
+    def model() -> nn.Module:
+        torch.manual_seed(options.seed)
+        return build_model().to(options.device)
+
+    def train_data() -> TensorDataset:
+        train_x, train_y, _, _ = load()
+        return TensorDataset(train_x, train_y)
+
+    def eval_data() -> TensorDataset:
+        _, _, eval_x, eval_y = load()
+        return TensorDataset(eval_x, eval_y)
+
+    return Task(
+        build_model=model,
+        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum),
+        loss_fn=nn.CrossEntropyLoss(),
+        train_data=train_data,
+        eval_data=eval_data,
+        batch_size=batch_size if options.batch_size is None else options.batch_size,
+        num_classes=num_classes,
+    )
 
 
 def resolve_task(spec: str) -> TaskFactory:

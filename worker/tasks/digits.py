@@ -10,9 +10,8 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
-from torch.utils.data import TensorDataset
 
-from ripples.worker.tasks import Task, TaskOptions
+from ripples.worker.tasks import Task, TaskOptions, classification_task
 
 DEFAULT_LEARNING_RATE = 0.1
 DEFAULT_BATCH_SIZE = 16
@@ -70,29 +69,7 @@ def digits(options: TaskOptions) -> Task:
         The task: the 1437-sample training set and the 360-sample test set, each loaded
         only by the process that asks for it.
     """
-    learning_rate = (
-        DEFAULT_LEARNING_RATE if options.learning_rate is None else options.learning_rate
-    )
-
-    def build_model() -> nn.Module:
-        torch.manual_seed(options.seed)
-        return build_digits_model().to(options.device)
-
-    def train_data() -> TensorDataset:
-        train_x, train_y, _, _ = load_digits_split()
-        return TensorDataset(train_x, train_y)
-
-    def eval_data() -> TensorDataset:
-        _, _, test_x, test_y = load_digits_split()
-        return TensorDataset(test_x, test_y)
-
-    return Task(
-        build_model=build_model,
-        build_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=learning_rate,
-                                                      momentum=MOMENTUM),
-        loss_fn=nn.CrossEntropyLoss(),
-        train_data=train_data,
-        eval_data=eval_data,
-        batch_size=DEFAULT_BATCH_SIZE if options.batch_size is None else options.batch_size,
-        num_classes=NUM_CLASSES,
-    )
+    return classification_task(
+        options, load=load_digits_split, build_model=build_digits_model,
+        learning_rate=DEFAULT_LEARNING_RATE, momentum=MOMENTUM,
+        batch_size=DEFAULT_BATCH_SIZE, num_classes=NUM_CLASSES)

@@ -21,9 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 from torch.nn import functional
-from torch.utils.data import TensorDataset
 
-from ripples.worker.tasks import Task, TaskOptions
+from ripples.worker.tasks import Task, TaskOptions, classification_task
 
 DEFAULT_LEARNING_RATE = 0.05
 DEFAULT_BATCH_SIZE = 32
@@ -154,35 +153,13 @@ def build_vgg16() -> nn.Module:
 
 
 def _build(options: TaskOptions, build_model: Callable[[], nn.Module]) -> Task:
-    """Assemble a synthetic task around the model ``build_model()`` returns."""
-    learning_rate = (
-        DEFAULT_LEARNING_RATE if options.learning_rate is None else options.learning_rate
-    )
-
-    def model() -> nn.Module:
-        torch.manual_seed(options.seed)
-        return build_model().to(options.device)
-
-    def train_data() -> TensorDataset:
-        # The labels come from the teacher's outputs z-scored over the whole set, so the
-        # set is generated whole; a worker keeps only the training part.
-        train_x, train_y, _, _ = make_synthetic_dataset()
-        return TensorDataset(train_x, train_y)
-
-    def eval_data() -> TensorDataset:
-        _, _, eval_x, eval_y = make_synthetic_dataset()
-        return TensorDataset(eval_x, eval_y)
-
-    return Task(
-        build_model=model,
-        build_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=learning_rate,
-                                                  momentum=MOMENTUM),
-        loss_fn=nn.CrossEntropyLoss(),
-        train_data=train_data,
-        eval_data=eval_data,
-        batch_size=DEFAULT_BATCH_SIZE if options.batch_size is None else options.batch_size,
-        num_classes=NUM_CLASSES,
-    )
+    """Assemble a synthetic task around the model ``build_model()`` returns. The labels
+    come from the teacher's outputs z-scored over the whole set, so the set is generated
+    whole where a dataset is asked for; a worker keeps only the training part."""
+    return classification_task(
+        options, load=make_synthetic_dataset, build_model=build_model,
+        learning_rate=DEFAULT_LEARNING_RATE, momentum=MOMENTUM,
+        batch_size=DEFAULT_BATCH_SIZE, num_classes=NUM_CLASSES)
 
 
 def synthetic_cnn(options: TaskOptions) -> Task:

@@ -12,7 +12,7 @@ thread owns every collective and every coordinator request of the protocol:
   step (AD-PSGD's passive side). Bipartite mode: passive workers only listen.
 - `a2cid2`: while it owes averagings it is *available*; the coordinator pairs available
   neighbours first-in-first-out. With momentum (the default) the model also follows
-  A2CiD2's continuous mixing with its momentum copy (worker/gossip.py).
+  A2CiD2's continuous mixing with its momentum copy (worker/protocols/gossip/state.py).
 """
 
 from __future__ import annotations

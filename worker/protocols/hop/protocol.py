@@ -1,4 +1,4 @@
-"""`hop`: queue-based decentralized training (worker/hop.py holds the protocol state).
+"""`hop`: queue-based decentralized training (engine.py holds the protocol's state).
 
 Parameters and tokens travel worker to worker, never through the coordinator: every
 directed edge i -> j of the topology has its own two-member communicator (gloo on CPU,

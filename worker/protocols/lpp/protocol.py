@@ -2,10 +2,10 @@
 is the worker's averaging process (Algorithm 1, lines 8-18).
 
 The worker's model lives in shared memory (CPU) or is shared over CUDA IPC (GPU): its
-flat parameters and its buffers. The updaters (worker/lpp_updater.py, started with
+flat parameters and its buffers. The updaters (worker/protocols/lpp/updater.py, started with
 spawn) update it lock-free and never wait. This process waits until K_j updates were
 made since the last averaging round began, then averages the model across workers with
-the delta rule (worker/preduce.py: DeltaAverager), so that updates made during the
+the delta rule (worker/dataplane/preduce.py: DeltaAverager), so that updates made during the
 exchange survive.
 
 Averaging `all` (the paper): every worker's averaging process joins every round of one

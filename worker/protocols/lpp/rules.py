@@ -14,7 +14,7 @@ atomically by every updater, orders the updates and drives the schedule:
   since the last one began: K_j = 1 while s < T/2, then H.
 - Averaging (lines 13-16): snapshot v, average the snapshots across workers, add
   avg - v to the live model in place, so updates made during the exchange survive
-  (worker/preduce.py: DeltaAverager).
+  (worker/dataplane/preduce.py: DeltaAverager).
 
 docs/lpp-sgd.md says where this implementation reads the paper one way or another;
 docs/lpp-sgd-paper-spec.md extracts the paper.

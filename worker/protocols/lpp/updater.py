@@ -1,10 +1,10 @@
 """An LAP-SGD / LPP-SGD updater process (Algorithm 1, lines 1-7).
 
-Started with spawn by its worker's averaging process (worker/strategies/lpp.py). It
+Started with spawn by its worker's averaging process (worker/protocols/lpp/protocol.py). It
 builds the task, points its model's parameters and buffers at the worker's shared ones
 (shared memory on CPU, CUDA IPC on GPU), and runs Hogwild steps until the shared counter
 reaches the budget or the worker says stop: s = read&inc(counter), pick the block
-(worker/lpp.py: BlockSelection), forward on the live shared model, gradients of the
+(worker/protocols/lpp/rules.py: BlockSelection), forward on the live shared model, gradients of the
 block's parameters only, its own optimizer's step in place. It never waits for anyone.
 """
 
