@@ -61,7 +61,7 @@ def test_matrix_entries_become_run_commands(tmp_path: Path) -> None:
 
     def flags(protocol: str) -> list[str]:
         cmd = harness.run_command(cfg, homogeneous, protocol, 0, tmp_path)
-        return cmd[cmd.index("--protocol"):cmd.index("--task")]
+        return cmd[cmd.index("--protocol"):cmd.index("--target-loss")]
 
     # A variant runs its protocol with its flags, on the topology, at the common rate.
     assert flags("a2cid2-no-momentum") == ["--protocol", "a2cid2", "--no-momentum",
@@ -147,3 +147,13 @@ def test_markdown_table_has_a_row_per_median_and_marks_missed_targets() -> None:
     assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "| slow-10x | a2cid2 | not reached (0/2) | - |" in lines[2]
     assert "| 1.04x | - | - | - | 0.5 |" in lines[2]
+
+
+def test_a_script_workload_runs_the_script_after_the_run_options(tmp_path: Path) -> None:
+    cfg = harness.HarnessConfig(task="transformer-lm", max_steps=300, batch_size=8)
+    cmd = harness.run_command(cfg, SCENARIOS["slow-5x"], "ripples-smart", 1, tmp_path)
+    options, script = cmd[:cmd.index("--")], cmd[cmd.index("--") + 1:]
+    assert "--task" not in options and "--epochs" not in options  # the script's own loop
+    assert options[options.index("--slowdown") + 1] == "0:5"
+    assert script[:3] == ["python", "-m", "ripples.examples.transformer_lm"]
+    assert script[-6:] == ["--steps", "300", "--seed", "1", "--batch-size", "8"]
