@@ -24,13 +24,12 @@ from ripples.coordinator.topology import (
 )
 from ripples.protocols import (
     SETTINGS_CLASSES,
-    GossipSettings,
-    LppSettings,
     ProtocolSettings,
     ProtocolSpec,
     Role,
     get_protocol,
 )
+from ripples.protocols.settings import RunFacts, TopologyFacts
 from ripples.v1 import coordinator_pb2 as pb
 
 S = TypeVar("S", bound=ProtocolSettings)
@@ -145,16 +144,18 @@ class RunSettings:
         """The edges of topology "file" (empty for the built-in graphs)."""
         return list(self._file_edges)
 
+    def run_facts(self) -> RunFacts:
+        """What the protocol's settings check against the rest of the run."""
+        return RunFacts(protocol=self.protocol, policy=self.role.policy, task=self.task,
+                        iterations=self.iterations, epochs=self.epochs)
+
     def check_topology(self, topology: Topology) -> None:
-        """Raise ValueError if the protocol cannot run on `topology` (adpsgd's bipartite
-        mode needs a bipartite graph)."""
-        gossip = self.settings(GossipSettings)
-        if (self.role.policy == "adpsgd" and gossip.adpsgd_mode == "bipartite"
-                and not topology.is_bipartite()):
-            raise ValueError(
-                f"adpsgd_mode bipartite needs a bipartite graph; the {self.topology} "
-                f"topology on {topology.num_workers} workers has an odd cycle (use an even "
-                "ring, or adpsgd_mode serialised, which works on any connected graph)")
+        """Raise ValueError if the protocol cannot run on `topology` (each settings class
+        says: adpsgd's bipartite mode needs a bipartite graph)."""
+        facts = TopologyFacts(name=self.topology, num_workers=topology.num_workers,
+                              bipartite=topology.is_bipartite())
+        for settings_cls in self.spec.settings:
+            self.settings(settings_cls).check_topology(self.run_facts(), facts)
 
     def validate(self) -> None:
         """Raise ValueError naming the field to fix."""
@@ -182,11 +183,7 @@ class RunSettings:
             raise ValueError("checkpoint_interval must be at least 1")
         for settings_cls in spec.settings:
             self.settings(settings_cls).validate()
-        if (LppSettings in spec.settings and self.task and self.iterations == 0
-                and self.epochs == 0):
-            raise ValueError(f"{self.protocol} needs a budget of iterations or epochs: the "
-                             "full-model phase and the synchronisation scheme are fractions "
-                             "of it")
+            self.settings(settings_cls).check_run(self.run_facts())
         self._validate_topology()
 
     def _validate_topology(self) -> None:

@@ -34,7 +34,7 @@ from ripples.coordinator.progress import ProgressTracker
 from ripples.coordinator.registry import GONE, Progress, Registry, WorkerRecord, WorkerState
 from ripples.coordinator.run_graph import RunGraph
 from ripples.coordinator.schema import Schema, SchemaCheck
-from ripples.coordinator.stop import StopAgreement, budget_reached
+from ripples.coordinator.stop import StateAdoption, StopAgreement, budget_reached
 from ripples.protocols import Coordination, GroupGeneratorSettings
 
 __all__ = ["GONE", "CoordinatorCore", "CoordinatorError", "Deliveries", "GroupDecision",
@@ -58,6 +58,7 @@ class CoordinatorCore:
                                    progress=self.progress, rng=random.Random(settings.seed),
                                    max_comms_per_worker=settings.max_comms_per_worker)
         self.stopper = StopAgreement(settings.checkpoint_interval)
+        self.adoption = StateAdoption(settings.checkpoint_interval)
         self.model_schema = SchemaCheck("model")
         self.training_schema = SchemaCheck("model and optimizer state")
         self.created_at = now
@@ -102,6 +103,7 @@ class CoordinatorCore:
             problem = self.model_schema.check(schema, w.describe())
             if problem:
                 raise CoordinatorError("FAILED_PRECONDITION", problem)
+            w.schema_digest = schema.digest
         w.progress.planned_iterations = planned_iterations
         w.ready = True
         live = self.live()
@@ -114,11 +116,13 @@ class CoordinatorCore:
 
     def check_schema(self, worker_id: int, schema: Schema) -> None:
         """The averaged tensors once the optimizer state joined them: refuse a worker
-        whose tensors differ from the first one's (FAILED_PRECONDITION)."""
+        whose tensors differ from the first one's (FAILED_PRECONDITION). From now on the
+        worker's groups execute only with workers that average the same tensors."""
         w = self.worker(worker_id)
         problem = self.training_schema.check(schema, w.describe())
         if problem:
             raise CoordinatorError("FAILED_PRECONDITION", problem)
+        w.schema_digest = schema.digest
 
     def neighbours_of(self, worker_id: int) -> tuple[int, ...]:
         """The live workers `worker_id` may average with (all others on a complete graph)."""
@@ -249,16 +253,27 @@ class CoordinatorCore:
 
     # ------------------------------------------------------------------ stopping
     def checkpoint(
-        self, worker_id: int, iteration: int, now: float, progress: Progress | None = None
+        self, worker_id: int, iteration: int, now: float, progress: Progress | None = None,
+        *, optimizer_state_ready: bool = False,
     ) -> int:
         """Lock-step stop agreement (StopAgreement): 0 to go on, else the common stop
-        iteration."""
+        iteration. Also the optimizer state's adoption (StateAdoption: `adopt_state_after`
+        once every worker reported its state ready)."""
         w = self.worker(worker_id)
         if progress is not None:
             self._record_progress(w, progress, now)
         w.progress.iteration = max(w.progress.iteration, iteration)
         self._check_stop(now)
-        return self.stopper.checkpoint(w, iteration, list(self.registry.workers.values()))
+        workers = list(self.registry.workers.values())
+        stop_at = self.stopper.checkpoint(w, iteration, workers)
+        self.adoption.checkpoint(w, optimizer_state_ready, workers)
+        return stop_at
+
+    @property
+    def adopt_state_after(self) -> int:
+        """The iteration after which lock-step workers average their optimizer state
+        (0: not agreed yet)."""
+        return self.adoption.after_iteration
 
     def stop(self, reason: str, now: float) -> Deliveries:
         if not self.stopper.stop(reason):

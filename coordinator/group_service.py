@@ -194,6 +194,16 @@ class GroupService:
     # ------------------------------------------------------------------ membership events
     def remove(self, w: WorkerRecord, state: WorkerState, now: float) -> Deliveries:
         """`w` is gone: cancel its groups and tell the peers that waited on them."""
+        if self.pairing is not None:
+            self.pairing.withdraw(w.worker_id)
+        self.comms.retire_worker(w.worker_id)  # before the deliveries, which carry evictions
+        return self._cancel(lambda: self.table.cancel_where(w.worker_id), now,
+                            f"worker {w.worker_id} {state.value}")
+
+    def _cancel(self, cancel: Callable[[], tuple[list[GroupRecord], list[GroupRecord]]],
+                now: float, why: str) -> Deliveries:
+        """Run `cancel` (a table cancellation); tell each waiting peer whose group went,
+        and deliver the groups that became ready."""
         deliveries: Deliveries = {}
         # The group each waiting peer arrived at (its head) before the cancellation.
         awaited = {}
@@ -201,19 +211,15 @@ class GroupService:
             head = self.table.head(peer.worker_id)
             if peer.state is WorkerState.WAITING and head is not None:
                 awaited[peer.worker_id] = head.group_id
-        if self.pairing is not None:
-            self.pairing.withdraw(w.worker_id)
-        cancelled, ready = self.table.cancel_where(w.worker_id)
+        cancelled, ready = cancel()
         self.num_cancelled += len(cancelled)
-        self.comms.retire_worker(w.worker_id)
         cancelled_ids = {g.group_id for g in cancelled}
         for peer in self.registry.live():
             if peer.round_target in cancelled_ids:
                 peer.round_target = None  # its round now ends with the group it waits on
             if awaited.get(peer.worker_id) in cancelled_ids:
                 deliveries[peer.worker_id] = self.decide(peer, Outcome.CANCELLED, now, detail=(
-                    f"group {awaited[peer.worker_id]} cancelled: worker {w.worker_id} "
-                    f"{state.value}"))
+                    f"group {awaited[peer.worker_id]} cancelled: {why}"))
         deliveries.update(self._deliver(ready, now))
         return deliveries
 
@@ -275,15 +281,35 @@ class GroupService:
         return group
 
     def _deliver(self, groups: list[GroupRecord], now: float) -> Deliveries:
+        """Hand executable groups to their members, who all wait for them. A group whose
+        members average different tensors (one's optimizer state joined its buffer, a
+        peer's not yet: docs/data-plane.md rule 7) is cancelled instead: a collective must
+        never join buffers of two sizes. Every member has arrived, so its schema is the
+        one it would average with."""
         deliveries: Deliveries = {}
         workers = self.registry.workers
         for g in groups:
+            if len({workers[m].schema_digest for m in g.members}) > 1:
+                deliveries.update(self._cancel_mixed(g, now))
+                continue
             self.recent_groups.append(g)
             for m in g.members:
                 deliveries[m] = self._group_decision(workers[m], g)
                 self._account_wait(workers[m], now)
                 workers[m].state = WorkerState.REDUCING
                 workers[m].listening = False
+        return deliveries
+
+    def _cancel_mixed(self, g: GroupRecord, now: float) -> Deliveries:
+        self.num_cancelled += 1
+        if g.create_comm:  # nobody created its communicator: queued groups get a fresh one
+            self._retire_comm(g.comm_id)  # before the cancel locks (delivers) queued groups
+        ready = self.table.cancel(g)
+        workers = self.registry.workers
+        deliveries = {m: self.decide(workers[m], Outcome.CANCELLED, now, detail=(
+            f"group {g.group_id} cancelled: its members average different tensors (an "
+            "optimizer state has not joined every member's buffer yet)")) for m in g.members}
+        deliveries.update(self._deliver(ready, now))
         return deliveries
 
     def _group_decision(self, w: WorkerRecord, g: GroupRecord) -> GroupDecision:

@@ -151,13 +151,14 @@ class GroupTable:
         Returns (cancelled groups, groups that became deliverable as a result).
         """
         cancelled = [g for g in self.unfinished() if worker in g.members]
-        touched: set[int] = set()
-        for g in cancelled:
-            self._drop(g)
-            touched.update(g.members)
+        ready = self._cancel(cancelled)  # the worker's buffer is empty now
         self._buffers.pop(worker, None)
-        touched.discard(worker)
-        return cancelled, self._lock_heads(sorted(touched))
+        return cancelled, ready
+
+    def cancel(self, group: GroupRecord) -> list[GroupRecord]:
+        """Cancel one group (its members stay); returns the groups that became
+        deliverable as a result."""
+        return self._cancel([group])
 
     def cancel_all_undelivered(self) -> list[GroupRecord]:
         """Cancel every group not yet delivered (the run is stopping)."""
@@ -167,6 +168,13 @@ class GroupTable:
         return cancelled
 
     # ---------------------------------------------------------------- internals
+    def _cancel(self, groups: list[GroupRecord]) -> list[GroupRecord]:
+        touched: set[int] = set()
+        for g in groups:
+            self._drop(g)
+            touched.update(g.members)
+        return self._lock_heads(sorted(touched))
+
     def _drop(self, group: GroupRecord) -> None:
         del self._groups[group.group_id]
         for m in group.members:

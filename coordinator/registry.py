@@ -57,6 +57,10 @@ class WorkerRecord:
     round_target: int | None = None  # the group that ends the worker's current round
     wait_started_at: float | None = None
     checkpoint_grant: int = 0
+    optimizer_state_ready: bool = False  # lock-step: its optimizer state may join (StateAdoption)
+    schema_digest: str = ""
+    """The digest of the tensors it averages now (at the start, then with the optimizer
+    state): groups form only among workers whose digests are equal."""
     ready: bool = False  # built its model and waits in AwaitStart
     listening: bool = False  # gossip: waits only to serve partners (GroupRequest.listen)
     own_seconds: float | None = None

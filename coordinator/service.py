@@ -370,9 +370,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                          ) -> pb.CheckpointReply:
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         stop_at = await self._call(context, lambda: self.core.checkpoint(
-            request.worker_id, request.iteration, self.clock(), progress))
+            request.worker_id, request.iteration, self.clock(), progress,
+            optimizer_state_ready=request.optimizer_state_ready))
         assert isinstance(stop_at, int)
-        return pb.CheckpointReply(stop_at_iteration=stop_at, stop_reason=self.core.stop_reason)
+        return pb.CheckpointReply(stop_at_iteration=stop_at, stop_reason=self.core.stop_reason,
+                                  adopt_state_after_iteration=self.core.adopt_state_after)
 
     # ------------------------------------------------------------------ views
     async def GetRunStatus(self, request: pb.RunStatusRequest,

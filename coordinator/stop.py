@@ -1,5 +1,6 @@
 """When the run ends (pure code): the stop flag and reason, the iteration budget, and the
-lock-step protocols' agreement on one stop iteration for every worker."""
+lock-step protocols' agreements on one iteration for every worker: where they stop, and
+after which the optimizer state joins the averaged state."""
 
 from __future__ import annotations
 
@@ -40,6 +41,31 @@ class StopAgreement:
             return self.stop_at_iteration
         w.checkpoint_grant = max(w.checkpoint_grant, iteration + self.interval)
         return 0
+
+
+class StateAdoption:
+    """The iteration after which every lock-step worker averages its optimizer state too.
+
+    A worker's optimizer state appears after its first applied step (a step skipped by
+    GradScaler or on_nonfinite="skip" creates none), so workers would add it to their
+    averaged buffer at different iterations, and a collective would join buffers of two
+    sizes. Workers report at their checkpoints when their state is complete; once every
+    live worker has, the adoption iteration is the largest checkpoint grant (as for the
+    stop: every worker learns it at or before reaching it) and never changes.
+    """
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.after_iteration = 0
+
+    def checkpoint(self, w: WorkerRecord, ready: bool, workers: list[WorkerRecord]) -> int:
+        """0 while some worker's state is not ready, else the adoption iteration. Call
+        after StopAgreement.checkpoint granted the asker its next interval."""
+        w.optimizer_state_ready = w.optimizer_state_ready or ready
+        live = [x for x in workers if x.state not in GONE]
+        if self.after_iteration == 0 and live and all(x.optimizer_state_ready for x in live):
+            self.after_iteration = max(max(x.checkpoint_grant, self.interval) for x in workers)
+        return self.after_iteration
 
 
 def budget_reached(workers: list[WorkerRecord]) -> str | None:

@@ -80,6 +80,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         slowdowns = parse_slowdowns(args.slowdown, run.num_workers)
         if args.threads_per_worker < 1:
             raise ValueError("--threads-per-worker must be at least 1")
+        if args.timeout_seconds < 0:
+            raise ValueError("--timeout-seconds must not be negative (0: no limit)")
         if not script:
             from ripples.worker.tasks import resolve_task
 
@@ -192,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "summary.json (default: runs/latest)")
     run.add_argument("--threads-per-worker", type=int, default=1,
                      help="torch threads per worker process (default: 1)")
-    run.add_argument("--timeout-seconds", type=float, default=3600.0,
-                     help="give up if the run has not finished after this long (default: 3600)")
+    run.add_argument("--timeout-seconds", type=float, default=0.0,
+                     help="stop the run and fail if it has not finished after this long "
+                     "(default: 0, no limit: every wait inside a run has its own timeout)")
     run.add_argument("--dashboard", action="store_true",
                      help="serve the live dashboard during the run (see --dashboard-port)")
     run.add_argument("--dashboard-port", type=int, default=8080,

@@ -10,8 +10,10 @@ evaluation data, and writes DIR/summary.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -25,12 +27,12 @@ from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.dashboard.app import DashboardConfig
 from ripples.dashboard.server import DashboardServer
-from ripples.protocols import GossipSettings
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.process_launcher import (
     WorkerProcesses,
+    describe_exit,
     launch_environment,
     runner_argv,
     script_argv,
@@ -47,7 +49,9 @@ class LocalRunConfig:
     slowdowns: dict[int, str] = field(default_factory=dict)  # rank -> FACTOR[@PROBABILITY]
     output: Path = Path("runs/latest")
     threads_per_worker: int = 1
-    timeout_seconds: float = 3600.0
+    timeout_seconds: float = 0.0
+    """Stop the run and fail after this long; 0: no limit (every wait inside a run has
+    its own timeout: collectives, group waits, leases)."""
     progress: bool = True
     worker_log_level: int = logging.WARNING
     dashboard_port: int | None = None  # serve the dashboard on 127.0.0.1:PORT (0: any)
@@ -74,6 +78,8 @@ def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
 
 
 INTERRUPTED = "interrupted by the user"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a local run cleanly (the second one aborts)."""
 
 
 class LocalCluster:
@@ -89,10 +95,11 @@ class LocalCluster:
         self.interrupted = threading.Event()  # Ctrl-C seen: stop the run cleanly
         self._stop_sent = False
 
-    def _on_sigint(self, signum: int, frame: object) -> None:
-        """First Ctrl-C: a flag the monitor loop acts on (an exception raised wherever the
-        main thread happens to be, e.g. inside a gRPC call, can be swallowed there and
-        the run would go on). Second Ctrl-C: abort at once."""
+    def _on_signal(self, signum: int, frame: object) -> None:
+        """First Ctrl-C (or SIGTERM, SIGHUP): a flag the monitor loop acts on (an
+        exception raised wherever the main thread happens to be, e.g. inside a gRPC call,
+        can be swallowed there and the run would go on). Second: abort at once (the
+        workers are then terminated)."""
         if self.interrupted.is_set():
             raise KeyboardInterrupt
         self.interrupted.set()
@@ -103,9 +110,10 @@ class LocalCluster:
         self.server.start()
         client = CoordinatorClient(self.server.address)
         dashboard = None
-        previous_handler = None
+        previous_handlers = {}
         if threading.current_thread() is threading.main_thread():
-            previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+            for signum in STOP_SIGNALS:
+                previous_handlers[signum] = signal.signal(signum, self._on_signal)
         try:
             if cfg.dashboard_port is not None:
                 dashboard = DashboardServer(DashboardConfig(
@@ -118,8 +126,8 @@ class LocalCluster:
             self._spawn()
             status = self._monitor(client)
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
+            for signum, previous in previous_handlers.items():
+                signal.signal(signum, previous)
             self._terminate()
             client.close()
             self.server.stop()
@@ -145,7 +153,8 @@ class LocalCluster:
                                                     world_size=cfg.run.num_workers))
 
     def _monitor(self, client: CoordinatorClient) -> pb.RunStatus:
-        deadline = time.monotonic() + self.config.timeout_seconds
+        limit = self.config.timeout_seconds
+        deadline = time.monotonic() + limit if limit > 0 else math.inf
         last_print, last_line = 0.0, ""
         status = client.run_status()
         while True:
@@ -155,14 +164,15 @@ class LocalCluster:
                       "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
                 client.stop_run(INTERRUPTED)
                 self._stop_sent = True
+            alive = self.processes.alive()  # before the failure check: none is missed
             status = client.run_status()
             failed = self._failed_workers(status)
             if failed:
                 client.stop_run("a worker failed")
                 raise RuntimeError("; ".join(failed))
             self._sample_consensus(status)
-            if not self.processes.alive():
-                return client.run_status()
+            if not alive:
+                return status
             if time.monotonic() > deadline:
                 client.stop_run("timeout")
                 raise TimeoutError(f"the run did not finish in {self.config.timeout_seconds:.0f} s"
@@ -189,8 +199,8 @@ class LocalCluster:
             code = child.process.poll()
             if code not in (None, 0):
                 why = errors.get(rank) or "it exited without reporting an error (see its log above)"
-                failed.append(f"worker rank {rank} (pid {child.process.pid}) exited with code "
-                              f"{code}: {why}")
+                failed.append(f"worker rank {rank} (pid {child.process.pid}) "
+                              f"{describe_exit(code)}: {why}")
         return failed
 
     def _terminate(self) -> None:
@@ -264,8 +274,9 @@ class LocalCluster:
             "num_conflicts": status.num_conflicts,
             "num_pending_waits": status.num_pending_waits,
             "topology": cfg.run.topology,
-            "rate_com": cfg.run.settings(GossipSettings).rate_com,
-            "momentum": cfg.run.settings(GossipSettings).momentum,
+            # The protocol's own settings, per family (gossip: rate_com, momentum, ...).
+            "settings": {cls.proto_field: dataclasses.asdict(cfg.run.settings(cls))
+                         for cls in cfg.run.spec.settings},
             "spectral_gap": status.spectral_gap,
             "consensus_distance_final": consensus_distance,
             "consensus_distance_estimate": (status.consensus_distance

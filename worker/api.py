@@ -161,7 +161,10 @@ class Worker:
             path = Path(self.env.save_model)
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(path.name + ".partial")
-            torch.save(self._optimizer.model.state_dict(), partial)
+            # The model's tensors are views into the averaged state's flat buffer: saved
+            # as they are, each file would hold the whole buffer (optimizer state too).
+            state = {k: v.detach().clone() for k, v in self._optimizer.model.state_dict().items()}
+            torch.save(state, partial)
             partial.replace(path)
         if self.env.save_record and record is not None:
             write_json(Path(self.env.save_record), record)

@@ -97,9 +97,10 @@ class CoordinatorClient:
         assert isinstance(reply, pb.StaticScheduleReply)
         return reply
 
-    def checkpoint(self, worker_id: int, iteration: int,
-                   progress: pb.Progress | None = None) -> pb.CheckpointReply:
-        req = pb.CheckpointRequest(worker_id=worker_id, iteration=iteration, progress=progress)
+    def checkpoint(self, worker_id: int, iteration: int, progress: pb.Progress | None = None,
+                   *, optimizer_state_ready: bool = False) -> pb.CheckpointReply:
+        req = pb.CheckpointRequest(worker_id=worker_id, iteration=iteration, progress=progress,
+                                   optimizer_state_ready=optimizer_state_ready)
         reply = self._call(self._stub.Checkpoint, req, self.rpc_timeout)
         assert isinstance(reply, pb.CheckpointReply)
         return reply

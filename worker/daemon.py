@@ -16,13 +16,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ripples.worker.launch_env import LaunchEnv
+from ripples.worker.launch_env import LaunchEnv, default_host
 from ripples.worker.process_launcher import (
     WorkerProcesses,
     launch_environment,
@@ -86,7 +85,7 @@ class WorkerConfig:
         """This (single) worker process's launch environment."""
         env = LaunchEnv(
             coordinator=self.coordinator, launcher="ripples", local_rank=self.local_rank,
-            local_world_size=self.nproc_per_node, host=self.host or socket.gethostname(),
+            local_world_size=self.nproc_per_node, host=self.host or default_host(),
             device=self.device, num_threads=self.num_threads, metrics_port=self.metrics_port,
             metrics_bind=self.metrics_bind, metrics_host=self.metrics_host,
             save_model=self.save_model, save_record=self.save_record, slowdown=self.slowdown,
@@ -97,25 +96,33 @@ class WorkerConfig:
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Run one worker of the built-in runner to the end of the run: 0, or 1 on error.
-    Any exception marks the worker FAILED with its error at the coordinator."""
+    """Run one worker of the built-in runner to the end of the run: 0; 1 on error; 128+N
+    when a second signal N aborted it. Any exception, an abort included, marks the worker
+    FAILED with its error at the coordinator (never a clean leave)."""
     from ripples.worker.api import init
     from ripples.worker.runner import train_task
 
     worker = None
     error = ""
+    code = 0
     try:
         worker = init(env=config.launch_env())
         reason = train_task(worker, config.task)
         logger.info("worker %d finished: %s", worker.worker_id, reason)
-    except Exception as err:  # noqa: BLE001 (every failure is reported, none is clean)
+    except BaseException as err:  # noqa: BLE001 (every failure is reported, none is clean)
+        code = 1
         error = f"{type(err).__name__}: {err}"
+        if isinstance(err, SystemExit):  # the signal handler's abort
+            code = err.code if isinstance(err.code, int) and err.code else 1
+            error = f"aborted by a second signal (exit code {code})"
+        elif isinstance(err, KeyboardInterrupt):
+            code, error = 130, "aborted (KeyboardInterrupt)"
         worker_id = worker.worker_id if worker is not None else "-"
         logger.error("worker %s failed: %s", worker_id, error)
     finally:
         if worker is not None:
             worker.shutdown(error)
-    return 1 if error else 0
+    return code
 
 
 def run_host(config: WorkerConfig, script: list[str], quiet: bool) -> int:

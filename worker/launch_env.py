@@ -47,6 +47,13 @@ _RIPPLES_VARIABLES = {
 """LaunchEnv field -> the environment variable that sets it."""
 
 
+def default_host(environ: Mapping[str, str] | None = None) -> str:
+    """This node's name when none is given: SLURM's node name under srun, else the host
+    name (what workers of one node share)."""
+    env = os.environ if environ is None else environ
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchEnv:
     """One worker process's place in a launch. Every field is documented once, here."""
@@ -109,7 +116,7 @@ class LaunchEnv:
         if values["coordinator"] and values.get("launcher", "none") == "none":
             values["launcher"] = "ripples"
         if not values.get("host"):
-            values["host"] = env.get("SLURMD_NODENAME") or socket.gethostname()
+            values["host"] = default_host(env)
         launch = cls(**values)  # type: ignore[arg-type]
         launch.validate()
         return launch

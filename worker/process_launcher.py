@@ -89,6 +89,18 @@ def runner_argv(env: LaunchEnv, task: str, *, quiet: bool) -> list[str]:
     return argv + (["--quiet"] if quiet else [])
 
 
+def describe_exit(code: int) -> str:
+    """How a child ended, in words: "exited with code 1", "was killed by SIGABRT (signal
+    6)" (Popen reports a death by signal N as -N)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "a signal"
+    return f"was killed by {name} (signal {-code})"
+
+
 @dataclass
 class _Child:
     name: str
@@ -117,7 +129,7 @@ class WorkerProcesses:
 
     def failures(self) -> list[str]:
         """The children that ended with an error, named with their exit codes."""
-        return [f"{c.name} (pid {c.process.pid}) exited with code {c.process.returncode}"
+        return [f"{c.name} (pid {c.process.pid}) {describe_exit(c.process.returncode)}"
                 for c in self.children
                 if c.process.returncode is not None and c.process.returncode != 0]
 
@@ -147,20 +159,28 @@ class WorkerProcesses:
             c.process.wait()
 
     def wait_all(self) -> int:
-        """Wait for every child, passing SIGINT/SIGTERM on; returns 0 if all succeeded,
-        else the exit code of the first that failed (named in the log)."""
+        """Wait for every child, passing SIGINT/SIGTERM/SIGHUP on; returns 0 if all
+        succeeded, else the exit code of the first to fail (in time; one killed by signal
+        N gives 128+N, as a shell does). Every failure is named in the log."""
         handlers = {}
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 handlers[signum] = signal.signal(
                     signum, lambda s, _f: self.pass_signal(s))
+        ended: list[_Child] = []  # in the order they were seen to end
         try:
-            while self.alive():
+            while len(ended) < len(self.children):
+                for c in self.children:
+                    if c not in ended and c.process.poll() is not None:
+                        ended.append(c)
                 time.sleep(POLL_SECONDS)
         finally:
             for signum, previous in handlers.items():
                 signal.signal(signum, previous)
-        failed = [c for c in self.children if c.process.returncode not in (0, None)]
         for line in self.failures():
             logger.error("%s", line)
-        return failed[0].process.returncode if failed else 0
+        failed = [c for c in ended if c.process.returncode != 0]
+        if not failed:
+            return 0
+        code = failed[0].process.returncode
+        return 128 - code if code < 0 else code

@@ -26,7 +26,7 @@ from ripples.worker.api import Worker
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.optimizer import Optimizer
 from ripples.worker.protocols import create_protocol
-from ripples.worker.protocols.base import ProtocolContext
+from ripples.worker.protocols.base import TrainingJob
 from ripples.worker.sampler import DistributedSampler
 from ripples.worker.synchronizer import parameter_names
 from ripples.worker.tasks import Task, TaskOptions, build_task
@@ -142,8 +142,6 @@ class _RunnerOnlyTraining:
 
 def _run_protocol_runtime(worker: Worker, task: Task, spec: str, options: TaskOptions) -> str:
     """lap-sgd, lpp-sgd: the protocol runs its own processes; this process averages."""
-    from ripples.worker.protocols.lpp.protocol import TrainingJob
-
     session = worker._session
     assert session is not None and session.worker_id is not None
     model = task.build_model()
@@ -154,13 +152,7 @@ def _run_protocol_runtime(worker: Worker, task: Task, spec: str, options: TaskOp
     settings = worker.settings
     planned = settings.iterations or math.ceil(settings.epochs * per_epoch)
     session.start(state.schema(), planned)
-    assert session.comms is not None and session.store is not None
-    ctx = ProtocolContext(
-        client=session.client, worker_id=session.worker_id, rank=worker.rank,
-        num_workers=worker.num_workers, config=session.config,
-        membership=session.membership, model=model, state=state, comms=session.comms,
-        store=session.store, device=worker.device, stop_requested=session.stop_requested,
-        progress=session.stats.snapshot, metrics=session.metrics.for_protocol())
+    ctx = session.protocol_context(model, state)
     protocol = create_protocol(settings.protocol, ctx)
     training = _RunnerOnlyTraining(model=model, record={})
     worker._register_optimizer(training)  # type: ignore[arg-type]
@@ -169,7 +161,7 @@ def _run_protocol_runtime(worker: Worker, task: Task, spec: str, options: TaskOp
                       metrics=session.metrics, slowdown_spec=worker.env.slowdown,
                       num_threads=worker.env.num_threads or 1)
     try:
-        reason = protocol.run_training(job)  # type: ignore[attr-defined]
+        reason = protocol.run_training(job)
     finally:
         protocol.close()
     training.record = {"worker_id": session.worker_id, "rank": worker.rank,

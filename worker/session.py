@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient, HeartbeatThread
+from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import (
     CommunicatorCache,
     CommunicatorFactory,
@@ -26,6 +27,7 @@ from ripples.worker.dataplane.communicators import (
 )
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.metrics import WorkerMetrics
+from ripples.worker.protocols.base import ProtocolContext
 from ripples.worker.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,19 @@ class Session:
         self.comms = CommunicatorCache(factory)
         self.metrics.attach(worker_id=self.worker_id, host=self.env.host,
                             protocol=self.config.protocol, cache=self.comms)
+
+    def protocol_context(self, model: torch.nn.Module, state: AveragedState) -> ProtocolContext:
+        """What the run's protocol may use (after start())."""
+        assert self.worker_id is not None and self.heartbeat is not None
+        assert self.comms is not None and self.store is not None, "start() first"
+        heartbeat = self.heartbeat
+        return ProtocolContext(
+            client=self.client, worker_id=self.worker_id, rank=self.membership.rank,
+            num_workers=self.membership.num_workers, config=self.config,
+            membership=self.membership, model=model, state=state, comms=self.comms,
+            store=self.store, device=self.device, stop_requested=heartbeat.stop_requested,
+            stop_reason=lambda: heartbeat.stop_reason, progress=self.stats.snapshot,
+            metrics=self.metrics.for_protocol())
 
     def check_schema(self, schema: pb.TensorSchema) -> None:
         assert self.worker_id is not None

@@ -6,8 +6,10 @@ protocol runtime. Per step, after the local optimizer step:
 
 1. the gate: every averaged value must be finite before anything leaves the process
    (`FloatingPointError` names the first tensor that is not);
-2. after the first step, the optimizer's per-parameter state joins the averaged state
-   (protocols that average it) and the coordinator checks the full schema once more;
+2. once the optimizer's per-parameter state exists for every trainable parameter (after
+   the first applied step), it joins the averaged state (protocols that average it;
+   lock-step ones after an iteration every worker agreed on) and the coordinator checks
+   the full schema once more (a group executes only among workers whose tensors match);
 3. the progress counters and an injected slowdown (experiments);
 4. the protocol's synchronisation, then its verdict on whether the run is over.
 
@@ -27,16 +29,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ripples.protocols import get_protocol
+from ripples.protocols import PROTOCOLS, get_protocol
+from ripples.worker.client import CoordinatorCallError
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.protocols import create_protocol
-from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult
+from ripples.worker.protocols.base import Protocol, SyncResult
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 
 if TYPE_CHECKING:
     from ripples.worker.session import Session
 
 logger = logging.getLogger(__name__)
+
+STATE_WARNING_STEPS = 100
+"""Warn when the optimizer state is still incomplete (not averaged) after this many steps."""
 
 
 @dataclass(kw_only=True)
@@ -64,12 +70,12 @@ class StepSynchronizer:
         config = session.config
         spec = get_protocol(config.protocol)
         if not spec.library:
+            in_loop = ", ".join(name for name, s in PROTOCOLS.items() if s.library)
             raise ValueError(
                 f"{config.protocol} runs several updater processes per worker and needs the "
                 "built-in runner: start the workers with `ripples worker run --task ...` "
                 "(or `ripples run --task ...`), or pick a protocol that runs in your own "
-                "loop (allreduce, ripples-random, ripples-smart, ripples-static, adpsgd, "
-                "a2cid2, hop)")
+                f"loop ({in_loop})")
         self.session = session
         self.model = model
         self.optimizer = optimizer
@@ -79,25 +85,19 @@ class StepSynchronizer:
         self.planned_steps = planned_steps
         self.state = AveragedState(model)
         session.start(self.state.schema(), planned_steps)
-        assert session.comms is not None and session.store is not None
-        assert session.worker_id is not None
-        membership = session.membership
-        self.ctx = ProtocolContext(
-            client=session.client, worker_id=session.worker_id, rank=membership.rank,
-            num_workers=membership.num_workers, config=config, membership=membership,
-            model=model, state=self.state, comms=session.comms, store=session.store,
-            device=session.device, stop_requested=session.stop_requested,
-            progress=session.stats.snapshot, metrics=session.metrics.for_protocol())
+        self.ctx = session.protocol_context(model, self.state)
         self.protocol: Protocol = create_protocol(config.protocol, self.ctx)
         self.adopt_state = (self.average_optimizer_state
                             and self.protocol.averages_optimizer_state)
         self._adopted = False
         spec_text = session.env.slowdown
         self.slowdown = Slowdown(SlowdownSpec.parse(
-            spec_text, seed=config.seed * 1000 + membership.rank) if spec_text
+            spec_text, seed=config.seed * 1000 + self.ctx.rank) if spec_text
             else SlowdownSpec())
         self.times = StepTimes()
         self.stop_reason = ""
+        self._stop_asked = False
+        self._check_finite("before the first step")  # begin() may send already (hop)
         self.protocol.begin()
         self._since = time.perf_counter()
 
@@ -111,15 +111,9 @@ class StepSynchronizer:
         # backward (DDP), which a slower device would not make slower.
         inside = self.protocol.backward_sync_seconds()
         compute = max(0.0, time.perf_counter() - self._since - inside)
-        bad = self.state.nonfinite()
-        if bad is not None:
-            raise FloatingPointError(
-                f"worker {self.session.worker_id}: {bad} holds a NaN or an infinity after "
-                f"step {completed}; nothing was sent to any peer. Lower the learning rate, "
-                "clip the gradients, or pass on_nonfinite='skip' to ripples.Optimizer to skip "
-                "steps whose gradients are not finite")
+        self._check_finite(f"after step {completed}")
         if self.adopt_state and not self._adopted:
-            self.adopt_optimizer_state()
+            self._maybe_adopt(completed)
         with stats.lock:  # before the sync, whose RPCs carry this progress to the coordinator
             stats.iteration = completed
         injected = self.slowdown.after_compute(compute)
@@ -132,7 +126,7 @@ class StepSynchronizer:
             completed, self.planned_steps)
         reason = verdict.stop_reason if verdict is not None and verdict.stop else ""
         if not reason and self.session.local_stop.is_set():
-            reason = "stopped by a signal"
+            reason = self._asked_to_stop()
         if self.session.fatal_error:
             raise RuntimeError(self.session.fatal_error)
         now = time.perf_counter()
@@ -144,12 +138,69 @@ class StepSynchronizer:
         t.injected_seconds += injected
         t.other_seconds += max(0.0, now - step_started - local_seconds - sync - injected)
         self._since = now
+        if reason:
+            self.protocol.on_stop()
         return reason
 
+    def _check_finite(self, when: str) -> None:
+        """The gate: nothing non-finite ever leaves this worker (nor a model that no longer
+        trains the averaged tensors)."""
+        moved = self.state.moved_away()
+        if moved is not None:
+            raise RuntimeError(
+                f"parameter {moved} no longer lives in the averaged state: the model was "
+                "moved or converted (model.to(...), .half(), ...) after ripples.Optimizer "
+                "was built; move the model first, then build the optimizer and wrap it")
+        bad = self.state.nonfinite()
+        if bad is not None:
+            raise FloatingPointError(
+                f"worker {self.session.worker_id}: {bad} holds a NaN or an infinity {when}; "
+                "nothing was sent to any peer. Lower the learning rate, clip the gradients, "
+                "or pass on_nonfinite='skip' to ripples.Optimizer to skip steps whose "
+                "gradients are not finite (a non-finite BatchNorm statistic still fails)")
+
+    def _asked_to_stop(self) -> str:
+        """A signal or request_stop(): stop now, or (lock-step protocols, where a worker
+        that stops alone leaves its peers in a collective) ask the coordinator to stop the
+        run and go on to the iteration every worker stops at."""
+        if not self.protocol.stops_together:
+            return "asked to stop (a signal or request_stop)"
+        if not self._stop_asked:
+            self._stop_asked = True
+            try:
+                self.session.client.stop_run(
+                    f"worker {self.session.worker_id} was asked to stop (a signal or "
+                    "request_stop)")
+            except CoordinatorCallError as err:
+                logger.warning("could not ask the coordinator to stop the run (%s); "
+                               "stopping alone", err)
+                return "asked to stop (a signal or request_stop); the coordinator was lost"
+            logger.warning("%s: asked the coordinator to stop the run; every worker stops "
+                           "at the same iteration", self.protocol.name)
+        return ""
+
+    def _maybe_adopt(self, completed: int) -> None:
+        """The optimizer's per-parameter state joins the averaged state once it exists for
+        every trainable parameter and the protocol allows (see Protocol.may_adopt_state).
+        No state at all: no step applied yet, or an optimizer that keeps none (SGD without
+        momentum); nothing to adopt either way."""
+        if not self.optimizer.state:
+            return
+        missing = self.state.missing_optimizer_state(self.optimizer)
+        if self.protocol.may_adopt_state(completed, missing is None):
+            self.adopt_optimizer_state()
+        elif missing is not None and completed == STATE_WARNING_STEPS:
+            logger.warning(
+                "after %d steps the optimizer still has no state for %s (no gradient yet?): "
+                "the optimizer state is averaged only once every trainable parameter has "
+                "one; freeze unused parameters (requires_grad=False) or pass "
+                "average_optimizer_state=False", completed, missing)
+
     def adopt_optimizer_state(self) -> None:
-        """The optimizer's per-parameter state joins the averaged state (it exists after
-        the first step, and is replaced by `load_state_dict`); the coordinator compares
-        the full schema with the other workers'."""
+        """The optimizer's per-parameter state joins the averaged state (again after
+        `load_state_dict`, which replaces it); the coordinator compares the full schema
+        with the other workers', and executes this worker's groups only with workers whose
+        averaged tensors match."""
         count = self.state.adopt_optimizer_state(self.optimizer)
         self._adopted = True
         logger.debug("adopted %d optimizer state tensors", count)
@@ -157,7 +208,7 @@ class StepSynchronizer:
 
     def readopt_after_load(self) -> None:
         if self.adopt_state and self._adopted:
-            self.state.adopt_optimizer_state(self.optimizer)
+            self.adopt_optimizer_state()
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ripples.protocols.settings import ProtocolSettings
+from ripples.protocols.settings import ProtocolSettings, RunFacts, TopologyFacts
 
 ADPSGD_MODES = ("serialised", "bipartite")
 
@@ -30,3 +30,11 @@ class GossipSettings(ProtocolSettings):
         if self.adpsgd_mode not in ADPSGD_MODES:
             raise ValueError(f"unknown adpsgd_mode {self.adpsgd_mode!r}; choose one of "
                              f"{', '.join(ADPSGD_MODES)}")
+
+    def check_topology(self, run: RunFacts, topology: TopologyFacts) -> None:
+        if (run.policy == "adpsgd" and self.adpsgd_mode == "bipartite"
+                and not topology.bipartite):
+            raise ValueError(
+                f"adpsgd_mode bipartite needs a bipartite graph; the {topology.name} "
+                f"topology on {topology.num_workers} workers has an odd cycle (use an even "
+                "ring, or adpsgd_mode serialised, which works on any connected graph)")

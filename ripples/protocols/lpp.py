@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ripples.protocols.settings import ProtocolSettings
+from ripples.protocols.settings import ProtocolSettings, RunFacts
 
 LPP_AVERAGING = ("all", "ripples-random", "ripples-smart")
 
@@ -28,6 +28,12 @@ class LppSettings(ProtocolSettings):
     full_fraction: float = 0.1
     """lpp-sgd: update the full model for this fraction of the budget (T_st / T), then
     alternate between an updater's own block and the full model."""
+
+    def check_run(self, run: RunFacts) -> None:
+        if run.task and run.iterations == 0 and run.epochs == 0:
+            raise ValueError(f"{run.protocol} needs a budget of iterations or epochs: the "
+                             "full-model phase and the synchronisation scheme are fractions "
+                             "of it")
 
     def validate(self) -> None:
         if not 1 <= self.updaters <= 64:

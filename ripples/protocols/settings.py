@@ -16,6 +16,28 @@ from google.protobuf.message import Message
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What a protocol family's settings may check against the rest of a run."""
+
+    protocol: str
+    policy: str
+    """The coordinator's group policy or pairing (Role.policy): random, smart, adpsgd..."""
+    task: str
+    """The built-in task; empty for a user's script."""
+    iterations: int
+    epochs: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TopologyFacts:
+    """What a protocol family's settings may check of the run's graph."""
+
+    name: str
+    num_workers: int
+    bipartite: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ProtocolSettings:
     """Settings of one protocol family. Subclasses are frozen keyword-only dataclasses."""
 
@@ -27,6 +49,12 @@ class ProtocolSettings:
 
     def validate(self) -> None:
         """Raise ValueError naming the option to fix."""
+
+    def check_run(self, run: RunFacts) -> None:
+        """Raise ValueError if these settings cannot serve this run (lpp: a budget)."""
+
+    def check_topology(self, run: RunFacts, topology: TopologyFacts) -> None:
+        """Raise ValueError if the run cannot use this graph (adpsgd's bipartite mode)."""
 
     def to_proto(self) -> Message:
         """These settings as their RunConfig message."""

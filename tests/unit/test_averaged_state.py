@@ -170,3 +170,38 @@ def test_mixed_dtypes_are_refused_with_what_to_do() -> None:
     model[2].to(torch.float64)
     with pytest.raises(ValueError, match="must share one dtype and device.*model.to"):
         AveragedState(model)
+
+
+def test_optimizer_state_is_complete_once_every_trainable_parameter_has_one() -> None:
+    """State appears at a parameter's first applied step; a frozen parameter needs none."""
+    model = _model(0)
+    model[2].bias.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    flat = AveragedState(model)
+    assert flat.missing_optimizer_state(opt) == "0.weight"
+    model[0].weight.grad = torch.zeros_like(model[0].weight)  # only one has a gradient
+    opt.step()
+    assert flat.missing_optimizer_state(opt) == "0.bias"
+    _step(model, opt, 1)
+    assert flat.missing_optimizer_state(opt) is None
+
+
+def test_a_scalar_parameters_step_counter_is_not_averaged() -> None:
+    """A 0-dim parameter's Adam step has its shape; it counts steps and stays out."""
+    model = torch.nn.Module()
+    model.scale = torch.nn.Parameter(torch.tensor(2.0))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    flat = AveragedState(model)
+    (model.scale ** 2).backward()
+    opt.step()
+    assert flat.adopt_optimizer_state(opt) == 2  # exp_avg and exp_avg_sq only
+    assert flat.optimizer_state_labels() == ["state:scale.exp_avg", "state:scale.exp_avg_sq"]
+    assert not _inside(opt.state[model.scale]["step"], flat.flat)
+
+
+def test_a_model_moved_after_wrapping_is_noticed() -> None:
+    model = _model(0)
+    flat = AveragedState(model)
+    assert flat.moved_away() is None
+    model.double()  # new storage for every parameter
+    assert flat.moved_away() == "0.weight"

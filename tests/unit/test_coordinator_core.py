@@ -12,6 +12,9 @@ After every event the simulator checks what the gRPC shell's clients would exper
 - nobody waits on nothing: a waiting worker heads a real, undelivered group it arrived at;
 - groups of a worker that leaves or loses its lease are cancelled and their waiting
   members told;
+- a group executes only among workers that average the same tensors: a worker whose
+  optimizer state joined its averaged buffer (a new schema) is never grouped with one
+  whose has not;
 - communicator ids: one member set per id forever, `create` exactly when the members do
   not hold it yet, reuse only of what every member holds, evictions never of a comm that
   is still needed;
@@ -56,6 +59,11 @@ class SimWorker:
     delivered: list[int] = dataclasses.field(default_factory=list)
     cache: set[int] = dataclasses.field(default_factory=set)
     dropped: set[int] = dataclasses.field(default_factory=set)
+    adopted: bool = False  # its optimizer state joined the averaged buffer
+
+
+MODEL = ("param:w", (4,), "float32")
+WITH_STATE = ("state:w.momentum_buffer", (4,), "float32")
 
 
 class Simulation:
@@ -69,7 +77,7 @@ class Simulation:
         ids = [self.core.register(f"node{r // k}", r % k, "cpu", 1000 + r, self.now)
                for r in range(run.num_workers)]
         for wid in ids:
-            self.core.mark_ready(wid, planned_iterations, self.now)
+            self.core.mark_ready(wid, planned_iterations, self.now, _schema(MODEL))
         assert self.core.started_at is not None
         self.workers = {wid: SimWorker(worker_id=wid) for wid in ids}
         self.failed_groups: set[int] = set()
@@ -121,6 +129,15 @@ class Simulation:
             raise AssertionError(f"worker {w.worker_id} cannot act in mode {w.mode}")
         self.check()
 
+    def adopt(self, w: SimWorker) -> None:
+        """Between two iterations, the worker's optimizer state joins what it averages."""
+        assert w.mode == "compute" and not w.continuing and not w.adopted
+        self.tick()
+        self.trace.append(("adopt", w.worker_id))
+        w.adopted = True
+        self.core.check_schema(w.worker_id, _schema(MODEL, WITH_STATE))
+        self.check()
+
     def abandon(self, w: SimWorker) -> None:
         """The server-side long-poll of a waiting worker ran out."""
         assert w.mode == "waiting"
@@ -166,6 +183,8 @@ class Simulation:
             assert w.group is None, f"worker {w.worker_id} got a second group"
             assert w.worker_id in group.members and group.initiator in group.members
             assert group.state is GroupState.EXECUTING
+            layouts = {self.workers[m].adopted for m in group.members}
+            assert len(layouts) == 1, f"group {group.group_id} joins two layouts"
             assert not w.delivered or w.delivered[-1] < group.group_id, (
                 f"worker {w.worker_id} executes {group.group_id} after {w.delivered[-1]}")
             w.delivered.append(group.group_id)
@@ -225,6 +244,10 @@ class Simulation:
             elif kind == 6 and allow_departures and len(self.live()) > 1:
                 target = self.live()[choice % len(self.live())]
                 (self.crash if choice % 2 else self.expire)(target)
+            elif 12 <= kind < 15 and (ready := [w for w in self.actionable()
+                                                if w.mode == "compute" and not w.continuing
+                                                and not w.adopted]):
+                self.adopt(ready[choice % len(ready)])
             elif self.actionable():
                 options = self.actionable()
                 w = options[(choice // 100) % len(options)]
@@ -379,6 +402,45 @@ def test_lockstep_workers_agree_on_the_stop_iteration(
                         break
                 iteration[w] += 1
     assert len(set(limit.values())) == 1, f"workers disagree: {limit}"
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_workers=st.integers(2, 8), interval=st.integers(1, 5),
+       ready_at=st.lists(st.integers(1, 40), min_size=8, max_size=8),
+       choices=st.lists(st.integers(0, 10**6), min_size=1, max_size=300))
+def test_lockstep_workers_adopt_their_optimizer_state_after_one_common_iteration(
+    num_workers: int, interval: int, ready_at: list[int], choices: list[int]
+) -> None:
+    """Workers whose optimizer state appears at different iterations (skipped first steps)
+    add it to their averaged buffer after one common iteration, agreed only once every
+    worker's state exists, which each learns before its next collective past it."""
+    run = RunSettings(protocol="ripples-static", num_workers=num_workers,
+                      workers_per_node=num_workers, checkpoint_interval=interval,
+                      iterations=10**6)
+    core = CoordinatorCore(run, now=0.0)
+    ids = [core.register("node0", r, "cpu", r, 0.0) for r in range(num_workers)]
+    for wid in ids:
+        core.mark_ready(wid, 10**6, 0.0)
+    ready = {w: ready_at[i] for i, w in enumerate(ids)}
+    iteration = dict.fromkeys(ids, 0)
+    reported: set[int] = set()
+    learned: dict[int, int] = {}
+    for choice in choices + list(range(num_workers * 200)):
+        w = ids[choice % num_workers]
+        if iteration[w] % interval == 0:
+            state_ready = iteration[w] >= ready[w]
+            core.checkpoint(w, iteration[w], 0.0, optimizer_state_ready=state_ready)
+            reported.update([w] if state_ready else [])
+            agreed = core.adopt_state_after
+            if agreed and w not in learned:
+                assert reported == set(ids), "agreed before every worker's state existed"
+                assert iteration[w] <= agreed, "told after its collective past the iteration"
+                learned[w] = agreed
+            assert agreed == learned.get(w, agreed), "the adoption iteration changed"
+        if core.adopt_state_after and iteration[w] >= core.adopt_state_after:
+            assert w in learned, f"worker {w} would sync past the adoption unaware"
+        iteration[w] += 1
+    assert set(learned) == set(ids) and len(set(learned.values())) == 1, learned
 
 
 def test_departure_cancels_a_pending_group_and_tells_its_waiting_member() -> None:

@@ -82,3 +82,14 @@ def test_overrides_replace_the_environment_and_are_validated() -> None:
     assert env.device == "cpu" and env.local_rank == 0
     with pytest.raises(ValueError, match="must not be negative"):
         env.replace(local_rank=-1)
+
+
+def test_a_host_daemon_under_srun_names_its_node_as_slurm_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ripples worker run` inside srun: its workers' node is SLURM's node name, the one
+    the other srun tasks on that node report too (not a possibly different host name)."""
+    from ripples.worker.daemon import WorkerConfig
+
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu17")
+    assert WorkerConfig(coordinator="c:1").launch_env().host == "gpu17"
+    assert WorkerConfig(coordinator="c:1", host="mine").launch_env().host == "mine"

@@ -22,7 +22,7 @@ def test_local_run_samples_the_consensus_estimate_about_once_a_second() -> None:
 
 def test_first_ctrl_c_asks_for_a_clean_stop_and_the_second_aborts() -> None:
     cluster = LocalCluster(LocalRunConfig(run=RunSettings()))
-    cluster._on_sigint(2, None)  # the monitor loop sends stop_run and keeps monitoring
+    cluster._on_signal(2, None)  # the monitor loop sends stop_run and keeps monitoring
     assert cluster.interrupted.is_set()
     with pytest.raises(KeyboardInterrupt):
-        cluster._on_sigint(2, None)
+        cluster._on_signal(2, None)

@@ -5,9 +5,9 @@ The averaged state of a worker is, in this order:
 1. every parameter of the model (`model.named_parameters()`, shared parameters once);
 2. every floating-point buffer (`model.named_buffers()`: BatchNorm's running mean and
    variance; integer buffers such as `num_batches_tracked` are not averaged);
-3. once adopted (`adopt_optimizer_state`, after the first step), the optimizer's
-   per-parameter state tensors shaped like their parameter (SGD's momentum buffer, Adam's
-   moments; not scalars such as Adam's step).
+3. once adopted (`adopt_optimizer_state`, when it exists for every trainable parameter),
+   the optimizer's per-parameter state tensors shaped like their parameter (SGD's
+   momentum buffer, Adam's moments; not counters such as Adam's step).
 
 Each of them is a view into `flat` (`p.data`, a buffer's `.data` and the optimizer's state
 entry are re-pointed), so averaging the state is one collective on one tensor with no
@@ -35,6 +35,11 @@ from ripples.v1 import coordinator_pb2 as pb
 
 StateSlot = tuple[dict[str, Any], str]
 """(the optimizer's state dict of one parameter, a key in it) naming one state tensor."""
+
+COUNTER_KEYS = frozenset({"step", "eta", "mu"})
+"""Per-parameter scalars of PyTorch's optimizers that count or schedule (step counts;
+ASGD's eta and mu): never averaged, even for a scalar parameter, whose moments share
+their shape."""
 
 
 class AveragedState:
@@ -111,6 +116,16 @@ class AveragedState:
             state[key] = view
 
     # ------------------------------------------------------------------ optimizer state
+    def missing_optimizer_state(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """The first trainable parameter the optimizer holds but has no state for yet
+        (state appears at a parameter's first applied step), or None when all have it."""
+        names = {id(p): name for name, p in zip(self._param_names, self.params, strict=True)}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and not optimizer.state.get(p):
+                    return names.get(id(p), "a parameter")
+        return None
+
     def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> int:
         """Move the optimizer's per-parameter tensors into the flat buffer.
 
@@ -130,7 +145,8 @@ class AveragedState:
             state = optimizer.state.get(p, {})
             for key in sorted(state):
                 value = state[key]
-                if (isinstance(value, torch.Tensor) and value.shape == p.shape
+                if (key not in COUNTER_KEYS and isinstance(value, torch.Tensor)
+                        and value.shape == p.shape
                         and value.dtype == first.dtype and value.device == first.device):
                     slots.append((state, key))
                     labels.append(f"state:{name}.{key}")
@@ -162,6 +178,18 @@ class AveragedState:
         self._staging = None
 
     # ------------------------------------------------------------------ checks
+    def moved_away(self) -> str | None:
+        """The name of a parameter that no longer lives in the flat buffer (the model was
+        moved or converted after the state was built: `model.to(...)`, `model.half()`),
+        else None. Checks the first and last parameter: such calls move them all."""
+        start = self.flat.data_ptr()
+        end = start + self.flat.numel() * self.flat.element_size()
+        for index in (0, len(self.params) - 1):
+            p = self.params[index]
+            if p.device != self.flat.device or not start <= p.data_ptr() < end:
+                return self._param_names[index]
+        return None
+
     def nonfinite(self) -> str | None:
         """None when every averaged value is finite, else the name of the first tensor
         holding a NaN or an infinity. The fast path is one reduction (the sum of finite

@@ -39,6 +39,7 @@ class AllReduceProtocol(Protocol):
     """
 
     name = "allreduce"
+    stops_together = True
     syncs_gradients = True  # the optimizer checks the averaged gradients before the step
 
     def __init__(self, ctx: ProtocolContext) -> None:
@@ -50,8 +51,14 @@ class AllReduceProtocol(Protocol):
             timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_seconds),
         )
         self._window: list[float] = []
+        self._stopped = False
         replicate(ctx.model, device_id=ctx.device)
         ctx.model.register_comm_hook(self._window, _timed_allreduce_hook)  # type: ignore[operator]
+        # Build DDP now rather than at the root module's first forward (replicate's
+        # default): its constructor's collectives (the shape check, the broadcast of rank
+        # 0's parameters) run here, where every worker is, and the gradient hooks exist
+        # whichever forward the script calls first.
+        replicate.state(ctx.model).lazy_init()
         state = ctx.state
         params = sum(p.numel() for p in state.params)
         buffers = sum(b.numel() for b in state.buffers)
@@ -59,7 +66,21 @@ class AllReduceProtocol(Protocol):
         self.stopper = LockstepStop(ctx)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return _no_gradient_sync(self.ctx.model)
+        return self._no_gradient_sync()
+
+    @contextlib.contextmanager
+    def _no_gradient_sync(self) -> Iterator[None]:
+        model = self.ctx.model
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(not self._stopped)  # type: ignore[operator]
+
+    def on_stop(self) -> None:
+        """The peers are leaving: backward passes after the stop stay local."""
+        self._stopped = True
+        self.ctx.model.set_requires_gradient_sync(False)  # type: ignore[operator]
 
     def backward_sync_seconds(self) -> float:
         window = self._window
@@ -87,15 +108,6 @@ class AllReduceProtocol(Protocol):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _no_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 def _timed_allreduce_hook(

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,11 @@ from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator, CommunicatorCache
 from ripples.worker.group_stream import GroupStream
 from ripples.worker.metrics import MetricSpec, ProtocolMetrics
+
+if TYPE_CHECKING:
+    from ripples.worker.metrics import WorkerMetrics
+    from ripples.worker.stats import WorkerStats
+    from ripples.worker.tasks import TaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,13 @@ class ProtocolContext:
     stop_requested: threading.Event  # raised by the heartbeat when the coordinator stops the run
     progress: Callable[[], pb.Progress]  # this worker's progress, sent along with sync RPCs
     metrics: ProtocolMetrics  # where a protocol declares metrics of its own
+    stop_reason: Callable[[], str] = lambda: ""
+    """Why the coordinator stopped the run, as its heartbeat reply said."""
+
+    def coordinator_stop(self) -> SyncResult:
+        """The verdict once `stop_requested` is set: stop, with the coordinator's reason."""
+        reason = self.stop_reason() or "stopped by the coordinator"
+        return SyncResult(stop=True, stop_reason=reason)
 
 
 @dataclass(kw_only=True)
@@ -70,6 +83,23 @@ class SyncResult:
     stop_reason: str = ""
 
 
+@dataclass(kw_only=True)
+class TrainingJob:
+    """What the built-in runner hands a runner-only protocol (Protocol.run_training): the
+    task to rebuild in each of its processes, and where the worker's progress goes."""
+
+    task_spec: str
+    """The task's spec (each process of the protocol builds the task itself)."""
+    task_options: TaskOptions
+    batch_size: int
+    stats: WorkerStats
+    local_stop: threading.Event
+    metrics: WorkerMetrics | None
+    slowdown_spec: str = ""
+    """FACTOR[@PROBABILITY] or empty."""
+    num_threads: int = 1
+
+
 def max_peer_wait_seconds(config: pb.RunConfig) -> float:
     """How long a worker waits for peers (a group, a partner, a neighbour's update) before
     giving up: they may be stragglers, so well beyond one collective's timeout."""
@@ -88,6 +118,10 @@ class Protocol(abc.ABC):
     metrics: tuple[MetricSpec, ...] = ()
     """The metrics this protocol exports besides the shared ones (declared in __init__
     with ctx.metrics.declare)."""
+    stops_together: bool = False
+    """Every worker is in every collective (allreduce, the static schedule): one worker
+    must not stop alone, so a signal or request_stop() asks the coordinator to stop the
+    run, and every worker stops at the iteration they agree on (LockstepStop)."""
     syncs_gradients: bool = False
     """Gradients are averaged inside backward (allreduce), not the model after the step."""
     averages_optimizer_state: bool = False
@@ -120,6 +154,22 @@ class Protocol(abc.ABC):
     @abc.abstractmethod
     def after_step(self, completed: int) -> SyncResult:
         """After the local optimizer step: synchronise (or not)."""
+
+    def may_adopt_state(self, completed: int, ready: bool) -> bool:
+        """For protocols that average the optimizer state: whether step `completed` may
+        add it to the averaged buffer, before its sync (`ready`: the state exists for every
+        trainable parameter). At once, by default: the coordinator executes a group only
+        among workers whose buffers match. Lock-step ones wait for an agreed iteration."""
+        return ready
+
+    def on_stop(self) -> None:  # noqa: B027 (optional hook)
+        """The run is over for this worker (steps after it are local): stop whatever would
+        still reach the peers (allreduce: DDP's gradient sync in backward)."""
+
+    def run_training(self, job: TrainingJob) -> str:
+        """Runner-only protocols (the registry's library=False: lap-sgd, lpp-sgd) train
+        the task themselves, in processes of their own; returns why training ended."""
+        raise NotImplementedError(f"{self.name} runs in a training loop (ripples.Optimizer)")
 
     def record(self) -> dict[str, object]:
         """What the protocol tells of this worker's run, as JSON values, for the run's

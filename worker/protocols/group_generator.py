@@ -42,7 +42,7 @@ class GroupGeneratorProtocol(Protocol):
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.ctx.stop_requested.is_set():
-            return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+            return self.ctx.coordinator_stop()
         return None
 
     def after_step(self, completed: int) -> SyncResult:

@@ -1,4 +1,5 @@
-"""Stop agreement for lock-step protocols (every worker must run the same iterations)."""
+"""Agreements of lock-step protocols (every worker in every collective, every iteration):
+where all stop, and after which iteration all average their optimizer state too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ class LockstepStop:
     """Asks the coordinator every `checkpoint_interval` iterations whether to stop.
 
     The coordinator answers with one stop iteration for everybody (see
-    CoordinatorCore.checkpoint), so no worker is left alone inside a collective.
+    CoordinatorCore.checkpoint), so no worker is left alone inside a collective. The same
+    checkpoints agree on the iteration after which every worker's optimizer state joins
+    its averaged buffer (StateAdoption), so that no collective joins buffers of two sizes.
     """
 
     def __init__(self, ctx: ProtocolContext) -> None:
@@ -17,11 +20,21 @@ class LockstepStop:
         self.interval = max(1, ctx.config.checkpoint_interval)
         self.stop_at = 0
         self.reason = ""
+        self.state_ready = False
+        self.adopt_after = 0
+
+    def may_adopt_state(self, completed: int, ready: bool) -> bool:
+        """Whether step `completed` may add the optimizer state, before its collective:
+        only past the agreed iteration (reported ready at the next checkpoint)."""
+        self.state_ready = self.state_ready or ready
+        return 0 < self.adopt_after < completed
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.stop_at == 0 and completed % self.interval == 0:
             reply = self.ctx.client.checkpoint(self.ctx.worker_id, completed,
-                                               self.ctx.progress())
+                                               self.ctx.progress(),
+                                               optimizer_state_ready=self.state_ready)
+            self.adopt_after = self.adopt_after or reply.adopt_state_after_iteration
             if reply.stop_at_iteration:
                 self.stop_at = reply.stop_at_iteration
                 self.reason = reply.stop_reason

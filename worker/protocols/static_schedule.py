@@ -20,6 +20,7 @@ class StaticScheduleProtocol(Protocol):
     """
 
     name = "ripples-static"
+    stops_together = True
     averages_optimizer_state = True
 
     def __init__(self, ctx: ProtocolContext) -> None:
@@ -33,6 +34,9 @@ class StaticScheduleProtocol(Protocol):
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         return self.stopper.should_stop(completed, planned)
+
+    def may_adopt_state(self, completed: int, ready: bool) -> bool:
+        return self.stopper.may_adopt_state(completed, ready)
 
     def after_step(self, completed: int) -> SyncResult:
         group = static_group_of(completed - 1, self.rank, self.num_nodes, self.workers_per_node)

@@ -415,22 +415,26 @@ class StaticScheduleReply(_message.Message):
     def __init__(self, num_nodes: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., rank: _Optional[int] = ..., run_id: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("worker_id", "iteration", "progress")
+    __slots__ = ("worker_id", "iteration", "progress", "optimizer_state_ready")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_READY_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     iteration: int
     progress: Progress
-    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    optimizer_state_ready: bool
+    def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., optimizer_state_ready: _Optional[bool] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
-    __slots__ = ("stop_at_iteration", "stop_reason")
+    __slots__ = ("stop_at_iteration", "stop_reason", "adopt_state_after_iteration")
     STOP_AT_ITERATION_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_STATE_AFTER_ITERATION_FIELD_NUMBER: _ClassVar[int]
     stop_at_iteration: int
     stop_reason: str
-    def __init__(self, stop_at_iteration: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    adopt_state_after_iteration: int
+    def __init__(self, stop_at_iteration: _Optional[int] = ..., stop_reason: _Optional[str] = ..., adopt_state_after_iteration: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "host", "local_rank", "device", "rank", "state", "iteration", "request_count", "loss", "progress", "error", "metrics_address")

@@ -24,12 +24,16 @@ def main() -> None:
     parser.add_argument("--wider-on-rank", type=int, default=-1)
     parser.add_argument("--nan-at", type=int, default=-1)
     parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--nan-steps", type=int, default=1, help="NaN losses from --nan-at on")
     parser.add_argument("--skip-nonfinite", action="store_true")
     parser.add_argument("--raise-at", type=int, default=-1)
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--loader-workers", type=int, default=0)
     parser.add_argument("--record", default="", help="a JSON file per rank: {rank} in it")
+    parser.add_argument("--steps-after-stop", type=int, default=0,
+                        help="rank 0's local steps after the run stopped (its peers are "
+                        "gone: nothing may reach them)")
     args = parser.parse_args()
 
     worker = ripples.init()
@@ -58,7 +62,8 @@ def main() -> None:
             last = micro % args.accumulate == 0
             with opt.no_sync() if not last else contextlib.nullcontext():
                 loss = nn.functional.cross_entropy(model(x), y) / args.accumulate
-                if worker.rank == args.nan_rank and step + 1 == args.nan_at:
+                if (worker.rank == args.nan_rank
+                        and args.nan_at <= step + 1 < args.nan_at + args.nan_steps):
                     loss = loss * math.nan
                 loss.backward()
             if not last:
@@ -75,6 +80,11 @@ def main() -> None:
             if opt.stopped or step >= args.steps:
                 break
         epoch += 1
+    x, y = dataset[:16]
+    for _ in range(args.steps_after_stop if worker.rank == 0 else 0):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
     if args.record:
         with open(args.record.format(rank=worker.rank), "w") as f:
             json.dump({"rank": worker.rank, "seen": seen, "skipped": opt.skipped_steps,

@@ -112,7 +112,7 @@ class GossipProtocol(Protocol):
         if reason:
             return SyncResult(stop=True, stop_reason=reason)
         if self.ctx.stop_requested.is_set():
-            return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+            return self.ctx.coordinator_stop()
         return None
 
     def after_step(self, completed: int) -> SyncResult:

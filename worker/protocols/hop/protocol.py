@@ -220,9 +220,9 @@ class HopProtocol(Protocol):
             try:
                 self._raise_unless_stopped()
             except _Stopped:
-                return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+                return self.ctx.coordinator_stop()
         if self.ctx.stop_requested.is_set():
-            return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+            return self.ctx.coordinator_stop()
         return None
 
     def begin(self) -> None:
@@ -263,7 +263,7 @@ class HopProtocol(Protocol):
                         flat.copy_(renewed.reduce())
                 self._observe()
         except _Stopped:
-            return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+            return self.ctx.coordinator_stop()
         # The next iteration starts now: its parameters go out at once, while this
         # worker computes its step (they are x_{k+1}, which the next step starts from).
         self._enter()

@@ -26,9 +26,7 @@ import logging
 import math
 import os
 import queue
-import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 import torch.distributed as dist
@@ -37,13 +35,11 @@ import torch.multiprocessing as torch_mp
 from ripples.protocols.lpp import LppSettings
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import DeltaAverager
-from ripples.worker.metrics import WorkerMetrics
-from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult
+from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult, TrainingJob
 from ripples.worker.protocols.group_generator import GroupGeneratorProtocol
 from ripples.worker.protocols.lpp.rules import partition_blocks
 from ripples.worker.protocols.lpp.updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
 from ripples.worker.stats import WorkerStats
-from ripples.worker.tasks import TaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -65,23 +61,6 @@ a worker made its whole budget with ~18 updates per round and its Hogwild model 
 (consensus accuracy 0.1-0.2 in 3 of 7 runs)."""
 REPORT_SECONDS = 0.2
 """How often the updaters' counts reach the worker's progress while it waits for K_j."""
-
-
-@dataclass(kw_only=True)
-class TrainingJob:
-    """What the built-in runner hands this runner-only protocol: the task to rebuild in
-    each updater process, and where the worker's progress goes."""
-
-    task_spec: str
-    """The task's spec (each updater process builds the task itself)."""
-    task_options: TaskOptions
-    batch_size: int
-    stats: WorkerStats
-    local_stop: threading.Event
-    metrics: WorkerMetrics | None
-    slowdown_spec: str = ""
-    """FACTOR[@PROBABILITY] or empty, for the updaters."""
-    num_threads: int = 1
 
 
 class _GroupAverager(GroupGeneratorProtocol):
@@ -138,7 +117,7 @@ class LppProtocol(Protocol):
     # ------------------------------------------------------------ one averaging round
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.ctx.stop_requested.is_set():
-            return SyncResult(stop=True, stop_reason="stopped by the coordinator")
+            return self.ctx.coordinator_stop()
         return None
 
     def after_step(self, completed: int) -> SyncResult:
@@ -161,7 +140,7 @@ class LppProtocol(Protocol):
                 # and the coordinator stops the run naming why; leave after that stop, so
                 # that our leaving is not taken for the reason.
                 stopped = self.ctx.stop_requested.wait(STOP_GRACE_SECONDS)
-                result.stop_reason = ("stopped by the coordinator" if stopped
+                result.stop_reason = (self.ctx.coordinator_stop().stop_reason if stopped
                                       else "another worker stopped the run")
         return result
 
@@ -269,7 +248,7 @@ class LppProtocol(Protocol):
             wishes = self.averager.average(self.comm, max(self.timeout, START_TIMEOUT_SECONDS),
                                            stopping)
             if wishes > 0:  # stopped before it began: every worker saw it in this round
-                return "stopped by the coordinator"
+                return self.ctx.coordinator_stop().stop_reason
         shared.go.set()
         return ""
 
@@ -303,7 +282,7 @@ class LppProtocol(Protocol):
         elif job.local_stop.is_set():
             self.leaving = "stopped by a signal"
         elif self.ctx.stop_requested.is_set():
-            self.leaving = "stopped by the coordinator"
+            self.leaving = self.ctx.coordinator_stop().stop_reason
         elif sum(shared.done) >= budget or all(p.exitcode == 0 for p in self._processes):
             self.leaving = f"iteration budget reached ({budget} updates)"
 
