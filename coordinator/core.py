@@ -52,7 +52,7 @@ class CoordinatorCore:
         self.progress = ProgressTracker(num_workers=settings.num_workers,
                                         target_loss=settings.target_loss,
                                         live=self.registry.live,
-                                        everyone=lambda: list(self.registry.workers.values()))
+                                        everyone=self.registry.counted)
         self.groups = GroupService(self.role, settings.settings(GroupGeneratorSettings),
                                    registry=self.registry, graph=lambda: self.graph,
                                    progress=self.progress, rng=random.Random(settings.seed),
@@ -71,10 +71,21 @@ class CoordinatorCore:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"the run is over ({self.stop_reason}); start a new "
                                    "coordinator for a new run")
-        w = self.registry.register(host, local_rank, device, pid, now)
-        if self.registry.complete:
+        fixed = self.settings.spec.fixed_membership
+        w = self.registry.register(host, local_rank, device, pid, now, elastic=not fixed,
+                                   fixed_reason=fixed)
+        if w.replacement:
+            self._take_in_replacement(w)
+        elif self.registry.complete:
             self._form_membership(now)
         return w.worker_id
+
+    def _take_in_replacement(self, w: WorkerRecord) -> None:
+        """`w` took a departed member's rank: it takes that member's place in the graph
+        (its neighbours on a sparse topology) and, once ready, trains at once."""
+        departed = next(x for x in self.registry.workers.values()
+                        if x.replaced_by == w.worker_id)
+        self.graph.replace_worker(departed.worker_id, w.worker_id)
 
     @property
     def membership_formed(self) -> bool:
@@ -106,6 +117,8 @@ class CoordinatorCore:
             w.schema_digest = schema.digest
         w.progress.planned_iterations = planned_iterations
         w.ready = True
+        if w.replacement and self.started_at is not None:
+            w.state = WorkerState.COMPUTING
         live = self.live()
         if (self.started_at is None and self.registry.formed and not self.stopped
                 and all(x.ready for x in live)):
@@ -283,7 +296,7 @@ class CoordinatorCore:
     def _check_stop(self, now: float) -> Deliveries:
         if self.stopped or self.started_at is None:
             return {}
-        reason = budget_reached(list(self.registry.workers.values()))
+        reason = budget_reached(self.registry.counted())
         if reason:
             return self.stop(reason, now)
         if self.progress.time_to_target is not None:

@@ -95,6 +95,8 @@ class GroupService:
         if self.pairing is not None or listen:
             return self._offer_pair(w, now) if self.pairing else self._listen(w, now)
         assert self.policy is not None
+        if not w.healed:
+            return self._heal(w, now)
         continuing = w.round_target is not None and w.round_target in self.table.buffer(worker_id)
         if not continuing:
             w.request_count += 1
@@ -118,6 +120,32 @@ class GroupService:
         w.wait_started_at = now
         deliveries.update(self._deliver([ready], now))
         return deliveries.pop(worker_id), deliveries
+
+    def _heal(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
+        """A replacement's requests before it healed: its heal group {donor, w}, made on
+        the first request (and again after a failed or cancelled one). The donor is the
+        healed live worker that donated least (then the lowest id): joiners spread over
+        donors. The donor meets the group in its own buffer at its next request."""
+        head = self.table.head(w.worker_id)
+        if head is None:
+            healed = [x for x in self.registry.live() if x.healed and x is not w]
+            neighbours = set(self.neighbours_of(w.worker_id))
+            donors = [x for x in healed if x.worker_id in neighbours] or healed
+            if not donors:
+                return self.decide(w, Outcome.NO_GROUP, now, detail="no live peer to heal "
+                                   "from"), {}
+            donor = min(donors, key=lambda x: (x.donations, x.worker_id))
+            donor.donations += 1
+            head = self._add_group((donor.worker_id, w.worker_id), w.worker_id, now)
+            head.heal_donor = donor.worker_id
+        w.state = WorkerState.WAITING
+        w.wait_started_at = now
+        ready = self.table.arrive(w.worker_id)
+        if ready is None:
+            self.num_pending_waits += 1
+            return None, {}
+        deliveries = self._deliver([ready], now)
+        return deliveries.pop(w.worker_id), deliveries
 
     def _offer_pair(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
         """A2CiD2: the worker is available; pair it first-in-first-out with a neighbour."""
@@ -181,6 +209,8 @@ class GroupService:
             )
         if squared_distance is not None and ok:
             self.progress.add_pair_distance(squared_distance)
+        if ok and group is not None and group.heal_donor is not None:
+            w.healed = True  # the donor was healed already; the joiner is now
         if not ok:
             self.num_failed += 1
             if group is not None:
@@ -246,7 +276,7 @@ class GroupService:
 
     def _generate(self, w: WorkerRecord, now: float) -> list[GroupRecord]:
         assert self.policy is not None
-        live = self.registry.live()
+        live = [x for x in self.registry.live() if x.healed]
         view = ClusterView(
             live=tuple(x.worker_id for x in live),
             idle=frozenset(x.worker_id for x in live if self.table.is_idle(x.worker_id)),
@@ -289,7 +319,9 @@ class GroupService:
         deliveries: Deliveries = {}
         workers = self.registry.workers
         for g in groups:
-            if len({workers[m].schema_digest for m in g.members}) > 1:
+            # A heal copies the model part only, which the schema check at the start
+            # compared already: the donor's optimizer state may be in its buffer.
+            if g.heal_donor is None and len({workers[m].schema_digest for m in g.members}) > 1:
                 deliveries.update(self._cancel_mixed(g, now))
                 continue
             self.recent_groups.append(g)

@@ -30,6 +30,8 @@ class GroupRecord:
     arrived: set[int] = field(default_factory=set)
     released: set[int] = field(default_factory=set)
     delivered: bool = False
+    heal_donor: int | None = None
+    """A heal group: its other member copies this worker's model instead of averaging."""
 
     @property
     def deliverable(self) -> bool:

@@ -68,6 +68,15 @@ class WorkerRecord:
     spends on its own (compute + collectives, not waiting for a group); None until two
     progress reports after its first iteration."""
     own_base: tuple[int, float] = (0, 0.0)  # (iteration, own seconds) it is measured from
+    replacement: bool = False
+    """It joined the running run in place of a member that left (elastic protocols)."""
+    healed: bool = True
+    """A replacement is False until it copied a live peer's model (its heal group): until
+    then no policy puts it into a group, and its requests get the heal group only."""
+    replaced_by: int | None = None
+    """A departed member whose rank a replacement took: its iterations went on with the
+    replacement, so run totals count them once, there."""
+    donations: int = 0  # heal groups it served as the donor (donors are spread by this)
 
     def describe(self) -> str:
         return f"worker {self.worker_id} (host {self.host}, local rank {self.local_rank})"
@@ -91,10 +100,27 @@ class Registry:
         self.num_lease_expirations = 0
 
     def register(self, host: str, local_rank: int, device: str, pid: int,
-                 now: float) -> WorkerRecord:
+                 now: float, *, elastic: bool = False,
+                 fixed_reason: str = "its protocol takes no replacements") -> WorkerRecord:
+        """A new worker. Before the membership is formed, one of the expected workers;
+        after it, a replacement for a member that left if the run is `elastic` (else
+        refused, saying `fixed_reason`)."""
         if not host:
             raise CoordinatorError("INVALID_ARGUMENT", "host must not be empty")
-        if self.formed or len(self.live()) >= self.num_workers:
+        vacant = None
+        if self.formed:
+            if not elastic:
+                raise CoordinatorError(
+                    "FAILED_PRECONDITION",
+                    f"the run already has its {self.num_workers} workers and its membership "
+                    f"is fixed ({fixed_reason}); start a new coordinator for a new run")
+            vacant = self.vacant_member()
+            if vacant is None:
+                raise CoordinatorError(
+                    "RESOURCE_EXHAUSTED",
+                    f"the run already has its {self.num_workers} workers; a replacement "
+                    "joins once a member has left or its lease expired")
+        elif len(self.live()) >= self.num_workers:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
                 f"the run already has its {self.num_workers} workers; "
@@ -114,7 +140,35 @@ class Registry:
                               device=device, pid=pid, node=node,
                               lease_expires_at=now + self.lease_seconds)
         self.workers[worker_id] = record
+        if vacant is not None:
+            self._take_over(record, vacant)
         return record
+
+    def vacant_member(self) -> WorkerRecord | None:
+        """The departed member of lowest rank whose rank nobody holds now, or None."""
+        held = {w.rank for w in self.live()}
+        gone = [w for w in self.workers.values() if w.state in GONE and w.rank >= 0
+                and w.replaced_by is None and w.rank not in held]
+        return min(gone, key=lambda w: w.rank, default=None)
+
+    def _take_over(self, record: WorkerRecord, vacant: WorkerRecord) -> None:
+        """`record` continues `vacant`'s part: its rank (so its data shard), its iteration
+        count and budget, and a slowdown counter at the live workers' median (a counter of
+        0 would read as a straggler to the smart policy). It heals before it averages."""
+        live = [w.request_count for w in self.live() if w is not record]
+        record.rank = vacant.rank
+        record.replacement = True
+        record.healed = False
+        record.request_count = sorted(live)[len(live) // 2] if live else vacant.request_count
+        record.progress = Progress(iteration=vacant.progress.iteration,
+                                   samples=vacant.progress.samples,
+                                   planned_iterations=vacant.progress.planned_iterations)
+        vacant.replaced_by = record.worker_id
+
+    def counted(self) -> list[WorkerRecord]:
+        """Every worker whose iterations count in the run's totals: all that ever
+        registered, less departed members whose replacement carries their count on."""
+        return [w for w in self.workers.values() if w.replaced_by is None]
 
     @property
     def complete(self) -> bool:

@@ -63,6 +63,19 @@ class RunGraph:
             graph.passive = frozenset(by_rank[r] for r, c in enumerate(colours) if c == 1)
         return graph
 
+    def replace_worker(self, old: int, new: int) -> None:
+        """Worker `new` takes departed worker `old`'s place (its rank) in the graph."""
+        def swap(w: int) -> int:
+            return new if w == old else w
+
+        if self.neighbours is not None:
+            self.neighbours = {swap(w): tuple(swap(n) for n in ns)
+                               for w, ns in self.neighbours.items()}
+        self.edges = sorted((min(swap(a), swap(b)), max(swap(a), swap(b)))
+                            for a, b in self.edges)
+        if old in self.passive:
+            self.passive = (self.passive - {old}) | {new}
+
     def neighbours_of(self, worker_id: int, live: list[int]) -> tuple[int, ...]:
         """The live workers `worker_id` may average with (all others on a complete graph)."""
         others = [w for w in live if w != worker_id]

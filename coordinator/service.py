@@ -222,10 +222,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assert isinstance(me, WorkerRecord)
         ranks = [pb.WorkerRank(worker_id=w.worker_id, rank=w.rank, node=w.node)
                  for w in sorted(core.live(), key=lambda x: x.rank)]
+        # num_workers is the run's, not the live count: ranks stay 0..n-1 while a member
+        # is gone, and a replacement takes the vacant rank.
         reply = pb.Membership(
-            num_workers=len(ranks), ranks=ranks, rank=me.rank, num_nodes=core.num_nodes(),
-            neighbours=core.neighbours_of(me.worker_id),
-            spectral_gap=core.graph.spectral_gap)
+            num_workers=core.settings.num_workers, ranks=ranks, rank=me.rank,
+            num_nodes=core.num_nodes(), neighbours=core.neighbours_of(me.worker_id),
+            spectral_gap=core.graph.spectral_gap, replacement=me.replacement,
+            start_iteration=me.progress.iteration if me.replacement else 0)
         if core.graph.gossip_constants is not None:
             c = core.graph.gossip_constants
             reply.gossip.CopyFrom(pb.GossipConstants(
@@ -332,7 +335,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if d.group is not None:
             reply.group.CopyFrom(pb.Group(
                 group_id=d.group.group_id, members=d.group.members, initiator=d.group.initiator,
-                comm_id=d.group.comm_id, create_comm=d.group.create_comm))
+                comm_id=d.group.comm_id, create_comm=d.group.create_comm,
+                heal=d.group.heal_donor is not None, heal_donor=d.group.heal_donor or 0))
         return reply
 
     async def _release_group(self, request: pb.ReleaseRequest,

@@ -45,10 +45,26 @@ class CoordinatorClient:
             raise CoordinatorCallError(describe_rpc_error(err, self.target), code) from err
 
     def register(self, host: str, local_rank: int, device: str, pid: int, *,
-                 metrics_port: int = 0, metrics_host: str = "") -> pb.RegisterReply:
+                 metrics_port: int = 0, metrics_host: str = "",
+                 vacancy_timeout_seconds: float = 0.0) -> pb.RegisterReply:
+        """Register; a replacement for an elastic run that has all its workers now
+        (RESOURCE_EXHAUSTED: a dead member's lease has not expired yet) asks again, with
+        back-off, for up to `vacancy_timeout_seconds`."""
         req = pb.RegisterRequest(host=host, local_rank=local_rank, device=device, pid=pid,
                                  metrics_port=metrics_port, metrics_host=metrics_host)
-        reply = self._call(self._stub.Register, req, self.rpc_timeout)
+        deadline = time.monotonic() + vacancy_timeout_seconds
+        pause = 0.2
+        while True:
+            try:
+                reply = self._call(self._stub.Register, req, self.rpc_timeout)
+                break
+            except CoordinatorCallError as err:
+                if (err.code != grpc.StatusCode.RESOURCE_EXHAUSTED
+                        or time.monotonic() + pause > deadline):
+                    raise
+                logger.info("waiting for a vacancy in the run: %s", err)
+                time.sleep(pause)
+                pause = min(2.0, pause * 1.5)
         assert isinstance(reply, pb.RegisterReply)
         return reply
 

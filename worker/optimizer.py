@@ -119,6 +119,9 @@ class Optimizer(torch.optim.Optimizer):
             self._sync = StepSynchronizer(self.worker._session, model, optimizer,
                                           average_optimizer_state=average_optimizer_state,
                                           planned_steps=planned_steps)
+            membership = self.worker._session.membership
+            if membership.replacement:  # it continues the iterations of the rank it took
+                self.local_step = int(membership.start_iteration)
         self._check_gradients = on_nonfinite == "skip" or (
             self._sync is not None and self._sync.protocol.syncs_gradients)
 
@@ -174,9 +177,11 @@ class Optimizer(torch.optim.Optimizer):
     def global_step(self) -> int:
         """Steps of an average worker of the run (its global progress): what learning-
         rate schedules should follow, so that a worker that is slower, or joined late,
-        follows the run's schedule rather than its own count. Single-process: local_step."""
+        follows the run's schedule rather than its own count. Single-process, and in
+        lock-step protocols (allreduce, ripples-static: every worker is at the same step),
+        local_step: a heartbeat-timed estimate would differ between workers there."""
         session = self.worker._session
-        if session is None:
+        if session is None or (self._sync is not None and self._sync.protocol.stops_together):
             return self.local_step
         return max(0, round(session.global_iterations(self.local_step)))
 

@@ -79,7 +79,8 @@ class Session:
         metrics_port = (self.metrics.serve(env.metrics_bind, env.metrics_port)
                         if env.metrics_port >= 0 else 0)
         reg = self.client.register(env.host, env.local_rank, str(self.device), os.getpid(),
-                                   metrics_port=metrics_port, metrics_host=env.metrics_host)
+                                   metrics_port=metrics_port, metrics_host=env.metrics_host,
+                                   vacancy_timeout_seconds=env.start_timeout_seconds)
         self.worker_id, self.config = reg.worker_id, reg.config
         self._store_address = (reg.store_host, reg.store_port)
         logger.info("registered as worker %d for run %s (%s)", self.worker_id,
@@ -89,6 +90,9 @@ class Session:
                                          self.config.lease_seconds, self.stats.snapshot)
         self.heartbeat.start()
         self.membership = self.client.await_members(self.worker_id, env.start_timeout_seconds)
+        if self.membership.replacement:
+            logger.info("worker %d replaces rank %d of the running run from iteration %d",
+                        self.worker_id, self.membership.rank, self.membership.start_iteration)
 
     def start(self, schema: pb.TensorSchema | None, planned_iterations: int) -> None:
         """Declare this worker ready and wait for every member; then open the data plane."""

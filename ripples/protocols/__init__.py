@@ -88,6 +88,9 @@ class ProtocolSpec:
     library: bool = True
     """Runs behind ripples.Optimizer in the user's own loop. False: only the built-in
     runner runs it (several processes per worker), and library mode refuses it."""
+    fixed_membership: str = ""
+    """Why no worker may join the running run, or empty: elastic, a worker may join in
+    place of a member that left (it heals from a live peer first)."""
     role_from: Callable[[SettingsLookup[Any]], Role] | None = None
     """Derives the role from the run's settings when it depends on them."""
     summarise: str = ""
@@ -121,12 +124,15 @@ def _lpp_role(lookup: SettingsLookup[Any]) -> Role:
 
 
 _GROUPS = "P-Reduce in groups of the Group Generator"
+_LOCKSTEP_FIXED = "every worker is in every collective of a lock-step protocol"
+_LPP_FIXED = "a worker's updater processes share one model, which a joiner cannot heal"
 _RUNTIMES = "ripples.worker.protocols"
 
 PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
     ProtocolSpec(name="allreduce", summary="PyTorch DDP over all workers (the baseline)",
                  role=Role(Coordination.LOCKSTEP),
-                 runtime=f"{_RUNTIMES}.allreduce:AllReduceProtocol"),
+                 runtime=f"{_RUNTIMES}.allreduce:AllReduceProtocol",
+                 fixed_membership=_LOCKSTEP_FIXED),
     ProtocolSpec(name="ripples-random", summary=f"{_GROUPS}: random groups",
                  role=Role(Coordination.GROUPS, "random"), settings=(GroupGeneratorSettings,),
                  runtime=f"{_RUNTIMES}.group_generator:GroupGeneratorProtocol"),
@@ -135,25 +141,31 @@ PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
                  runtime=f"{_RUNTIMES}.group_generator:GroupGeneratorProtocol"),
     ProtocolSpec(name="ripples-static", summary="P-Reduce on the static conflict-free schedule",
                  role=Role(Coordination.STATIC),
-                 runtime=f"{_RUNTIMES}.static_schedule:StaticScheduleProtocol"),
+                 runtime=f"{_RUNTIMES}.static_schedule:StaticScheduleProtocol",
+                 fixed_membership=_LOCKSTEP_FIXED),
     ProtocolSpec(name="adpsgd", summary="AD-PSGD: wait-free pairwise averaging",
                  role=Role(Coordination.GOSSIP, "adpsgd"), settings=(GossipSettings,),
-                 runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol"),
+                 runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol",
+                 fixed_membership="gossip protocols take no replacements yet"),
     ProtocolSpec(name="a2cid2", summary="A2CiD2: pairwise gossip with continuous momentum",
                  role=Role(Coordination.GOSSIP, "a2cid2"), settings=(GossipSettings,),
-                 runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol"),
+                 runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol",
+                 fixed_membership="gossip protocols take no replacements yet"),
     ProtocolSpec(name="hop", summary="Hop: parameters and tokens worker to worker",
                  role=Role(Coordination.PEER_TO_PEER), settings=(HopSettings,),
                  runtime=f"{_RUNTIMES}.hop.protocol:HopProtocol",
-                 summarise="ripples.protocols.hop:summarise", record_key="hop"),
+                 summarise="ripples.protocols.hop:summarise", record_key="hop",
+                 fixed_membership="hop's queues and tokens are fixed at the start"),
     ProtocolSpec(name="lap-sgd", summary="LAP-SGD: Hogwild updaters, background averaging",
                  role=Role(Coordination.LOCKSTEP), settings=(LppSettings, GroupGeneratorSettings),
                  runtime=f"{_RUNTIMES}.lpp.protocol:LppProtocol", library=False,
-                 role_from=_lpp_role, record_key="lpp"),
+                 role_from=_lpp_role, record_key="lpp",
+                 fixed_membership=_LPP_FIXED),
     ProtocolSpec(name="lpp-sgd", summary="LPP-SGD: LAP-SGD with partial backpropagation",
                  role=Role(Coordination.LOCKSTEP), settings=(LppSettings, GroupGeneratorSettings),
                  runtime=f"{_RUNTIMES}.lpp.protocol:LppProtocol", library=False,
-                 role_from=_lpp_role, record_key="lpp"),
+                 role_from=_lpp_role, record_key="lpp",
+                 fixed_membership=_LPP_FIXED),
 )}
 """Protocol name -> spec, in the order help texts list them."""
 

@@ -87,6 +87,12 @@ class AveragedState:
         return self.numel * self.flat.element_size()
 
     @property
+    def model_numel(self) -> int:
+        """Elements of the parameters and buffers: the head of `flat` (the optimizer's
+        state tensors follow them), which a joiner copies from a donor (`copy_model`)."""
+        return sum(t.numel() for t in [*self.params, *self.buffers])
+
+    @property
     def num_model_tensors(self) -> int:
         """Parameters and buffers (the optimizer's state tensors follow them)."""
         return len(self.params) + len(self.buffers)

@@ -25,6 +25,29 @@ def preduce(params: AveragedState, comm: Communicator, timeout_seconds: float) -
     params.commit()
 
 
+def copy_model(params: AveragedState, comm: Communicator, donor: int,
+               timeout_seconds: float) -> None:
+    """Heal a joiner: every member but `donor` (an index in the communicator) replaces its
+    parameters and buffers with the donor's; the donor keeps its own.
+
+    One SUM collective over the model part of the flat buffer in which only the donor
+    contributes its values (the others zeros), so the result is the donor's model exactly
+    (x + 0 = x) with the same collective P-Reduce uses. The optimizer state is not copied:
+    a joiner's starts anew and joins its buffer after its first step. A non-finite result
+    is refused (ValueError) and leaves the joiner's model as it was."""
+    n = params.model_numel
+    is_donor = comm.rank == donor
+    with torch.no_grad():
+        buffer = (params.flat[:n].clone() if is_donor
+                  else torch.zeros(n, dtype=params.flat.dtype, device=params.flat.device))
+        comm.allreduce_sum_(buffer, timeout_seconds)
+        if is_donor:
+            return
+        if not bool(torch.isfinite(buffer).all()):
+            raise ValueError("the donor's model is not finite; not copied")
+        params.flat[:n].copy_(buffer)
+
+
 class DeltaAverager:
     """Averages a live shared model in place (Algorithm 1, lines 13-16).
 

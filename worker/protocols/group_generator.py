@@ -7,7 +7,7 @@ import time
 
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.preduce import preduce
+from ripples.worker.dataplane.preduce import copy_model, preduce
 from ripples.worker.protocols.base import (
     Protocol,
     ProtocolContext,
@@ -39,6 +39,33 @@ class GroupGeneratorProtocol(Protocol):
         # A group may wait for slow peers' iterations; give up only after this long.
         self.max_group_wait_seconds = max_peer_wait_seconds(ctx.config)
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
+
+    def begin(self) -> None:
+        """A replacement heals before its first step: it copies a live peer's model in
+        the heal group the coordinator makes for it (docs/fault-tolerance.md)."""
+        if self.ctx.membership.replacement:
+            self._heal(int(self.ctx.membership.start_iteration))
+
+    def _heal(self, iteration: int) -> None:
+        waited_since = time.perf_counter()
+        while True:
+            reply = self.stream.request(iteration, GROUP_POLL_SECONDS, self.ctx.progress())
+            if reply.outcome == pb.GROUP_OUTCOME_STOP:
+                return  # the first step's request hears the stop again, and ends the run
+            if reply.outcome == pb.GROUP_OUTCOME_GROUP:
+                seconds, ok = self._execute(reply.group)
+                if ok and reply.group.heal:
+                    logger.info("healed from worker %d in %.2f s (%.1f s after asking)",
+                                reply.group.heal_donor, seconds,
+                                time.perf_counter() - waited_since)
+                    return
+            waited = time.perf_counter() - waited_since
+            if waited > self.max_group_wait_seconds:
+                raise TimeoutError(f"could not heal from a live peer within {waited:.0f} s: "
+                                   f"{reply.detail}")
+            if reply.outcome in (pb.GROUP_OUTCOME_CANCELLED, pb.GROUP_OUTCOME_NO_GROUP):
+                logger.info("heal group not formed, asking again: %s", reply.detail)
+                time.sleep(0.5)
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.ctx.stop_requested.is_set():
@@ -84,10 +111,14 @@ class GroupGeneratorProtocol(Protocol):
         return result
 
     def _execute(self, group: pb.Group) -> tuple[float, bool]:
-        """Run one P-Reduce; returns its seconds and whether it succeeded."""
-        return run_group_collective(
-            self.ctx, self.stream, group, f"gg/{self.ctx.config.run_id}/{group.comm_id}",
-            self.average)
+        """Run one P-Reduce (or, in a heal group, the joiner's copy of the donor's
+        model); returns its seconds and whether it succeeded."""
+        key = f"gg/{self.ctx.config.run_id}/{group.comm_id}"
+        if group.heal:
+            donor = list(group.members).index(group.heal_donor)
+            return run_group_collective(self.ctx, self.stream, group, key, lambda comm: (
+                copy_model(self.ctx.state, comm, donor, self.timeout)))
+        return run_group_collective(self.ctx, self.stream, group, key, self.average)
 
     def average(self, comm: Communicator) -> None:
         """Average the model over the group (LPP-SGD's averaging process overrides it)."""

@@ -283,7 +283,7 @@ class CheckSchemaReply(_message.Message):
     def __init__(self) -> None: ...
 
 class Membership(_message.Message):
-    __slots__ = ("num_workers", "ranks", "rank", "num_nodes", "neighbours", "spectral_gap", "gossip")
+    __slots__ = ("num_workers", "ranks", "rank", "num_nodes", "neighbours", "spectral_gap", "gossip", "replacement", "start_iteration")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,8 @@ class Membership(_message.Message):
     NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
     SPECTRAL_GAP_FIELD_NUMBER: _ClassVar[int]
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
+    REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    START_ITERATION_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
     ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
     rank: int
@@ -298,7 +300,9 @@ class Membership(_message.Message):
     neighbours: _containers.RepeatedScalarFieldContainer[int]
     spectral_gap: float
     gossip: GossipConstants
-    def __init__(self, num_workers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., neighbours: _Optional[_Iterable[int]] = ..., spectral_gap: _Optional[float] = ..., gossip: _Optional[_Union[GossipConstants, _Mapping]] = ...) -> None: ...
+    replacement: bool
+    start_iteration: int
+    def __init__(self, num_workers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., neighbours: _Optional[_Iterable[int]] = ..., spectral_gap: _Optional[float] = ..., gossip: _Optional[_Union[GossipConstants, _Mapping]] = ..., replacement: _Optional[bool] = ..., start_iteration: _Optional[int] = ...) -> None: ...
 
 class GossipConstants(_message.Message):
     __slots__ = ("chi_1", "chi_2", "eta", "alpha_tilde", "passive")
@@ -325,7 +329,7 @@ class WorkerRank(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., rank: _Optional[int] = ..., node: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "members", "initiator", "comm_id", "create_comm", "state", "age_seconds")
+    __slots__ = ("group_id", "members", "initiator", "comm_id", "create_comm", "state", "age_seconds", "heal", "heal_donor")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     INITIATOR_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +337,8 @@ class Group(_message.Message):
     CREATE_COMM_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAL_FIELD_NUMBER: _ClassVar[int]
+    HEAL_DONOR_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     members: _containers.RepeatedScalarFieldContainer[int]
     initiator: int
@@ -340,7 +346,9 @@ class Group(_message.Message):
     create_comm: bool
     state: GroupState
     age_seconds: float
-    def __init__(self, group_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., initiator: _Optional[int] = ..., comm_id: _Optional[int] = ..., create_comm: _Optional[bool] = ..., state: _Optional[_Union[GroupState, str]] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+    heal: bool
+    heal_donor: int
+    def __init__(self, group_id: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., initiator: _Optional[int] = ..., comm_id: _Optional[int] = ..., create_comm: _Optional[bool] = ..., state: _Optional[_Union[GroupState, str]] = ..., age_seconds: _Optional[float] = ..., heal: _Optional[bool] = ..., heal_donor: _Optional[int] = ...) -> None: ...
 
 class GroupRequest(_message.Message):
     __slots__ = ("worker_id", "iteration", "timeout_seconds", "progress", "listen")

@@ -1,0 +1,90 @@
+"""A worker of a running ripples-smart run is SIGKILLed and a replacement started with
+`ripples worker run`: the survivors never stop, the replacement takes the dead worker's
+rank once its lease expires, heals from a live peer, averages in the policy's groups,
+and the run completes its budget."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.integration.helpers import running_coordinator, start_worker
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_SECONDS = 180
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _finish(procs: list[subprocess.Popen[str]]) -> list[str]:
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=DEADLINE_SECONDS)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out or "")
+    return outputs
+
+
+def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with running_coordinator(protocol="ripples-smart", num_workers=3, task="digits",
+                             iterations=1500, lease_seconds=2.0, seed=1) as server:
+        core = server.service.core  # type: ignore[union-attr]
+        address = server.address
+        workers = [start_worker(address, "--host", f"node{r}", "--metrics-port", "-1",
+                                "--save-model", str(tmp_path / f"w{r}.pt"))
+                   for r in range(3)]
+        try:
+            _wait_for(lambda: core.started_at is not None and core.mean_iterations() > 100,
+                      "the run to train")
+            victim = next(w for w in core.live() if w.host == "node1")
+            workers[1].send_signal(signal.SIGKILL)
+            workers[1].wait(10)
+            killed_at = time.monotonic()
+            iterations_at_kill = {w.worker_id: w.progress.iteration for w in core.live()}
+            replacement = start_worker(address, "--host", "node1b", "--metrics-port", "-1",
+                                       "--save-model", str(tmp_path / "w1b.pt"))
+            workers.append(replacement)
+            _wait_for(lambda: any(w.replacement for w in core.workers.values()),
+                      "the replacement to register")
+            joiner = next(w for w in core.workers.values() if w.replacement)
+            survivors = [w for w in core.live() if not w.replacement]
+            # The survivors went on while the dead worker's lease ran out.
+            for w in survivors:
+                assert w.progress.iteration > iterations_at_kill[w.worker_id]
+            assert joiner.rank == victim.rank
+            assert core.workers[victim.worker_id].replaced_by == joiner.worker_id
+            _wait_for(lambda: joiner.healed, "the replacement to heal")
+            healed_after = time.monotonic() - killed_at
+            start_iteration = joiner.progress.iteration
+            outputs = _finish([workers[0], workers[2], replacement])
+        finally:
+            for p in workers:
+                if p.poll() is None:
+                    p.kill()
+        for p, out in zip([workers[0], workers[2], replacement], outputs, strict=True):
+            assert p.returncode == 0, out[-3000:]
+        assert core.stopped and "iteration budget reached" in core.stop_reason
+        # Healed, the replacement trained on and averaged in the policy's groups.
+        assert joiner.progress.iteration > start_iteration
+        assert any(joiner.worker_id in g.members and g.heal_donor is None
+                   for g in core.recent_groups), "the replacement averaged in no group"
+        assert "healed from worker" in outputs[2], outputs[2][-3000:]
+        print(f"replacement healed {healed_after:.1f} s after the kill (lease 2 s)")
+        for name in ("w0.pt", "w2.pt", "w1b.pt"):
+            state = torch.load(tmp_path / name)
+            assert all(torch.isfinite(t).all() for t in state.values())

@@ -1,0 +1,140 @@
+"""Elastic membership in the pure coordinator core: a worker that registers while a member
+of a running ripples-random/smart run is gone takes that member's rank, heals from a live
+donor in a heal group, and only then joins the policy's groups; lock-step and other
+fixed-membership protocols refuse it with a reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from ripples.coordinator.config import RunSettings
+from ripples.coordinator.core import CoordinatorCore, CoordinatorError, Outcome, Progress
+from ripples.coordinator.schema import Schema
+
+MODEL = Schema(tensors=(("param:w", (4,), "float32"),), digest="model")
+TRAINING = Schema(tensors=(("param:w", (4,), "float32"),
+                           ("state:w.momentum_buffer", (4,), "float32")), digest="training")
+
+
+def _started(protocol: str = "ripples-smart", n: int = 4, **kw: object) -> tuple[
+        CoordinatorCore, list[int]]:
+    core = CoordinatorCore(RunSettings(protocol=protocol, num_workers=n, iterations=100,
+                                       **kw), now=0.0)  # type: ignore[arg-type]
+    ids = [core.register(f"node{r}", 0, "cpu", 100 + r, 0.0) for r in range(n)]
+    for wid in ids:
+        core.mark_ready(wid, 100, 0.0, MODEL)
+    assert core.started_at is not None
+    return core, ids
+
+
+def _progress(iteration: int) -> Progress:
+    return Progress(iteration=iteration, loss=1.0, planned_iterations=100)
+
+
+def test_a_full_elastic_run_asks_a_replacement_to_wait_for_a_vacancy() -> None:
+    core, _ = _started()
+    with pytest.raises(CoordinatorError) as err:
+        core.register("node9", 0, "cpu", 1, 1.0)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert "once a member has left or its lease expired" in str(err.value)
+
+
+@pytest.mark.parametrize("protocol", ["allreduce", "ripples-static", "adpsgd", "hop"])
+def test_fixed_membership_protocols_refuse_a_replacement_saying_why(protocol: str) -> None:
+    core, ids = _started(protocol, n=2, workers_per_node=1)
+    with pytest.raises(CoordinatorError) as err:
+        core.register("node9", 0, "cpu", 1, 1.0)
+    assert err.value.code == "FAILED_PRECONDITION"
+    assert "membership is fixed" in str(err.value)
+
+
+def test_a_replacement_takes_the_rank_iterations_and_budget_of_the_member_it_replaces() -> None:
+    core, ids = _started()
+    for wid in ids:
+        core.heartbeat(wid, _progress(30), 1.0)
+    core.leave(ids[2], _progress(37), "killed", 2.0)
+    new = core.register("node7", 0, "cpu", 999, 3.0)
+    joiner, gone = core.workers[new], core.workers[ids[2]]
+    assert (joiner.rank, joiner.replacement, joiner.healed) == (gone.rank, True, False)
+    assert joiner.progress.iteration == 37 and gone.replaced_by == new
+    # Its predecessor's iterations are counted once, through the replacement.
+    assert core.mean_iterations() == pytest.approx((30 * 3 + 37) / 4)
+    assert core.mark_ready(new, 100, 3.0, MODEL)  # the run runs: no waiting for peers
+    # A second joiner finds no vacancy until another member goes.
+    with pytest.raises(CoordinatorError):
+        core.register("node8", 0, "cpu", 1000, 3.0)
+
+
+def test_the_replacement_heals_from_a_donor_before_any_policy_groups_it() -> None:
+    core, ids = _started()
+    core.leave(ids[1], None, "killed", 1.0)
+    new = core.register("node7", 0, "cpu", 999, 2.0)
+    core.mark_ready(new, 100, 2.0, MODEL)
+    # The survivors' own optimizer state joined their buffers: a different schema, which
+    # a heal (parameters and buffers only) does not mind.
+    survivors = [ids[0], ids[2], ids[3]]
+    for wid in survivors:
+        core.check_schema(wid, TRAINING)
+    decision, _ = core.request_group(new, 0, 2.0)
+    assert decision is None  # waits for its donor
+    heal = core.table.head(new)
+    assert heal is not None and heal.heal_donor in survivors
+    assert set(heal.members) == {new, heal.heal_donor}
+    # Other survivors' groups never include the unhealed joiner.
+    others = [w for w in survivors if w != heal.heal_donor]
+    for i in range(20):
+        for wid in others:
+            core.request_group(wid, i + 1, 3.0 + i)
+            head = core.table.head(wid)
+            if head is not None:
+                assert new not in head.members or head is heal
+    # The donor meets the heal group at its next request; both get it.
+    decision, deliveries = core.request_group(heal.heal_donor, 1, 30.0)
+    assert decision is not None and decision.outcome is Outcome.GROUP
+    assert decision.group is heal and deliveries[new].group is heal
+    core.release(heal.heal_donor, heal.group_id, True, "", 31.0)
+    assert not core.workers[new].healed
+    core.release(new, heal.group_id, True, "", 31.0)
+    assert core.workers[new].healed
+    # Healed, after its first step its schema matches, and it joins the policy's groups.
+    core.check_schema(new, TRAINING)
+    grouped = False
+    for i in range(40):
+        for wid in [*survivors, new]:
+            decision, deliveries = core.request_group(wid, 10 + i, 40.0 + i)
+            for d in [decision, *deliveries.values()]:
+                if d is not None and d.group is not None:
+                    grouped |= new in d.group.members and d.group.heal_donor is None
+            for member, d in [(wid, decision), *deliveries.items()]:
+                if d is not None and d.group is not None:
+                    core.release(member, d.group.group_id, True, "", 40.0 + i)
+    assert grouped
+
+
+def test_a_failed_heal_is_made_again_with_another_donor_and_joiners_spread() -> None:
+    core, ids = _started(n=5)
+    core.leave(ids[0], None, "killed", 1.0)
+    core.leave(ids[1], None, "killed", 1.0)
+    a = core.register("node8", 0, "cpu", 998, 2.0)
+    b = core.register("node9", 0, "cpu", 999, 2.0)
+    assert {core.workers[a].rank, core.workers[b].rank} == {0, 1}
+    core.request_group(a, 0, 2.0)
+    core.request_group(b, 0, 2.0)
+    donor_a = core.table.head(a).heal_donor  # type: ignore[union-attr]
+    donor_b = core.table.head(b).heal_donor  # type: ignore[union-attr]
+    assert donor_a != donor_b  # each donor serves one joiner
+    # a's donor dies: a's heal group is cancelled, and a gets a new one from someone else.
+    deliveries = core.leave(donor_a, None, "killed", 3.0)
+    assert deliveries[a].outcome is Outcome.CANCELLED
+    core.request_group(a, 0, 4.0)
+    again = core.table.head(a)
+    assert again is not None and again.heal_donor not in (None, donor_a)
+
+
+def test_a_replacement_takes_its_predecessors_neighbours_on_a_ring() -> None:
+    core, ids = _started("ripples-random", n=4, topology="ring")
+    before = set(core.neighbours_of(ids[2]))
+    core.leave(ids[2], None, "killed", 1.0)
+    new = core.register("node7", 0, "cpu", 999, 2.0)
+    assert set(core.neighbours_of(new)) == before
+    assert new in core.neighbours_of(ids[1]) and ids[2] not in core.neighbours_of(ids[1])
