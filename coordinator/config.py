@@ -82,6 +82,10 @@ class RunSettings:
     """How often workers renew their lease and report progress."""
     lease_seconds: float = 10.0
     """A worker silent for this long is removed and its groups are cancelled."""
+    coordinator_outage_seconds: float = 60.0
+    """Workers ride over a coordinator outage of up to this long (a coordinator restarted
+    from its --state-dir): RPCs retry with back-off and jitter, group streams reconnect,
+    training goes on meanwhile; past it a worker fails with the coordinator's error."""
     checkpoint_interval: int = 8
     """Lock-step protocols agree on a common stop iteration every this many iterations."""
     topology: str = "complete"
@@ -174,7 +178,8 @@ class RunSettings:
                              "protocol")
         if self.target_loss < 0:
             raise ValueError("target_loss must not be negative")
-        for name in ("collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds"):
+        for name in ("collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds",
+                     "coordinator_outage_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.lease_seconds <= 2 * self.heartbeat_interval_seconds:
@@ -223,6 +228,7 @@ class RunSettings:
             collective_timeout_seconds=self.collective_timeout_seconds,
             heartbeat_interval_seconds=self.heartbeat_interval_seconds,
             lease_seconds=self.lease_seconds,
+            coordinator_outage_seconds=self.coordinator_outage_seconds,
             checkpoint_interval=self.checkpoint_interval,
             batch_size=self.batch_size,
             learning_rate=self.learning_rate,

@@ -11,13 +11,16 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
+from ripples.coordinator import snapshot
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.http import build_app
 from ripples.coordinator.service import CoordinatorService
+from ripples.coordinator.state_store import StateStore
 from ripples.http_server import HttpEndpoint, bind
 from ripples.loop_thread import LoopThreadService, serve_until_signal
 from ripples.rpc import SERVER_OPTIONS
@@ -45,6 +48,9 @@ class ServerConfig:
     run: RunSettings = field(default_factory=RunSettings)
     exit_when_done: bool = False
     """serve(): return once the run stopped and every worker left."""
+    state_dir: str = ""
+    """Keep the run's state here (SQLite); a coordinator started again on the same dir
+    resumes the run it holds (its settings win over `run`)."""
 
 
 def _advertised(config: ServerConfig) -> str:
@@ -73,16 +79,25 @@ class CoordinatorServer(LoopThreadService):
         import torch.distributed as dist  # heavy import, only when serving
 
         cfg = self.config
+        state = StateStore(cfg.state_dir) if cfg.state_dir else None
+        store_port = cfg.store_port or (state.store_port if state is not None else 0)
         try:
-            self._store = dist.TCPStore(cfg.host, cfg.store_port, is_master=True,
+            self._store = dist.TCPStore(cfg.host, store_port, is_master=True,
                                         wait_for_workers=False, use_libuv=True)
         except (RuntimeError, OSError) as err:
-            raise OSError(f"cannot open the rendezvous store on {cfg.host}:{cfg.store_port}: "
+            raise OSError(f"cannot open the rendezvous store on {cfg.host}:{store_port}: "
                           f"{err}; pick another --store-port") from err
         self.store_port = self._store.port  # type: ignore[attr-defined]
-        core = CoordinatorCore(cfg.run, now=time.monotonic())
+        core, incarnation, saved = self._core(state)
+        if state is not None:
+            state.store_port = self.store_port
         self.service = CoordinatorService(core, store_host=_advertised(cfg),
-                                          store_port=self.store_port)
+                                          store_port=self.store_port, state=state,
+                                          incarnation=incarnation)
+        if saved is not None:
+            self.service.metrics_targets = {int(k): v for k, v in
+                                            saved.get("metrics_targets", {}).items()}
+            self.service._note_run_state()
         server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_CoordinatorServicer_to_server(self.service, server)
         address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
@@ -108,6 +123,26 @@ class CoordinatorServer(LoopThreadService):
             await self.service.close()
             await http.stop()
             await server.stop(grace=1.0)
+
+    def _core(self, state: StateStore | None) -> tuple[
+            CoordinatorCore, int, dict[str, Any] | None]:
+        """A new run's core, or the state dir's run resumed. Returns (core, incarnation,
+        the saved state it resumed, if any)."""
+        now = time.monotonic()
+        if state is None:
+            return CoordinatorCore(self.config.run, now=now), 1, None
+        incarnation = state.next_incarnation()
+        saved = state.load()
+        if saved is None:
+            return CoordinatorCore(self.config.run, now=now), incarnation, None
+        core = snapshot.restore(saved, now, incarnation)
+        self.config.run = core.settings
+        live = len(core.live())
+        logger.warning("resumed run %s from %s (incarnation %d): %d live workers, %.0f "
+                       "mean iterations%s", core.settings.run_id, state.path, incarnation,
+                       live, core.mean_iterations(),
+                       f"; stopped: {core.stop_reason}" if core.stopped else "")
+        return core, incarnation, saved
 
     def run_finished(self) -> bool:
         """True once the run stopped and no worker is still live."""

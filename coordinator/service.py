@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from ripples.coordinator import snapshot
 from ripples.coordinator.core import (
     CoordinatorCore,
     CoordinatorError,
@@ -29,6 +31,7 @@ from ripples.coordinator.http import SdTargets
 from ripples.coordinator.metrics import CoordinatorMetrics
 from ripples.coordinator.registry import WorkerRecord
 from ripples.coordinator.schema import Schema
+from ripples.coordinator.state_store import StateStore
 from ripples.protocols import Coordination
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
@@ -56,6 +59,8 @@ _GROUP_STATES = {
     GroupState.EXECUTING: pb.GROUP_STATE_EXECUTING,
 }
 MAX_GROUP_WAIT_SECONDS = 30.0
+STATE_SAVE_SECONDS = 0.5
+"""How often the run's state is saved to the state dir besides membership changes."""
 
 
 def peer_host(peer: str) -> str:
@@ -108,8 +113,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         store_host: str,
         store_port: int,
         clock: Callable[[], float] = time.monotonic,
+        state: StateStore | None = None,
+        incarnation: int = 1,
     ) -> None:
         self.core = core
+        self.state = state
+        """Where the run's state is saved (--state-dir), if anywhere."""
+        self.incarnation = incarnation
+        self._saving: asyncio.Lock | None = None
         self.store_host = store_host
         self.store_port = store_port
         self.clock = clock
@@ -118,6 +129,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._started = asyncio.Event()
         self._stopped = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
+        self._saver: asyncio.Task[None] | None = None
         self.metrics = CoordinatorMetrics(core, clock)
         self.metrics_address = ""  # the coordinator's own HOST:PORT, set by the server
         self.metrics_targets: dict[int, str] = {}  # worker id -> HOST:PORT
@@ -125,10 +137,38 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # ------------------------------------------------------------------ plumbing
     def start_background(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_leases())
+        if self.state is not None:
+            self._saver = asyncio.get_running_loop().create_task(self._save_periodically())
+
+    async def save_state(self) -> None:
+        """Save the run's state to the state dir (if any): the snapshot is taken on the
+        loop (consistent), written off it; saves never overlap."""
+        if self.state is None:
+            return
+        if self._saving is None:
+            self._saving = asyncio.Lock()
+        async with self._saving:
+            data = snapshot.take(self.core, self.clock())
+            data["metrics_targets"] = {str(k): v for k, v in self.metrics_targets.items()}
+            await asyncio.to_thread(self.state.save, data)
+
+    async def _save_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(STATE_SAVE_SECONDS)
+            try:
+                await self.save_state()
+            except (OSError, sqlite3.Error) as err:
+                logger.error("could not save the run's state: %s", err)
 
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        if self._saver is not None:
+            self._saver.cancel()
+        if self.state is not None and not self.core.stopped:
+            # A coordinator that shuts down (SIGTERM, a restart) keeps the run resumable:
+            # the saved state is the running run's, not a run stopped by the shutdown.
+            await self.save_state()
         self._resolve(self.core.stop("coordinator shutting down", self.clock()))
 
     async def _reap_leases(self) -> None:
@@ -146,6 +186,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._members.set()
         if self.core.stopped:
             self._stopped.set()
+        if self.core.started_at is not None and not self._started.is_set():
+            logger.info("all %d workers ready: training starts", self.core.settings.num_workers)
+            self._started.set()
 
     def _resolve(self, deliveries: Deliveries) -> None:
         self._note_run_state()
@@ -175,6 +218,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if request.metrics_port:
             host = request.metrics_host or peer_host(context.peer()) or w.host
             self.metrics_targets[worker_id] = f"{host}:{request.metrics_port}"
+        await self.save_state()  # a restarted coordinator must know every worker it named
         logger.info("registered worker %d (host %s, local rank %d, %s)",
                     worker_id, w.host, w.local_rank, w.device)
         return pb.RegisterReply(worker_id=worker_id, config=self.core.settings.to_proto(),
@@ -188,7 +232,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assert isinstance(deliveries, dict)
         self._resolve(deliveries)
         return pb.HeartbeatReply(stop=self.core.stopped, stop_reason=self.core.stop_reason,
-                                 mean_iterations=self.core.mean_iterations())
+                                 mean_iterations=self.core.mean_iterations(),
+                                 incarnation=self.incarnation)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
                     ) -> pb.LeaveReply:
@@ -197,6 +242,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             request.worker_id, progress, request.error, self.clock(), request.reason))
         assert isinstance(deliveries, dict)
         self._resolve(deliveries)
+        await self.save_state()
         if request.error:
             logger.warning("worker %d left with an error: %s", request.worker_id, request.error)
         else:
@@ -241,10 +287,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         schema = _schema(request.schema) if request.HasField("schema") else None
         started = await self._call(context, lambda: self.core.mark_ready(
             request.worker_id, request.planned_iterations, self.clock(), schema))
+        assert isinstance(started, bool)
         self._note_run_state()
-        if started and not self._started.is_set():
-            logger.info("all %d workers ready: training starts", self.core.settings.num_workers)
-            self._started.set()
         timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
         try:
             await asyncio.wait_for(self._until_started_or_stopped(), timeout)
@@ -448,5 +492,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                       ) -> pb.StopRunReply:
         reason = request.reason or "stopped by request"
         self._resolve(self.core.stop(reason, self.clock()))
+        await self.save_state()
         logger.info("run stopped: %s", reason)
         return pb.StopRunReply()

@@ -120,7 +120,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = ServerConfig(host=args.host, port=args.port, store_port=args.store_port,
                               metrics_port=args.metrics_port,
                               advertise_host=args.advertise_host, run=run,
-                              exit_when_done=args.exit_when_done)
+                              exit_when_done=args.exit_when_done, state_dir=args.state_dir)
         return serve(config)
     except (ValueError, OSError) as err:
         print(f"ripples coordinator serve: error: {err}", file=sys.stderr)
@@ -217,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(0: any free port; default: 9400)")
     serve.add_argument("--advertise-host", default="",
                        help="address workers use to reach the store (default: host name)")
+    serve.add_argument("--state-dir", default="",
+                       help="keep the run's state in DIR/coordinator.db (SQLite); started "
+                            "again on the same DIR, the coordinator resumes that run (its "
+                            "saved settings win over the run options) and workers ride over "
+                            "the restart (see docs/fault-tolerance.md)")
     serve.add_argument("--exit-when-done", action="store_true",
                        help="exit once the run stopped and every worker left")
     serve.add_argument("--quiet", action="store_true", help="log warnings only")

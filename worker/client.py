@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import grpc
 from ripples.rpc import CoordinatorCallError, describe_rpc_error, insecure_channel
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
-from ripples.worker.group_stream import GroupStream
+from ripples.worker.group_stream import GroupStream, backoff_pause
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,12 @@ class CoordinatorClient:
     def __init__(self, target: str, *, rpc_timeout_seconds: float = 10.0) -> None:
         self.target = target
         self.rpc_timeout = rpc_timeout_seconds
+        self.outage_seconds = 0.0
+        """How long calls retry an unreachable coordinator (the run's
+        coordinator_outage_seconds, set once registered; 0: no retry)."""
         self._channel = insecure_channel(target)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._rng = random.Random()
 
     def wait_until_reachable(self, timeout_seconds: float) -> None:
         try:
@@ -37,12 +42,29 @@ class CoordinatorClient:
                 "is it running, and is the address right?", grpc.StatusCode.UNAVAILABLE
             ) from None
 
-    def _call(self, method: Callable[..., object], request: object, timeout: float) -> object:
-        try:
-            return method(request, timeout=timeout)
-        except grpc.RpcError as err:
-            code = err.code() if isinstance(err, grpc.Call) else None
-            raise CoordinatorCallError(describe_rpc_error(err, self.target), code) from err
+    def _call(self, method: Callable[..., object], request: object, timeout: float, *,
+              retry: bool = True) -> object:
+        """One call; an unreachable coordinator (UNAVAILABLE: down, or restarting from
+        its state dir) is asked again with back-off and jitter for up to
+        `outage_seconds`. Every call the coordinator makes is idempotent or harmless
+        to repeat (a retried registration is the exception: see register)."""
+        failed_since: float | None = None
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=timeout)
+            except grpc.RpcError as err:
+                code = err.code() if isinstance(err, grpc.Call) else None
+                error = CoordinatorCallError(describe_rpc_error(err, self.target), code)
+                now = time.monotonic()
+                failed_since = now if failed_since is None else failed_since
+                if (not retry or code != grpc.StatusCode.UNAVAILABLE
+                        or now - failed_since + 0.2 > self.outage_seconds):
+                    raise error from err
+                if attempt == 0:
+                    logger.warning("%s; retrying for up to %.0f s", error, self.outage_seconds)
+                time.sleep(backoff_pause(attempt, self._rng))
+                attempt += 1
 
     def register(self, host: str, local_rank: int, device: str, pid: int, *,
                  metrics_port: int = 0, metrics_host: str = "",
@@ -91,8 +113,9 @@ class CoordinatorClient:
         self._call(self._stub.CheckSchema, req, self.rpc_timeout)
 
     def heartbeat(self, worker_id: int, progress: pb.Progress) -> pb.HeartbeatReply:
+        """One heartbeat, not retried: the heartbeat thread's next beat is the retry."""
         req = pb.HeartbeatRequest(worker_id=worker_id, progress=progress)
-        reply = self._call(self._stub.Heartbeat, req, self.rpc_timeout)
+        reply = self._call(self._stub.Heartbeat, req, self.rpc_timeout, retry=False)
         assert isinstance(reply, pb.HeartbeatReply)
         return reply
 
@@ -105,7 +128,8 @@ class CoordinatorClient:
     def open_group_stream(self, worker_id: int) -> GroupStream:
         """The worker's Synchronize stream (group requests and releases)."""
         return GroupStream(self._stub, worker_id, self.target,
-                           reply_margin_seconds=self.rpc_timeout)
+                           reply_margin_seconds=self.rpc_timeout,
+                           outage_seconds=self.outage_seconds)
 
     def static_schedule(self, worker_id: int) -> pb.StaticScheduleReply:
         req = pb.StaticScheduleRequest(worker_id=worker_id)
@@ -136,13 +160,16 @@ class CoordinatorClient:
 class HeartbeatThread(threading.Thread):
     """Renews the lease and reports progress; raises the stop flag when told to.
 
-    A coordinator that stays unreachable for a whole lease, or that no longer knows
-    this worker, sets `fatal_error` and the stop flag: the training loop then ends with
-    that error instead of running on unsupervised.
+    A coordinator that stays unreachable for longer than a lease and the run's outage
+    window, or that no longer knows this worker, sets `fatal_error` and the stop flag: the
+    training loop then ends with that error instead of running on unsupervised. Within
+    the window training goes on (a coordinator restarted from its state dir answers with
+    a new incarnation).
     """
 
     def __init__(self, client: CoordinatorClient, worker_id: int, interval_seconds: float,
-                 lease_seconds: float, progress: Callable[[], pb.Progress]) -> None:
+                 lease_seconds: float, progress: Callable[[], pb.Progress], *,
+                 outage_seconds: float = 0.0) -> None:
         super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
         self.client = client
         self.worker_id = worker_id
@@ -152,6 +179,8 @@ class HeartbeatThread(threading.Thread):
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         self.fatal_error = ""
+        self.tolerance = max(lease_seconds, outage_seconds)
+        self.incarnation = 0
         self.global_progress = (0.0, 0)
         """(iterations of an average worker of the run, this worker's iterations) at the
         last reply: the run's global progress, for learning-rate schedules."""
@@ -166,12 +195,19 @@ class HeartbeatThread(threading.Thread):
                 last_ok = time.monotonic()
                 self.global_progress = (reply.mean_iterations, progress.iteration)
             except CoordinatorCallError as err:
-                if err.code == grpc.StatusCode.NOT_FOUND or time.monotonic() - last_ok > self.lease:
-                    self.fatal_error = str(err)
+                silent = time.monotonic() - last_ok
+                if err.code == grpc.StatusCode.NOT_FOUND or silent > self.tolerance:
+                    self.fatal_error = (str(err) if err.code == grpc.StatusCode.NOT_FOUND else
+                                        f"{err} (for {silent:.0f} s, beyond the outage window)")
                     self.stop_requested.set()
                     return
                 logger.warning("heartbeat failed, retrying: %s", err)
                 continue
+            if reply.incarnation != self.incarnation:
+                if self.incarnation:
+                    logger.warning("the coordinator restarted (incarnation %d); going on",
+                                   reply.incarnation)
+                self.incarnation = reply.incarnation
             if reply.stop and not self.stop_requested.is_set():
                 self.stop_reason = reply.stop_reason
                 self.stop_requested.set()

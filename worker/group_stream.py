@@ -8,7 +8,9 @@ release needs no reply, so the worker does not wait a round trip to free its loc
 
 from __future__ import annotations
 
+import logging
 import queue
+import random
 import threading
 from collections.abc import Iterator
 
@@ -18,7 +20,61 @@ from ripples.rpc import CoordinatorCallError, describe_rpc_error
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
+logger = logging.getLogger(__name__)
+
 _CLOSE = None  # sentinel on the outbox: finish the request stream
+
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.CANCELLED, None})
+"""Stream failures a reconnect can cure: the coordinator is down or restarting, a reply
+came late, or the stream ended under us (code None: the server closed it)."""
+
+
+def backoff_pause(attempt: int, rng: random.Random) -> float:
+    """Seconds before retry `attempt` (0, 1, ...): exponential from 0.2 s, capped at 2 s,
+    with full jitter so that the workers of a run do not reconnect in lock-step."""
+    return rng.uniform(0.5, 1.0) * min(2.0, 0.2 * 1.6 ** attempt)
+
+
+class _Call:
+    """One Synchronize call: its outbox, its replies and the thread that reads them."""
+
+    def __init__(self, stub: pb_grpc.CoordinatorStub, worker_id: int, target: str) -> None:
+        self.target = target
+        self.outbox: queue.SimpleQueue[pb.SyncMessage | None] = queue.SimpleQueue()
+        self.replies: queue.SimpleQueue[pb.GroupReply | CoordinatorCallError] = (
+            queue.SimpleQueue())
+        self.call = stub.Synchronize(self._messages())
+        self.reader = threading.Thread(target=self._read, name=f"sync-stream-{worker_id}",
+                                       daemon=True)
+        self.reader.start()
+
+    def _messages(self) -> Iterator[pb.SyncMessage]:
+        while (message := self.outbox.get()) is not _CLOSE:
+            yield message
+
+    def _read(self) -> None:
+        try:
+            for reply in self.call:
+                self.replies.put(reply)
+            error = CoordinatorCallError(
+                f"coordinator at {self.target} closed the group stream", None)
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            error = CoordinatorCallError(describe_rpc_error(err, self.target), code)
+        self.replies.put(error)
+
+    def close(self, timeout_seconds: float) -> None:
+        self.outbox.put(_CLOSE)
+        self.reader.join(timeout_seconds)
+        if self.reader.is_alive():
+            self.call.cancel()
+            self.reader.join(timeout_seconds)
+
+
+class StreamInterrupted(CoordinatorCallError):
+    """The coordinator is unreachable for now (down, or restarting from its state dir):
+    train on locally and ask again later; the next request reconnects."""
 
 
 class GroupStream:
@@ -26,39 +82,29 @@ class GroupStream:
 
     gRPC's response iterator blocks with no per-message timeout, so a reader thread moves
     replies into a queue that `request` waits on with a deadline: a coordinator that stops
-    answering raises CoordinatorCallError instead of hanging the worker. After an error
-    or a missed deadline the stream is broken (a late reply would answer the wrong
-    request), and every later call raises that error.
+    answering raises instead of hanging the worker. With an outage window (the run's
+    coordinator_outage_seconds), a failure a reconnect can cure (the coordinator is down
+    or restarting, a reply came late) raises StreamInterrupted: the protocol trains on
+    locally, and the next request opens a new call, sending again first the releases sent
+    since the last reply (a release is idempotent at the coordinator). A late reply on
+    the old call is never read. How long a worker may go on without its coordinator is
+    the heartbeat's business (HeartbeatThread). Other errors (the coordinator refused
+    the request), or any error without a window, break the stream: every later call
+    raises it.
     """
 
     def __init__(self, stub: pb_grpc.CoordinatorStub, worker_id: int, target: str,
-                 *, reply_margin_seconds: float) -> None:
+                 *, reply_margin_seconds: float, outage_seconds: float = 0.0) -> None:
         self.worker_id = worker_id
         self.target = target
         self.reply_margin = reply_margin_seconds
-        self._outbox: queue.SimpleQueue[pb.SyncMessage | None] = queue.SimpleQueue()
-        self._replies: queue.SimpleQueue[pb.GroupReply | CoordinatorCallError] = (
-            queue.SimpleQueue())
+        self.outage_seconds = outage_seconds
+        self.num_reconnects = 0
+        self._stub = stub
         self._broken: CoordinatorCallError | None = None
-        self._call = stub.Synchronize(self._messages())
-        self._reader = threading.Thread(target=self._read, name=f"sync-stream-{worker_id}",
-                                        daemon=True)
-        self._reader.start()
-
-    def _messages(self) -> Iterator[pb.SyncMessage]:
-        while (message := self._outbox.get()) is not _CLOSE:
-            yield message
-
-    def _read(self) -> None:
-        try:
-            for reply in self._call:
-                self._replies.put(reply)
-            error = CoordinatorCallError(
-                f"coordinator at {self.target} closed the group stream", None)
-        except grpc.RpcError as err:
-            code = err.code() if isinstance(err, grpc.Call) else None
-            error = CoordinatorCallError(describe_rpc_error(err, self.target), code)
-        self._replies.put(error)
+        self._interrupted = False
+        self._unacked: list[pb.SyncMessage] = []  # releases since the last reply
+        self._call = _Call(stub, worker_id, target)
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -67,37 +113,56 @@ class GroupStream:
     def request(self, iteration: int, wait_seconds: float,
                 progress: pb.Progress | None = None, *, listen: bool = False) -> pb.GroupReply:
         """Ask for the next group; the coordinator answers within `wait_seconds` (RETRY
-        if the group is not ready by then). `listen`: only serve partners (adpsgd)."""
+        if the group is not ready by then). `listen`: only serve partners (adpsgd).
+        Raises StreamInterrupted while the coordinator is unreachable (see the class)."""
         self._check()
-        self._outbox.put(pb.SyncMessage(request=pb.GroupRequest(
+        if self._interrupted:
+            self._reconnect()
+        self._call.outbox.put(pb.SyncMessage(request=pb.GroupRequest(
             worker_id=self.worker_id, iteration=iteration, timeout_seconds=wait_seconds,
             progress=progress, listen=listen)))
-        deadline = wait_seconds + self.reply_margin
         try:
-            item = self._replies.get(timeout=deadline)
+            reply = self._await_reply(wait_seconds + self.reply_margin)
+        except CoordinatorCallError as err:
+            if err.code in TRANSIENT_CODES and self.outage_seconds > 0:
+                self._interrupted = True
+                raise StreamInterrupted(str(err), err.code) from err
+            self._broken = err
+            raise
+        self._unacked.clear()
+        return reply
+
+    def _await_reply(self, deadline: float) -> pb.GroupReply:
+        try:
+            item = self._call.replies.get(timeout=deadline)
         except queue.Empty:
-            self._broken = CoordinatorCallError(
+            raise CoordinatorCallError(
                 f"coordinator at {self.target} did not answer a group request within "
-                f"{deadline:.0f} s", grpc.StatusCode.DEADLINE_EXCEEDED)
-            raise self._broken from None
+                f"{deadline:.0f} s", grpc.StatusCode.DEADLINE_EXCEEDED) from None
         if isinstance(item, CoordinatorCallError):
-            self._broken = item
             raise item
         return item
+
+    def _reconnect(self) -> None:
+        self._call.outbox.put(_CLOSE)  # ends the old call's request thread
+        self._call.call.cancel()
+        self._call = _Call(self._stub, self.worker_id, self.target)
+        self._interrupted = False
+        self.num_reconnects += 1
+        for message in self._unacked:
+            self._call.outbox.put(message)
 
     def release(self, group_id: int, ok: bool, error: str = "",
                 preduce_seconds: float = 0.0, squared_distance: float | None = None) -> None:
         """Acknowledge a group (ok) or report it failed; returns without waiting.
         `squared_distance`: gossip pairs report ||x_i - x_j||^2 of the models averaged."""
         self._check()
-        self._outbox.put(pb.SyncMessage(release=pb.ReleaseRequest(
+        message = pb.SyncMessage(release=pb.ReleaseRequest(
             worker_id=self.worker_id, group_id=group_id, ok=ok, error=error,
-            preduce_seconds=preduce_seconds, squared_distance=squared_distance)))
+            preduce_seconds=preduce_seconds, squared_distance=squared_distance))
+        self._unacked.append(message)
+        self._call.outbox.put(message)
 
     def close(self, timeout_seconds: float = 5.0) -> None:
         """Finish the stream after the queued messages are sent; cancel it if stuck."""
-        self._outbox.put(_CLOSE)
-        self._reader.join(timeout_seconds)
-        if self._reader.is_alive():
-            self._call.cancel()
-            self._reader.join(timeout_seconds)
+        self._call.close(timeout_seconds)

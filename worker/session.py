@@ -83,11 +83,13 @@ class Session:
                                    vacancy_timeout_seconds=env.start_timeout_seconds)
         self.worker_id, self.config = reg.worker_id, reg.config
         self._store_address = (reg.store_host, reg.store_port)
+        self.client.outage_seconds = self.config.coordinator_outage_seconds
         logger.info("registered as worker %d for run %s (%s)", self.worker_id,
                     self.config.run_id, self.config.protocol)
         self.heartbeat = HeartbeatThread(self.client, self.worker_id,
                                          self.config.heartbeat_interval_seconds,
-                                         self.config.lease_seconds, self.stats.snapshot)
+                                         self.config.lease_seconds, self.stats.snapshot,
+                                         outage_seconds=self.config.coordinator_outage_seconds)
         self.heartbeat.start()
         self.membership = self.client.await_members(self.worker_id, env.start_timeout_seconds)
         if self.membership.replacement:
@@ -105,7 +107,8 @@ class Session:
         self.store = connect_store(host, port, timeout)
         loopback = host in ("127.0.0.1", "localhost")
         factory = CommunicatorFactory(self.store, self.device, timeout,
-                                      gloo_hostname="127.0.0.1" if loopback else "")
+                                      gloo_hostname="127.0.0.1" if loopback else "",
+                                      reconnect=lambda: connect_store(host, port, timeout))
         self.comms = CommunicatorCache(factory)
         self.metrics.attach(worker_id=self.worker_id, host=self.env.host,
                             protocol=self.config.protocol, cache=self.comms)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -74,14 +75,38 @@ class CommunicatorFactory:
     """Builds communicators on the shared store, gloo or NCCL by device."""
 
     def __init__(self, store: dist.Store, device: torch.device, timeout_seconds: float,
-                 *, gloo_hostname: str = "") -> None:
+                 *, gloo_hostname: str = "",
+                 reconnect: Callable[[], dist.Store] | None = None) -> None:
         self.store = store
+        self.reconnect = reconnect
+        """Connects to the rendezvous store anew: after a coordinator restart (its store
+        restarts with it, empty, on the same address) the old connection is dead."""
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_seconds)
         self.gloo_hostname = gloo_hostname  # address gloo binds to ("" = this host's name)
         self._gloo_device: object | None = None
 
     def build(self, key: str, rank: int, size: int) -> Communicator:
+        """The communicator of `key`'s members. If building fails because the store
+        connection died (the coordinator restarted), reconnect and build once more: the
+        peers do the same, and meet on the new store under the same key."""
+        try:
+            return self._build(key, rank, size)
+        except (RuntimeError, dist.DistStoreError) as err:
+            if self.reconnect is None or self._store_alive():
+                raise
+            logger.warning("the rendezvous store connection is lost (%s); reconnecting", err)
+            self.store = self.reconnect()
+            return self._build(key, rank, size)
+
+    def _store_alive(self) -> bool:
+        try:
+            self.store.check(["ripples/alive"])
+        except (RuntimeError, dist.DistStoreError):
+            return False
+        return True
+
+    def _build(self, key: str, rank: int, size: int) -> Communicator:
         prefix_store = dist.PrefixStore(f"comm/{key}/", self.store)
         if self.device.type == "cuda":
             backend = self._build_nccl(prefix_store, rank, size)

@@ -26,7 +26,7 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator, CommunicatorCache
-from ripples.worker.group_stream import GroupStream
+from ripples.worker.group_stream import GroupStream, StreamInterrupted
 from ripples.worker.metrics import MetricSpec, ProtocolMetrics
 
 if TYPE_CHECKING:
@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     from ripples.worker.tasks import TaskOptions
 
 logger = logging.getLogger(__name__)
+
+COORDINATOR_RETRY_SECONDS = 0.5
+"""While the coordinator is unreachable (StreamInterrupted), a protocol's averaging
+pauses this long before asking again; training goes on meanwhile."""
+
+__all__ = ["COORDINATOR_RETRY_SECONDS", "Protocol", "ProtocolContext", "StreamInterrupted",
+           "SyncResult", "TrainingJob", "max_peer_wait_seconds", "run_group_collective"]
 
 
 @dataclass(kw_only=True)

@@ -9,8 +9,10 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import copy_model, preduce
 from ripples.worker.protocols.base import (
+    COORDINATOR_RETRY_SECONDS,
     Protocol,
     ProtocolContext,
+    StreamInterrupted,
     SyncResult,
     max_peer_wait_seconds,
     run_group_collective,
@@ -39,6 +41,7 @@ class GroupGeneratorProtocol(Protocol):
         # A group may wait for slow peers' iterations; give up only after this long.
         self.max_group_wait_seconds = max_peer_wait_seconds(ctx.config)
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
+        self._outage_noted = False
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
@@ -49,7 +52,10 @@ class GroupGeneratorProtocol(Protocol):
     def _heal(self, iteration: int) -> None:
         waited_since = time.perf_counter()
         while True:
-            reply = self.stream.request(iteration, GROUP_POLL_SECONDS, self.ctx.progress())
+            try:
+                reply = self.stream.request(iteration, GROUP_POLL_SECONDS, self.ctx.progress())
+            except StreamInterrupted as err:
+                reply = pb.GroupReply(outcome=pb.GROUP_OUTCOME_NO_GROUP, detail=str(err))
             if reply.outcome == pb.GROUP_OUTCOME_STOP:
                 return  # the first step's request hears the stop again, and ends the run
             if reply.outcome == pb.GROUP_OUTCOME_GROUP:
@@ -65,7 +71,7 @@ class GroupGeneratorProtocol(Protocol):
                                    f"{reply.detail}")
             if reply.outcome in (pb.GROUP_OUTCOME_CANCELLED, pb.GROUP_OUTCOME_NO_GROUP):
                 logger.info("heal group not formed, asking again: %s", reply.detail)
-                time.sleep(0.5)
+                time.sleep(COORDINATOR_RETRY_SECONDS)
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.ctx.stop_requested.is_set():
@@ -79,8 +85,14 @@ class GroupGeneratorProtocol(Protocol):
         waited_since = time.perf_counter()
         while True:
             t0 = time.perf_counter()
-            reply = self.stream.request(completed, GROUP_POLL_SECONDS, self.ctx.progress())
+            try:
+                reply = self.stream.request(completed, GROUP_POLL_SECONDS, self.ctx.progress())
+            except StreamInterrupted as err:  # train on locally; the next step asks again
+                result.wait_seconds += time.perf_counter() - t0
+                self._note_outage(err)
+                break
             result.wait_seconds += time.perf_counter() - t0
+            self._outage_noted = False
             for comm_id in reply.evict_comm_ids:
                 self.ctx.comms.drop(f"gg/{self.ctx.config.run_id}/{comm_id}")
             if reply.outcome == pb.GROUP_OUTCOME_RETRY:
@@ -109,6 +121,12 @@ class GroupGeneratorProtocol(Protocol):
         result.group_sizes = tuple(sizes)
         result.preduce_durations = tuple(durations)
         return result
+
+    def _note_outage(self, err: StreamInterrupted) -> None:
+        if not self._outage_noted:
+            logger.warning("training on without averaging while the coordinator is "
+                           "unreachable: %s", err)
+            self._outage_noted = True
 
     def _execute(self, group: pb.Group) -> tuple[float, bool]:
         """Run one P-Reduce (or, in a heal group, the joiner's copy of the donor's

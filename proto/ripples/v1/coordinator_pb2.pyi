@@ -53,7 +53,7 @@ WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp")
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp", "coordinator_outage_seconds")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class RunConfig(_message.Message):
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
     LPP_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_OUTAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol: str
     task: str
@@ -96,7 +97,8 @@ class RunConfig(_message.Message):
     gossip: GossipSettings
     hop: HopSettings
     lpp: LppSettings
-    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., group_generator: _Optional[_Union[GroupGeneratorSettings, _Mapping]] = ..., gossip: _Optional[_Union[GossipSettings, _Mapping]] = ..., hop: _Optional[_Union[HopSettings, _Mapping]] = ..., lpp: _Optional[_Union[LppSettings, _Mapping]] = ...) -> None: ...
+    coordinator_outage_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., group_generator: _Optional[_Union[GroupGeneratorSettings, _Mapping]] = ..., gossip: _Optional[_Union[GossipSettings, _Mapping]] = ..., hop: _Optional[_Union[HopSettings, _Mapping]] = ..., lpp: _Optional[_Union[LppSettings, _Mapping]] = ..., coordinator_outage_seconds: _Optional[float] = ...) -> None: ...
 
 class GroupGeneratorSettings(_message.Message):
     __slots__ = ("group_size", "c_thres", "inter_intra")
@@ -201,14 +203,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "stop_reason", "mean_iterations")
+    __slots__ = ("stop", "stop_reason", "mean_iterations", "incarnation")
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     stop_reason: str
     mean_iterations: float
-    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "progress", "error", "reason")

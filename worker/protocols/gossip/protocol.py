@@ -29,8 +29,10 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocols.base import (
+    COORDINATOR_RETRY_SECONDS,
     Protocol,
     ProtocolContext,
+    StreamInterrupted,
     SyncResult,
     max_peer_wait_seconds,
     run_group_collective,
@@ -145,6 +147,14 @@ class GossipProtocol(Protocol):
             preduce_durations=tuple(finished),
             preduce_bytes=len(finished) * self.ctx.state.size_bytes)
 
+    def state_dict(self) -> dict[str, object]:
+        """A2CiD2's momentum copy (held as x~ - x): the model alone does not carry it."""
+        return {} if self.state.y is None else {"momentum_copy": self.state.y}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        copy = state.get("momentum_copy")
+        self.state.restart(copy if isinstance(copy, torch.Tensor) else None)
+
     def close(self) -> None:
         with self._cond:
             self._closing = True
@@ -181,7 +191,13 @@ class GossipProtocol(Protocol):
         while (request := self._next_request()) is not None:
             listen, iteration = request
             wait = LISTEN_POLL_SECONDS if listen else REQUEST_WAIT_SECONDS
-            reply = self.stream.request(iteration, wait, self.ctx.progress(), listen=listen)
+            try:
+                reply = self.stream.request(iteration, wait, self.ctx.progress(),
+                                            listen=listen)
+            except StreamInterrupted as err:  # training goes on; averaging resumes later
+                logger.warning("no averaging while the coordinator is unreachable: %s", err)
+                time.sleep(COORDINATOR_RETRY_SECONDS)
+                continue
             for comm_id in reply.evict_comm_ids:
                 self.ctx.comms.drop(self._key(comm_id))
             if reply.outcome == pb.GROUP_OUTCOME_STOP:

@@ -1,0 +1,147 @@
+"""The run's state as plain JSON values, and a core rebuilt from it (pure code).
+
+What a coordinator restarted from its state dir needs to go on with the same run: the
+settings, every worker record (ids, ranks, progress, slowdown counters, leases renewed
+at the restart), the membership and graph, the loss curve and time-to-target
+accounting, the stop and lock-step agreements, and the schema references. What is
+left out is what the workers re-create by asking again: the groups in flight (a worker
+inside a collective finishes it with its peers, its release to the new incarnation is
+a no-op; a waiting worker's request is answered by fresh groups), long-polls and the
+policy's random state (reseeded per incarnation). Group and comm ids of a new
+incarnation live in an id space of their own, so that no id is ever handed out twice
+across restarts (a worker's communicator cache is keyed by comm id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+from ripples.coordinator.config import RunSettings
+from ripples.coordinator.core import CoordinatorCore
+from ripples.coordinator.registry import GONE, Progress, WorkerRecord, WorkerState
+from ripples.coordinator.run_graph import RunGraph
+from ripples.coordinator.schema import Schema, SchemaCheck
+
+FORMAT = 1
+ID_SPACE_BITS = 40
+"""Group and comm ids of incarnation k start at k << 40 (2^40 ids per incarnation)."""
+
+_TRANSIENT = ("round_target", "wait_started_at", "listening")
+"""Worker fields that belong to a pending request, not to the run."""
+
+
+def take(core: CoordinatorCore, now: float) -> dict[str, Any]:
+    """The run's state at monotonic time `now`, as JSON values."""
+    progress = core.progress
+    return {
+        "format": FORMAT,
+        "settings": core.settings.options(),
+        "elapsed": core.elapsed(now) if core.started_at is not None else None,
+        "workers": [_worker(w) for w in core.workers.values()],
+        "registry": {"formed": core.registry.formed, "nodes": core.registry._nodes,
+                     "next_worker_id": core.registry._next_worker_id,
+                     "lease_expirations": core.registry.num_lease_expirations},
+        "stop": {"stopped": core.stopper.stopped, "reason": core.stopper.reason,
+                 "at_iteration": core.stopper.stop_at_iteration,
+                 "adopt_after": core.adoption.after_iteration},
+        "progress": {"curve": [list(p) for p in progress.loss_curve],
+                     "time_to_target": progress.time_to_target,
+                     "iterations_to_target": progress.iterations_to_target},
+        "schemas": {"model": _schema(core.model_schema),
+                    "training": _schema(core.training_schema)},
+        "counters": {"groups_formed": core.table.num_formed,
+                     "conflicts": core.table.num_conflicts,
+                     "cancelled": core.groups.num_cancelled, "failed": core.groups.num_failed,
+                     "pending_waits": core.groups.num_pending_waits,
+                     "pending_wait_seconds": core.groups.pending_wait_seconds},
+    }
+
+
+def restore(snapshot: dict[str, Any], now: float, incarnation: int) -> CoordinatorCore:
+    """A core that goes on with the snapshot's run at monotonic time `now`."""
+    if snapshot.get("format") != FORMAT:
+        raise ValueError(f"state of format {snapshot.get('format')!r}; this coordinator "
+                         f"reads format {FORMAT}")
+    settings = RunSettings.build(**snapshot["settings"])
+    core = CoordinatorCore(settings, now=now)
+    core.groups.rng = random.Random(f"{settings.seed}/{incarnation}")
+    core.table._next_id = max(core.table._next_id, incarnation << ID_SPACE_BITS)
+    core.groups.comms._next_id = max(core.groups.comms._next_id,
+                                     incarnation << ID_SPACE_BITS)
+    started = snapshot["elapsed"] is not None
+    registry = core.registry
+    for fields in snapshot["workers"]:
+        w = _record(fields, now + settings.lease_seconds, started)
+        registry.workers[w.worker_id] = w
+    r = snapshot["registry"]
+    registry.formed = r["formed"]
+    registry._nodes = dict(r["nodes"])
+    registry._next_worker_id = r["next_worker_id"]
+    registry.num_lease_expirations = r["lease_expirations"]
+    if registry.formed:
+        core.graph = RunGraph.build(settings, _holders_by_rank(registry.workers.values()))
+    if started:
+        core.started_at = now - snapshot["elapsed"]
+    stop = snapshot["stop"]
+    core.stopper.stopped, core.stopper.reason = stop["stopped"], stop["reason"]
+    core.stopper.stop_at_iteration = stop["at_iteration"]
+    core.adoption.after_iteration = stop["adopt_after"]
+    p = snapshot["progress"]
+    core.progress.loss_curve = [tuple(point) for point in p["curve"]]  # type: ignore[misc]
+    core.progress.time_to_target = p["time_to_target"]
+    core.progress.iterations_to_target = p["iterations_to_target"]
+    for check, key in ((core.model_schema, "model"), (core.training_schema, "training")):
+        schema = snapshot["schemas"][key]
+        if schema is not None:
+            check.reference = Schema(tensors=tuple((n, tuple(s), d) for n, s, d in
+                                                   schema["tensors"]), digest=schema["digest"])
+            check.reference_owner = schema["owner"]
+    c = snapshot["counters"]
+    core.table.num_formed, core.table.num_conflicts = c["groups_formed"], c["conflicts"]
+    core.groups.num_cancelled, core.groups.num_failed = c["cancelled"], c["failed"]
+    core.groups.num_pending_waits = c["pending_waits"]
+    core.groups.pending_wait_seconds = c["pending_wait_seconds"]
+    return core
+
+
+def _worker(w: WorkerRecord) -> dict[str, Any]:
+    fields = {f.name: getattr(w, f.name) for f in dataclasses.fields(w)
+              if f.name not in _TRANSIENT}
+    fields["state"] = w.state.value
+    fields["progress"] = dataclasses.asdict(w.progress)
+    fields["own_base"] = list(w.own_base)
+    return fields
+
+
+def _record(fields: dict[str, Any], lease_expires_at: float, started: bool) -> WorkerRecord:
+    values = dict(fields)
+    state = WorkerState(values.pop("state"))
+    if state not in GONE:  # whatever it was doing, it asks the new incarnation again
+        state = WorkerState.COMPUTING if started else WorkerState.REGISTERED
+    values["progress"] = Progress(**values["progress"])
+    values["own_base"] = tuple(values["own_base"])
+    values["lease_expires_at"] = lease_expires_at  # renewed: the outage was not its fault
+    return WorkerRecord(state=state, **values)
+
+
+def _holders_by_rank(workers: Any) -> list[WorkerRecord]:
+    """For each rank, the worker that holds it now: the live one, else the departed
+    member nobody replaced (the graph is built over every rank of the run)."""
+    holders: dict[int, WorkerRecord] = {}
+    for w in sorted(workers, key=lambda x: x.worker_id):
+        if w.rank < 0 or w.replaced_by is not None:
+            continue
+        current = holders.get(w.rank)
+        if current is None or (current.state in GONE and w.state not in GONE):
+            holders[w.rank] = w
+    return [holders[rank] for rank in sorted(holders)]
+
+
+def _schema(check: SchemaCheck) -> dict[str, Any] | None:
+    schema = check.reference
+    if schema is None:
+        return None
+    return {"tensors": [[n, list(s), d] for n, s, d in schema.tensors], "digest": schema.digest,
+            "owner": check.reference_owner}

@@ -1,0 +1,108 @@
+"""The coordinator is SIGKILLed in the middle of a run and started again on the same
+address and state dir: no worker exits, the run resumes where it was (its iteration
+counts and loss curve go on, not restart) and ends cleanly when stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ripples.rpc import CoordinatorCallError
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.client import CoordinatorClient
+from tests.integration.helpers import REPO, start_worker
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_SECONDS = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(port: int, state_dir: str, *run: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ripples.cli", "coordinator", "serve", "--host", "127.0.0.1",
+         "--port", str(port), "--metrics-port", "0", "--state-dir", state_dir,
+         "--exit-when-done", *run],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env={**os.environ})
+
+
+def _status(client: CoordinatorClient) -> pb.RunStatus | None:
+    try:
+        return client.run_status()
+    except CoordinatorCallError:
+        return None
+
+
+def _wait_for(client: CoordinatorClient, condition, what: str,  # type: ignore[no-untyped-def]
+              timeout: float = 90.0) -> pb.RunStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = _status(client)
+        if status is not None and condition(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _mean_iterations(status: pb.RunStatus) -> float:
+    return sum(w.iteration for w in status.workers) / max(1, len(status.workers))
+
+
+def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    state = str(tmp_path / "state")
+    run = ("--workers", "3", "--protocol", "ripples-smart", "--task", "digits",
+           "--iterations", "200000", "--lease-seconds", "3", "--seed", "2")
+    coordinator = _serve(port, state, *run)
+    workers: list[subprocess.Popen[str]] = []
+    client = CoordinatorClient(address, rpc_timeout_seconds=2.0)
+    try:
+        client.wait_until_reachable(30)
+        workers = [start_worker(address, "--host", f"node{r}", "--metrics-port", "-1")
+                   for r in range(3)]
+        before = _wait_for(client, lambda s: s.started and _mean_iterations(s) > 150,
+                           "the run to train")
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(10)
+        killed_at = time.monotonic()
+        time.sleep(2.0)  # an outage: the workers train on without averaging
+        coordinator = _serve(port, state)  # no run options: the state dir's run goes on
+        restarted_at = time.monotonic()
+        after = _wait_for(client, lambda s: s.num_groups_formed > before.num_groups_formed
+                          and _mean_iterations(s) > _mean_iterations(before), "groups again")
+        resumed_in = time.monotonic() - restarted_at
+        assert after.config.run_id == before.config.run_id
+        # The counts go on from where they were, and the loss curve keeps its first part.
+        assert after.elapsed_seconds >= before.elapsed_seconds
+        assert [(p.seconds, p.loss) for p in after.loss_curve[:5]] == [
+            (p.seconds, p.loss) for p in before.loss_curve[:5]]
+        assert {w.worker_id for w in after.workers} == {w.worker_id for w in before.workers}
+        client.stop_run("the test saw the run resume")
+        for p in workers:
+            out, _ = p.communicate(timeout=DEADLINE_SECONDS)
+            assert p.returncode == 0, out[-3000:]
+            assert "the coordinator restarted" in out, out[-3000:]
+        out, _ = coordinator.communicate(timeout=30)
+        assert coordinator.returncode == 0, out[-3000:]
+        assert "resumed run" in out and "the test saw the run resume" in out, out[-3000:]
+        print(f"groups formed again {resumed_in:.1f} s after the restart "
+              f"({time.monotonic() - killed_at:.1f} s after the kill)")
+    finally:
+        client.close()
+        for p in [*workers, coordinator]:
+            if p.poll() is None:
+                p.kill()
