@@ -56,6 +56,10 @@ class RunSettings:
     module:function; empty when the workers run the user's own script."""
     num_workers: int = 4
     """Workers that must register before training starts."""
+    min_workers: int = 2
+    """Elastic protocols (ripples-random, ripples-smart) go on while at least this many
+    workers are live; a member that leaves can be replaced meanwhile (a replacement takes
+    its rank and heals from a live peer). Fewer: the run stops."""
     workers_per_node: int = 4
     """Workers per host (node), for Inter-Intra phases and the static schedule."""
     iterations: int = 0
@@ -86,6 +90,11 @@ class RunSettings:
     """Workers ride over a coordinator outage of up to this long (a coordinator restarted
     from its --state-dir): RPCs retry with back-off and jitter, group streams reconnect,
     training goes on meanwhile; past it a worker fails with the coordinator's error."""
+    final_average: bool = True
+    """After the stop, the live workers of a group or gossip protocol average their models
+    once more, all together, so that every worker's final model (--save-model) is the
+    consensus model. `ripples run` turns it off: it averages the saved models itself and
+    reports how far apart they ended (consensus_distance_final)."""
     checkpoint_interval: int = 8
     """Lock-step protocols agree on a common stop iteration every this many iterations."""
     topology: str = "complete"
@@ -166,6 +175,9 @@ class RunSettings:
         spec = get_protocol(self.protocol)
         if self.num_workers < 2:
             raise ValueError(f"num_workers must be at least 2, got {self.num_workers}")
+        if not 1 <= self.min_workers <= self.num_workers:
+            raise ValueError(f"min_workers must be between 1 and num_workers "
+                             f"({self.num_workers}), got {self.min_workers}")
         if self.workers_per_node < 1:
             raise ValueError("workers_per_node must be at least 1")
         if self.iterations < 0 or self.epochs < 0:
@@ -229,6 +241,7 @@ class RunSettings:
             heartbeat_interval_seconds=self.heartbeat_interval_seconds,
             lease_seconds=self.lease_seconds,
             coordinator_outage_seconds=self.coordinator_outage_seconds,
+            final_average=self.final_average,
             checkpoint_interval=self.checkpoint_interval,
             batch_size=self.batch_size,
             learning_rate=self.learning_rate,

@@ -63,6 +63,9 @@ class CoordinatorCore:
         self.training_schema = SchemaCheck("model and optimizer state")
         self.created_at = now
         self.started_at: float | None = None
+        self.resumed_elapsed = 0.0
+        """Training time of the run before a total failure it resumed from (`resume`):
+        the clock goes on from there once every member is ready again."""
 
     # ------------------------------------------------------------------ membership
     def register(self, host: str, local_rank: int, device: str, pid: int, now: float) -> int:
@@ -91,8 +94,24 @@ class CoordinatorCore:
     def membership_formed(self) -> bool:
         return self.registry.formed
 
+    def resume(self, now: float) -> None:
+        """Go on with this (restored) run after a total failure: every worker of it is
+        gone, a new set registers, ranks form again, and each new member continues the
+        iteration count of the departed member of its rank (with the checkpoints the
+        workers restore, `ripples run --resume`). The stop that ended it is lifted (a
+        run whose budget was spent stops again at once); training time goes on from
+        where it was once every member is ready."""
+        self.resumed_elapsed = self.elapsed(now)
+        self.started_at = None
+        self.stopper.stopped, self.stopper.reason, self.stopper.stop_at_iteration = False, "", 0
+        for w in self.live():
+            w.state = WorkerState.EXPIRED
+            w.error = "lost with the run, which was resumed"
+        self.registry.formed = False
+
     def _form_membership(self, now: float) -> None:
         ordered = self.registry.form()
+        self.registry.continue_ranks(ordered)
         try:
             self.graph = RunGraph.build(self.settings, ordered)
         except ValueError as err:
@@ -122,7 +141,7 @@ class CoordinatorCore:
         live = self.live()
         if (self.started_at is None and self.registry.formed and not self.stopped
                 and all(x.ready for x in live)):
-            self.started_at = now
+            self.started_at = now - self.resumed_elapsed
             for x in live:
                 x.state = WorkerState.COMPUTING
         return self.started_at is not None
@@ -211,9 +230,10 @@ class CoordinatorCore:
             deliveries.update(self.stop(
                 f"iteration budget reached (worker {w.worker_id} finished its "
                 f"{w.progress.planned_iterations} iterations)", now))
-        elif len(self.live()) < 2:
+        elif len(self.live()) < self.settings.min_workers:
             last = f" (worker {w.worker_id} {state.value}{why})" if why else ""
-            deliveries.update(self.stop(f"fewer than two workers remain{last}", now))
+            deliveries.update(self.stop(
+                f"fewer than {self.settings.min_workers} workers remain{last}", now))
         return deliveries
 
     # ------------------------------------------------------------------ groups
@@ -237,7 +257,7 @@ class CoordinatorCore:
             raise CoordinatorError(
                 "INVALID_ARGUMENT",
                 f"listen requests belong to adpsgd, not to {self.settings.protocol}")
-        if not listen and worker_id in self.graph.passive:
+        if not listen and worker_id in self.graph.passive and w.healed:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
                 f"worker {worker_id} is passive in adpsgd's bipartite mode: it only listens")
@@ -263,6 +283,31 @@ class CoordinatorCore:
     ) -> Deliveries:
         return self.groups.release(self.worker(worker_id), group_id, ok, error, now,
                                    squared_distance=squared_distance)
+
+    # ------------------------------------------------------------------ the final average
+    def final_group_refusal(self, worker_id: int) -> str:
+        """Why `worker_id` takes part in no final average ("" when it does): the live
+        workers average once more after the stop, so that every final model is the
+        consensus model."""
+        w = self.worker(worker_id)
+        if not self.settings.final_average:
+            return "the run's final average is off"
+        if not self.stopped:
+            return "the run goes on: no final average for a worker that ends on its own"
+        if self.role.coordination is Coordination.LOCKSTEP:
+            return "a lock-step run's workers hold the same model already"
+        if not w.healed:
+            return "this replacement never healed: its model is not the run's"
+        return ""
+
+    def final_members(self) -> list[int]:
+        """The workers a final average waits for: the live, healed ones."""
+        return [w.worker_id for w in self.live() if w.healed]
+
+    def final_group(self, members: list[int], now: float) -> GroupRecord:
+        """The final average's group over `members` (every live worker that asked), with
+        a fresh group id and a comm id of the run's directory."""
+        return self.groups.final_group(tuple(sorted(members)), now)
 
     # ------------------------------------------------------------------ stopping
     def checkpoint(

@@ -92,11 +92,11 @@ class GroupService:
         head = self.table.head(worker_id)
         if head is not None and head.delivered and worker_id not in head.released:
             return self._group_decision(w, head), deliveries  # a retried request
+        if not w.healed:
+            return self._heal(w, now)
         if self.pairing is not None or listen:
             return self._offer_pair(w, now) if self.pairing else self._listen(w, now)
         assert self.policy is not None
-        if not w.healed:
-            return self._heal(w, now)
         continuing = w.round_target is not None and w.round_target in self.table.buffer(worker_id)
         if not continuing:
             w.request_count += 1
@@ -126,6 +126,7 @@ class GroupService:
         the first request (and again after a failed or cancelled one). The donor is the
         healed live worker that donated least (then the lowest id): joiners spread over
         donors. The donor meets the group in its own buffer at its next request."""
+        deliveries: Deliveries = {}
         head = self.table.head(w.worker_id)
         if head is None:
             healed = [x for x in self.registry.live() if x.healed and x is not w]
@@ -138,13 +139,14 @@ class GroupService:
             donor.donations += 1
             head = self._add_group((donor.worker_id, w.worker_id), w.worker_id, now)
             head.heal_donor = donor.worker_id
+            deliveries.update(self._arrive_listeners([head], now))  # a listening donor
         w.state = WorkerState.WAITING
         w.wait_started_at = now
         ready = self.table.arrive(w.worker_id)
         if ready is None:
             self.num_pending_waits += 1
-            return None, {}
-        deliveries = self._deliver([ready], now)
+            return None, deliveries
+        deliveries.update(self._deliver([ready], now))
         return deliveries.pop(w.worker_id), deliveries
 
     def _offer_pair(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
@@ -260,6 +262,15 @@ class GroupService:
         self.num_cancelled += len(self.table.cancel_all_undelivered())
         return {w.worker_id: self.decide(w, Outcome.STOP, now, detail=reason)
                 for w in self.registry.live() if w.state is WorkerState.WAITING}
+
+    def final_group(self, members: tuple[int, ...], now: float) -> GroupRecord:
+        """A group outside the table (the run has stopped: nothing else forms) for the
+        final average; its comm id is the directory's, so it never collides."""
+        group = GroupRecord(group_id=self.table.next_group_id(), members=members,
+                            initiator=members[0], created_at=now)
+        group.comm_id, group.create_comm = self.comms.acquire(members,
+                                                              self.table.comm_ids_in_use())
+        return group
 
     # ------------------------------------------------------------------ helpers
     def neighbours_of(self, worker_id: int) -> tuple[int, ...]:

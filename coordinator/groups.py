@@ -97,6 +97,11 @@ class GroupTable:
         return {g.comm_id for g in self._groups.values()}
 
     # ---------------------------------------------------------------- events
+    def next_group_id(self) -> int:
+        """Take a group id for a group kept outside the table (the final average)."""
+        self._next_id += 1
+        return self._next_id - 1
+
     def add(self, members: Iterable[int], initiator: int, now: float) -> GroupRecord:
         """Create a group, append it to its members' buffers and try to lock it."""
         ordered = tuple(sorted(set(members)))

@@ -4,7 +4,8 @@ Counters and gauges are read from the core at scrape time by a collector (`CoreC
 so the group logic carries no instrumentation and a scrape always sees one consistent
 state: scrapes are served on the coordinator's event loop, the only place the core is
 touched. The one distribution that needs per-event observations, group-request latency,
-is a histogram fed by the gRPC shell.
+is a histogram fed by the gRPC shell, and errors of the background tasks (lease reaper,
+state saver) are a counter the shell increments, since they happen outside the core.
 
 Labels are low-cardinality only: worker id and host (bounded by the cluster), worker
 state, protocol. Never a group id or an iteration.
@@ -16,7 +17,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -131,7 +132,8 @@ class CoreCollector(Collector):
 
 
 class CoordinatorMetrics:
-    """The coordinator's registry: the core collector plus the request-latency histogram."""
+    """The coordinator's registry: the core collector, the request-latency histogram and
+    the background tasks' error counter."""
 
     def __init__(self, core: CoordinatorCore, clock: Callable[[], float] = time.monotonic
                  ) -> None:
@@ -141,3 +143,8 @@ class CoordinatorMetrics:
             "ripples_coordinator_group_request_duration_seconds",
             "From a group request's arrival to its reply, including the wait for partners.",
             buckets=REQUEST_DURATION_BUCKETS, registry=self.registry)
+        self.background_errors = Counter(
+            "ripples_coordinator_background_errors",
+            "Exceptions raised by an iteration of a background task (lease reaper, state "
+            "saver); the task logs each with its traceback and runs again after a back-off.",
+            labelnames=["task"], registry=self.registry)

@@ -3,7 +3,8 @@ the target loss, each worker's own time per iteration (the smart policy's speed 
 and the consensus-distance estimate of gossip runs.
 
 Progress arrives with every heartbeat and group request; recording it stays O(1) in the
-common case (the curve is rate-limited and the mean loss is only computed when due).
+common case (the curve is rate-limited and the mean loss is only computed when due). The
+curve is bounded: every run status carries it, however long the run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from collections.abc import Callable
 from ripples.coordinator.registry import Progress, WorkerRecord
 
 LOSS_CURVE_MIN_STEP_SECONDS = 0.2
+LOSS_CURVE_MAX_POINTS = 1024
+"""Past this length the curve is thinned to about half, evenly over the run, and its
+minimum spacing doubles: a run of any length keeps 512 to 1,024 points from start to end
+(an hour's run one every 4 to 7 s)."""
 # The consensus-distance estimate averages the pairwise distances of this many recent
 # exchanges per worker.
 DISTANCE_WINDOW_PER_WORKER = 4
@@ -32,6 +37,8 @@ class ProgressTracker:
         self._live = live
         self._everyone = everyone
         self.loss_curve: list[tuple[float, float, float]] = []  # (seconds, loss, iterations)
+        self.curve_step = LOSS_CURVE_MIN_STEP_SECONDS
+        """Minimum seconds between two points of the curve (doubles at each thinning)."""
         self.time_to_target: float | None = None
         self.iterations_to_target: float | None = None
         self.pair_sq_distances: deque[float] = deque(
@@ -47,8 +54,7 @@ class ProgressTracker:
             return  # after the stop, workers leave one by one: their mean is no training loss
         target = self.target_loss
         watching_target = target > 0 and self.time_to_target is None
-        curve_due = (not self.loss_curve
-                     or elapsed - self.loss_curve[-1][0] >= LOSS_CURVE_MIN_STEP_SECONDS)
+        curve_due = not self.loss_curve or elapsed - self.loss_curve[-1][0] >= self.curve_step
         if not (watching_target or curve_due):
             return  # progress arrives with every group request: keep the common case O(1)
         mean = self.mean_loss()
@@ -62,6 +68,25 @@ class ProgressTracker:
         # Rate-limited, except for the point that reaches the target: the curve must show it.
         if reached or curve_due:
             self.loss_curve.append((elapsed, mean, mean_iterations))
+            if len(self.loss_curve) > LOSS_CURVE_MAX_POINTS:
+                self._thin_curve()
+
+    def _thin_curve(self) -> None:
+        """Double the curve's minimum spacing and keep the points that honour it, until
+        it fits again: about every other point goes (evenly over the whole run), but never
+        the first, the latest or the one where the target was reached. Costs O(points)
+        once every ~LOSS_CURVE_MAX_POINTS / 2 points: O(1) per point amortised. A loop, not
+        one halving: a curve restored from a snapshot may be spaced unevenly."""
+        curve = self.loss_curve
+        while len(curve) > LOSS_CURVE_MAX_POINTS:
+            self.curve_step *= 2
+            kept = [curve[0]]
+            for point in curve[1:-1]:
+                if point[0] - kept[-1][0] >= self.curve_step or point[0] == self.time_to_target:
+                    kept.append(point)
+            kept.append(curve[-1])
+            curve = kept
+        self.loss_curve = curve
 
     def add_pair_distance(self, squared_distance: float) -> None:
         self.pair_sq_distances.append(squared_distance)

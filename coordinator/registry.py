@@ -144,11 +144,24 @@ class Registry:
             self._take_over(record, vacant)
         return record
 
-    def vacant_member(self) -> WorkerRecord | None:
-        """The departed member of lowest rank whose rank nobody holds now, or None."""
-        held = {w.rank for w in self.live()}
+    def continue_ranks(self, members: list[WorkerRecord]) -> None:
+        """After a resumed run formed its membership anew: each member takes over the
+        part of the departed member that held its rank before (`_take_over`), except
+        healing: every member restores the run's checkpoints itself."""
+        for w in members:
+            previous = self.vacant_member(rank=w.rank)
+            if previous is not None:
+                self._take_over(w, previous)
+                w.replacement, w.healed = False, True
+                w.request_count = previous.request_count
+
+    def vacant_member(self, rank: int | None = None) -> WorkerRecord | None:
+        """The departed member of lowest rank (or of `rank`) whose rank nobody holds
+        now and nobody took over, or None."""
+        held = {w.rank for w in self.live()} if rank is None else set()
         gone = [w for w in self.workers.values() if w.state in GONE and w.rank >= 0
-                and w.replaced_by is None and w.rank not in held]
+                and w.replaced_by is None and w.rank not in held
+                and (rank is None or w.rank == rank)]
         return min(gone, key=lambda w: w.rank, default=None)
 
     def _take_over(self, record: WorkerRecord, vacant: WorkerRecord) -> None:

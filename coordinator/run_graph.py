@@ -2,7 +2,8 @@
 
 Built once, when the membership is formed: the run's topology on ranks (topology.py)
 mapped to worker ids, its spectral gap, A2CiD2's constants for gossip runs, AD-PSGD's
-passive side in bipartite mode, and the edges the dashboard draws.
+passive side in bipartite mode, and the edges the dashboard draws (or, for a complete
+graph, a flag: its n(n-1)/2 pairs would be 500k edges in every run status at 1,000 workers).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from ripples.coordinator.config import RunSettings
 from ripples.coordinator.registry import WorkerRecord
 from ripples.coordinator.topology import A2cid2Constants, build_topology
 from ripples.protocols import Coordination, GossipSettings
-from ripples.static_schedule import static_groups
+from ripples.static_schedule import PERIOD, static_groups
 
 Edge = tuple[int, int]
 
@@ -26,8 +27,12 @@ class RunGraph:
     neighbours: dict[int, tuple[int, ...]] | None = None
     """Worker id -> the ids it may average with; None on a complete graph."""
     edges: list[Edge] = field(default_factory=list)
-    """The edges the dashboard draws, as worker ids a < b: the topology's, except for
-    lock-step protocols (every pair) and the static schedule (the pairs of one period)."""
+    """The edges the dashboard draws, as worker ids a < b: the topology's, or for the
+    static schedule the pairs of one period; empty when `complete`."""
+    complete: bool = False
+    """Every pair of members is an edge (the complete topology, which lock-step
+    protocols use; a static schedule on one worker per node): views derive the pairs from
+    the members instead of a list that grows as n^2."""
     edges_always_used: bool = False
     """Every edge carries traffic every iteration (lock-step, static, peer to peer)."""
     spectral_gap: float = 0.0
@@ -47,10 +52,14 @@ class RunGraph:
         role = settings.role
         graph = cls(spectral_gap=topology.spectral_gap(),
                     edges_always_used=role.needs_every_worker)
-        graph.edges = sorted((min(by_rank[i], by_rank[j]), max(by_rank[i], by_rank[j]))
-                             for i, j in topology.edges())
         if role.coordination is Coordination.STATIC:
             graph.edges = _static_edges(settings.workers_per_node, by_rank)
+        else:
+            graph.edges = sorted((min(by_rank[i], by_rank[j]), max(by_rank[i], by_rank[j]))
+                                 for i, j in topology.edges())
+        n = len(by_rank)
+        if n >= 2 and len(graph.edges) == n * (n - 1) // 2:
+            graph.complete, graph.edges = True, []
         if settings.topology != "complete":
             graph.neighbours = {by_rank[r]: tuple(by_rank[j] for j in ns)
                                 for r, ns in enumerate(topology.neighbours)}
@@ -93,7 +102,7 @@ def _static_edges(workers_per_node: int, by_rank: list[int]) -> list[Edge]:
     if num_nodes * k != len(by_rank):
         return []
     pairs: set[Edge] = set()
-    for iteration in range(2 * (k + num_nodes)):
+    for iteration in range(PERIOD):
         for group in static_groups(iteration, num_nodes, k):
             members = sorted(by_rank[r] for r in group)
             pairs.update((a, b) for i, a in enumerate(members) for b in members[i + 1:])

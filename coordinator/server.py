@@ -51,6 +51,9 @@ class ServerConfig:
     state_dir: str = ""
     """Keep the run's state here (SQLite); a coordinator started again on the same dir
     resumes the run it holds (its settings win over `run`)."""
+    resume_workers: bool = False
+    """With a state dir that holds a run: its workers are gone too (a total failure); a
+    new set registers and continues their ranks (`ripples run --resume`)."""
 
 
 def _advertised(config: ServerConfig) -> str:
@@ -80,7 +83,10 @@ class CoordinatorServer(LoopThreadService):
 
         cfg = self.config
         state = StateStore(cfg.state_dir) if cfg.state_dir else None
-        store_port = cfg.store_port or (state.store_port if state is not None else 0)
+        # The same store port after a restart: the workers reconnect where it was (new
+        # workers of a resumed run learn it when they register).
+        reuse = state is not None and not cfg.resume_workers
+        store_port = cfg.store_port or (state.store_port if reuse else 0)  # type: ignore[union-attr]
         try:
             self._store = dist.TCPStore(cfg.host, store_port, is_master=True,
                                         wait_for_workers=False, use_libuv=True)
@@ -135,7 +141,7 @@ class CoordinatorServer(LoopThreadService):
         saved = state.load()
         if saved is None:
             return CoordinatorCore(self.config.run, now=now), incarnation, None
-        core = snapshot.restore(saved, now, incarnation)
+        core = snapshot.restore(saved, now, incarnation, resume=self.config.resume_workers)
         self.config.run = core.settings
         live = len(core.live())
         logger.warning("resumed run %s from %s (incarnation %d): %d live workers, %.0f "

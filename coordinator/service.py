@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from ripples.coordinator import snapshot
 from ripples.coordinator.core import (
+    GONE,
     CoordinatorCore,
     CoordinatorError,
     Deliveries,
@@ -32,6 +32,7 @@ from ripples.coordinator.metrics import CoordinatorMetrics
 from ripples.coordinator.registry import WorkerRecord
 from ripples.coordinator.schema import Schema
 from ripples.coordinator.state_store import StateStore
+from ripples.guarded import guarded_loop
 from ripples.protocols import Coordination
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
@@ -130,15 +131,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stopped = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
         self._saver: asyncio.Task[None] | None = None
+        self._final_waiters: dict[int, asyncio.Future[GroupRecord | None]] = {}
+        self._final_formed = False
         self.metrics = CoordinatorMetrics(core, clock)
         self.metrics_address = ""  # the coordinator's own HOST:PORT, set by the server
         self.metrics_targets: dict[int, str] = {}  # worker id -> HOST:PORT
 
     # ------------------------------------------------------------------ plumbing
     def start_background(self) -> None:
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_leases())
+        self._reaper = self._guarded("lease-reaper", self._reap_leases,
+                                     max(0.05, self.core.settings.lease_seconds / 4))
         if self.state is not None:
-            self._saver = asyncio.get_running_loop().create_task(self._save_periodically())
+            self._saver = self._guarded("state-saver", self.save_state, STATE_SAVE_SECONDS)
+
+    def _guarded(self, name: str, body: Callable[[], Awaitable[None]], interval: float
+                 ) -> asyncio.Task[None]:
+        """Run `body` every `interval` s for the coordinator's life: an error is logged,
+        counted in ripples_coordinator_background_errors_total{task=name} (whose series
+        exists from the start, at 0) and retried, so lease expiry never stops for good."""
+        errors = self.metrics.background_errors.labels(task=name)
+        return asyncio.get_running_loop().create_task(
+            guarded_loop(name, body, interval, on_error=errors.inc))
 
     async def save_state(self) -> None:
         """Save the run's state to the state dir (if any): the snapshot is taken on the
@@ -152,14 +165,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             data["metrics_targets"] = {str(k): v for k, v in self.metrics_targets.items()}
             await asyncio.to_thread(self.state.save, data)
 
-    async def _save_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(STATE_SAVE_SECONDS)
-            try:
-                await self.save_state()
-            except (OSError, sqlite3.Error) as err:
-                logger.error("could not save the run's state: %s", err)
-
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
@@ -172,13 +177,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._resolve(self.core.stop("coordinator shutting down", self.clock()))
 
     async def _reap_leases(self) -> None:
-        interval = max(0.05, self.core.settings.lease_seconds / 4)
-        while True:
-            await asyncio.sleep(interval)
-            deliveries = self.core.expire_leases(self.clock())
-            for wid in deliveries:
-                logger.info("worker %d notified after lease expiry", wid)
-            self._resolve(deliveries)
+        """One round of the lease reaper: remove the workers whose lease ran out."""
+        deliveries = self.core.expire_leases(self.clock())
+        for wid in deliveries:
+            logger.info("worker %d notified after lease expiry", wid)
+        self._resolve(deliveries)
+        self._form_final_group(complete_only=True)
 
     def _note_run_state(self) -> None:
         """Wake the long-polls whose condition an event just made true."""
@@ -243,6 +247,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assert isinstance(deliveries, dict)
         self._resolve(deliveries)
         await self.save_state()
+        self._form_final_group(complete_only=True)  # it may have been the last one awaited
         if request.error:
             logger.warning("worker %d left with an error: %s", request.worker_id, request.error)
         else:
@@ -396,6 +401,45 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                            request.worker_id, request.group_id, request.error)
         self._resolve(deliveries)
 
+    # ------------------------------------------------------------------ the final average
+    async def FinalGroup(self, request: pb.FinalGroupRequest,
+                         context: grpc.aio.ServicerContext) -> pb.GroupReply:
+        wid = request.worker_id
+        why = await self._call(context, lambda: self.core.final_group_refusal(wid))
+        if why:
+            return pb.GroupReply(outcome=pb.GROUP_OUTCOME_NO_GROUP, detail=str(why))
+        if self._final_formed:
+            return pb.GroupReply(outcome=pb.GROUP_OUTCOME_NO_GROUP, detail=(
+                "the final average ran before this worker asked"))
+        fut = self._final_waiters.setdefault(
+            wid, asyncio.get_running_loop().create_future())
+        self._form_final_group(complete_only=True)
+        timeout = request.timeout_seconds if request.timeout_seconds > 0 else 30.0
+        try:
+            group = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            self._form_final_group(complete_only=False)  # whoever asked, without the rest
+            group = fut.result()
+        if group is None or len(group.members) < 2:
+            return pb.GroupReply(outcome=pb.GROUP_OUTCOME_NO_GROUP,
+                                 detail="no other live worker asked for the final average")
+        return self._group_reply(GroupDecision(outcome=Outcome.GROUP, group=group))
+
+    def _form_final_group(self, *, complete_only: bool) -> None:
+        """Hand the final group to every worker that asked: once all live workers have,
+        or (a waiter's timeout) to those that have."""
+        waiting = [w for w, fut in self._final_waiters.items() if not fut.done()]
+        expected = set(self.core.final_members())
+        if (self._final_formed or not waiting
+                or (complete_only and not expected <= set(waiting))):
+            return
+        self._final_formed = True
+        group = self.core.final_group(waiting, self.clock()) if len(waiting) >= 2 else None
+        for w in waiting:
+            self._final_waiters[w].set_result(group)
+        if group is not None:
+            logger.info("final average over workers %s", list(group.members))
+
     # ------------------------------------------------------------------ lock-step
     async def GetStaticSchedule(self, request: pb.StaticScheduleRequest,
                                 context: grpc.aio.ServicerContext) -> pb.StaticScheduleReply:
@@ -441,7 +485,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 loss=w.progress.loss if math.isfinite(w.progress.loss) else 0.0,
                 progress=progress_to_proto(w.progress), error=w.error,
                 metrics_address=self.metrics_targets.get(w.worker_id, ""))
-            for w in core.workers.values()
+            for w in self._shown_workers()
         ]
         return pb.RunStatus(
             config=core.settings.to_proto(), workers=workers, elapsed_seconds=core.elapsed(now),
@@ -465,9 +509,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                   if core.iterations_to_target is not None else -1),
             topology_edges=[pb.TopologyEdge(a=a, b=b) for a, b in core.graph.edges],
             edges_always_used=core.graph.edges_always_used,
+            topology_complete=core.graph.complete,
             spectral_gap=core.graph.spectral_gap,
             consensus_distance=distance if distance is not None else -1.0,
         )
+
+    def _shown_workers(self) -> list[WorkerRecord]:
+        """The workers a run status lists: every one but departed workers beyond the
+        newest `num_workers` of them. Replacements of departed members (elastic runs)
+        would otherwise pile up over a long run; this keeps the status O(workers) while a
+        run whose workers all left still shows each of them."""
+        workers = self.core.workers.values()  # in registration order
+        gone = [w.worker_id for w in workers if w.state in GONE]
+        dropped = set(gone[:-self.core.settings.num_workers])
+        return [w for w in workers if w.worker_id not in dropped]
 
     def _group_view(self, g: GroupRecord, now: float, *, finished: bool = False) -> pb.Group:
         live = self.core.table.get(g.group_id) is g

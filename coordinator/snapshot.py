@@ -59,8 +59,11 @@ def take(core: CoordinatorCore, now: float) -> dict[str, Any]:
     }
 
 
-def restore(snapshot: dict[str, Any], now: float, incarnation: int) -> CoordinatorCore:
-    """A core that goes on with the snapshot's run at monotonic time `now`."""
+def restore(snapshot: dict[str, Any], now: float, incarnation: int, *,
+            resume: bool = False) -> CoordinatorCore:
+    """A core that goes on with the snapshot's run at monotonic time `now`: with its
+    workers (a coordinator restart), or with a new set of them (`resume`: after a total
+    failure, see CoordinatorCore.resume)."""
     if snapshot.get("format") != FORMAT:
         raise ValueError(f"state of format {snapshot.get('format')!r}; this coordinator "
                          f"reads format {FORMAT}")
@@ -103,6 +106,8 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int) -> Coordinat
     core.groups.num_cancelled, core.groups.num_failed = c["cancelled"], c["failed"]
     core.groups.num_pending_waits = c["pending_waits"]
     core.groups.pending_wait_seconds = c["pending_wait_seconds"]
+    if resume:
+        core.resume(now)
     return core
 
 

@@ -33,6 +33,7 @@ from fastapi.staticfiles import StaticFiles
 
 from ripples.dashboard.models import LossPoint, Snapshot, WorkerView
 from ripples.dashboard.view import RunView, disconnected
+from ripples.guarded import guarded_loop
 from ripples.rpc import aio_channel, describe_rpc_error, parse_target
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
@@ -81,7 +82,10 @@ class StatusPoller:
     async def start(self) -> None:
         self._channel = aio_channel(self.config.coordinator)
         await self.poll_once()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        # Guarded: an unexpected error in one poll (not an RPC error, which poll_once
+        # turns into "disconnected") must not freeze the page on its last snapshot.
+        self._task = asyncio.get_running_loop().create_task(guarded_loop(
+            "dashboard-poller", self.poll_once, self.config.poll_interval_seconds))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -92,11 +96,6 @@ class StatusPoller:
                 pass
         if self._channel is not None:
             await self._channel.close()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.poll_interval_seconds)
-            await self.poll_once()
 
     async def poll_once(self) -> None:
         assert self._channel is not None

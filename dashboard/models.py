@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from ripples.dashboard.view import MAX_COMPLETE_GRAPH_WORKERS
+
 
 class RunInfo(BaseModel):
     run_id: str
@@ -87,6 +89,10 @@ class Snapshot(BaseModel):
     workers: list[WorkerView]
     hosts: list[HostView]
     edges: list[Edge]
+    edges_note: str = Field(description="What the topology drawing leaves out (a complete "
+                                        "graph's pairs above "
+                                        f"{MAX_COMPLETE_GRAPH_WORKERS} live workers); empty "
+                                        "when every edge is drawn")
     active_groups: list[GroupView]
     recent_groups: list[GroupView]
     loss_curve: list[LossPoint]

@@ -23,6 +23,9 @@ SPEED_WINDOW_SECONDS = 5.0
 EDGE_MEMORY_SECONDS = 10.0
 # Points kept per worker loss curve (one per poll with a new iteration).
 MAX_CURVE_POINTS = 600
+# A complete graph (the coordinator sends a flag, not its pairs) is drawn pair by pair up
+# to this many live workers (496 pairs); beyond, a note replaces the unreadable mesh.
+MAX_COMPLETE_GRAPH_WORKERS = 32
 
 STATE_NAMES = {
     pb.WORKER_STATE_REGISTERED: "registered",
@@ -128,6 +131,7 @@ class RunView:
             "workers": workers,
             "hosts": [{"host": h, "worker_ids": ids} for h, ids in hosts.items()],
             "edges": self._edge_list(status, now),
+            "edges_note": _edges_note(status),
             "active_groups": [_group(g) for g in status.active_groups],
             "recent_groups": [_group(g) for g in list(status.recent_groups)[-16:]],
             "loss_curve": [{"seconds": round(p.seconds, 3), "loss": p.loss}
@@ -139,7 +143,11 @@ class RunView:
 
     def _record_progress(self, status: pb.RunStatus, now: float) -> dict[int, float | None]:
         """Per worker: the iterations/s over the last SPEED_WINDOW_SECONDS (None until two
-        polls have seen it training), and a loss-curve point per poll with a new iteration."""
+        polls have seen it training), and a loss-curve point per poll with a new iteration.
+        Workers the status no longer lists (long departed) are forgotten."""
+        listed = {w.worker_id for w in status.workers}
+        for wid in self._workers.keys() - listed:
+            del self._workers[wid]
         speeds: dict[int, float | None] = {}
         for w in status.workers:
             h = self._workers.setdefault(w.worker_id, _WorkerHistory())
@@ -173,18 +181,22 @@ class RunView:
     def _edge_list(self, status: pb.RunStatus, now: float) -> list[dict[str, Any]]:
         """Edges of the topology graph: who averages with whom.
 
-        The coordinator lists the edges to draw (`topology_edges`: the graph's, every pair
-        for lock-step protocols, the static schedule's pairs). When the protocol uses every
+        The coordinator lists the edges to draw (`topology_edges`: the graph's, the static
+        schedule's pairs) or says the graph is complete (`topology_complete`: every pair of
+        live workers, drawn up to MAX_COMPLETE_GRAPH_WORKERS). When the protocol uses every
         edge every iteration (`edges_always_used`) they are drawn at full weight; otherwise
         an edge is as bright as its pair averaged lately (recent groups), and pairs that
-        averaged without an edge listed (none listed yet) are drawn too."""
-        live = {w.worker_id for w in status.workers
-                if STATE_NAMES.get(w.state) not in GONE_STATES}
-        if status.topology_edges:
-            return [{"a": e.a, "b": e.b,
-                     "weight": 1.0 if status.edges_always_used
-                     else self._recency((e.a, e.b), now)}
-                    for e in status.topology_edges if e.a in live and e.b in live]
+        averaged without an edge listed (none listed, or too many to draw) are drawn too."""
+        live = sorted(_live_ids(status))
+        if status.topology_complete and len(live) <= MAX_COMPLETE_GRAPH_WORKERS:
+            pairs = [(a, b) for i, a in enumerate(live) for b in live[i + 1:]]
+        else:
+            alive = set(live)
+            pairs = [(e.a, e.b) for e in status.topology_edges if e.a in alive and e.b in alive]
+        if pairs:
+            return [{"a": a, "b": b,
+                     "weight": 1.0 if status.edges_always_used else self._recency((a, b), now)}
+                    for a, b in pairs]
         return [{"a": a, "b": b, "weight": self._recency((a, b), now)}
                 for a, b in sorted(self._edges)]
 
@@ -196,12 +208,30 @@ class RunView:
         return round(max(0.0, 1 - (now - seen) / EDGE_MEMORY_SECONDS), 3)
 
 
+def _live_ids(status: pb.RunStatus) -> set[int]:
+    return {w.worker_id for w in status.workers if STATE_NAMES.get(w.state) not in GONE_STATES}
+
+
+def _edges_note(status: pb.RunStatus) -> str:
+    """What the topology drawing leaves out: a complete graph's pairs above
+    MAX_COMPLETE_GRAPH_WORKERS live workers ("" when everything is drawn)."""
+    n = len(_live_ids(status))
+    if not status.topology_complete or n <= MAX_COMPLETE_GRAPH_WORKERS:
+        return ""
+    if status.edges_always_used:
+        return (f"all {n} workers average together every iteration; their "
+                f"{n * (n - 1) // 2:,} pairs are not drawn")
+    return (f"any two of the {n} workers may average; only the pairs that averaged in the "
+            f"last {EDGE_MEMORY_SECONDS:.0f} s are drawn")
+
+
 def disconnected(error: str, last: dict[str, Any] | None) -> dict[str, Any]:
     """The snapshot while the coordinator cannot be reached: the last known state, marked
     with `error` (which names the coordinator)."""
     snapshot = dict(last) if last else {"run": None, "workers": [], "hosts": [], "edges": [],
-                                        "active_groups": [], "recent_groups": [],
-                                        "loss_curve": [], "worker_loss_curves": {}}
+                                        "edges_note": "", "active_groups": [],
+                                        "recent_groups": [], "loss_curve": [],
+                                        "worker_loss_curves": {}}
     snapshot["connected"] = False
     snapshot["error"] = error
     return snapshot

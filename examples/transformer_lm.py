@@ -169,13 +169,17 @@ def main(argv: list[str] | None = None) -> None:
     autocast = (torch.autocast(device.type, dtype=torch.float16 if cuda else torch.bfloat16)
                 if amp else contextlib.nullcontext())
     scaler = torch.amp.GradScaler("cuda", enabled=amp and cuda)
+    # Where the launch asks (`ripples run --checkpoint-dir DIR`): go on from the newest
+    # checkpoint, save every --checkpoint-every steps. The stream restarts reshuffled.
+    checkpoints = ripples.Checkpointer(opt, scheduler=schedule, scaler=scaler)
+    start = checkpoints.restore()
     data = ByteStream(stdlib_files(), args.block_size, rank=worker.rank,
-                      num_workers=worker.num_workers, seed=args.seed)
+                      num_workers=worker.num_workers, seed=args.seed + start)
     loader = DataLoader(data, batch_size=args.batch_size, num_workers=args.loader_workers,
                         pin_memory=cuda)
 
     model.train()
-    for step, (x, y) in enumerate(loader, start=1):
+    for step, (x, y) in enumerate(loader, start=start + 1):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         with autocast:
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         scaler.step(opt)
         scaler.update()
         schedule.step()
+        checkpoints.step()
         opt.report_loss(loss.detach(), num_samples=len(x))  # no host sync on a GPU
         if worker.rank == 0 and step % args.log_every == 0:
             print(f"step {step} (global {opt.global_step}): loss {loss.item():.3f} "

@@ -35,6 +35,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from ripples.worker.api import RunInfo, Worker, current_worker, init
+    from ripples.worker.checkpoint import Checkpointer
     from ripples.worker.optimizer import Optimizer
     from ripples.worker.sampler import DistributedSampler
     from ripples.worker.synchronizer import StepTimes
@@ -44,12 +45,13 @@ _EXPORTS = {
     "current_worker": "ripples.worker.api",
     "Worker": "ripples.worker.api",
     "RunInfo": "ripples.worker.api",
+    "Checkpointer": "ripples.worker.checkpoint",
     "Optimizer": "ripples.worker.optimizer",
     "DistributedSampler": "ripples.worker.sampler",
     "StepTimes": "ripples.worker.synchronizer",
 }
 
-__all__ = ["DistributedSampler", "Optimizer", "RunInfo", "StepTimes", "Worker",
+__all__ = ["Checkpointer", "DistributedSampler", "Optimizer", "RunInfo", "StepTimes", "Worker",
            "__version__", "current_worker", "init"]
 
 

@@ -72,6 +72,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ripples.local_cluster import INTERRUPTED, LocalRunConfig, parse_slowdowns, run_local
+    from ripples.worker.launch_env import CheckpointOptions
 
     _setup_logging(args.verbose)
     script: list[str] = args.script
@@ -86,6 +87,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from ripples.worker.tasks import resolve_task
 
             resolve_task(run.task)  # unknown task: fail before spawning anything
+        checkpoint: CheckpointOptions = dataclass_from_args(CheckpointOptions, args)
+        checkpoint.validate()
     except ValueError as err:
         print(f"ripples run: error: {err}", file=sys.stderr)
         return 2
@@ -94,7 +97,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                             timeout_seconds=args.timeout_seconds, progress=not args.quiet,
                             dashboard_port=args.dashboard_port if args.dashboard else None,
                             worker_log_level=logging.INFO if args.verbose else logging.WARNING,
-                            script=tuple(script))
+                            script=tuple(script), checkpoint=checkpoint)
     try:
         summary = run_local(config)
     except (RuntimeError, TimeoutError, OSError) as err:
@@ -180,6 +183,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from ripples.dashboard.app import DashboardConfig
     from ripples.worker.daemon import WorkerConfig
+    from ripples.worker.launch_env import CheckpointOptions
 
     parser = argparse.ArgumentParser(prog="ripples", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a coordinator and N local workers (loopback, gloo)",
                          usage="ripples run [options] [-- python train.py ARGS]")
     _add_run_arguments(run, defaults={"task": None, "epochs": None})
+    add_dataclass_arguments(run, CheckpointOptions)
     run.add_argument("--slowdown", action="append", default=[], metavar="RANK:FACTOR",
                      help="make worker RANK FACTOR times slower (RANK:FACTOR@PROBABILITY for a "
                           "random straggler); repeat for several workers")
@@ -253,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched = sub.add_parser("schedule", help="print the static (conflict-free) schedule")
     schedule_command.add_arguments(sched)
     sched.set_defaults(func=schedule_command.run)
+
     return parser
 
 

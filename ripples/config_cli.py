@@ -34,13 +34,19 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
                             rename: dict[str, str] | None = None,
                             option_names: dict[str, str] | None = None,
                             defaults: dict[str, object] | None = None) -> None:
-    """Add one --option per field of `cls` (bool fields become flags)."""
+    """Add one --option per field of `cls` (bool fields become flags). A field whose
+    default is built by a dataclass (options shared by several commands, such as the
+    checkpoint options) adds that dataclass's options."""
     docs = field_docs(cls)
     rename = rename or {}
     option_names = option_names or {}
     defaults = defaults or {}
     for f in dataclasses.fields(cls):
         if f.name in skip or f.name.startswith("_") or not f.init:
+            continue
+        nested = _nested_options(f)
+        if nested is not None:
+            add_dataclass_arguments(parser, nested)
             continue
         # rename: another flag for the field; option_names: another flag and attribute
         # (protocol settings, whose field names may repeat across classes).
@@ -64,7 +70,18 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, *, build: bool = Tr
                         **overrides: object) -> Any:
     """Build `cls` from parsed arguments; fields absent from `args` keep their defaults.
     `build=False`: return the keyword arguments instead of the object."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-              if f.init and hasattr(args, f.name)}
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        nested = _nested_options(f) if f.init else None
+        if nested is not None:
+            values[f.name] = dataclass_from_args(nested, args)
+        elif f.init and hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
     values.update(overrides)
     return cls(**values) if build else values
+
+
+def _nested_options(f: dataclasses.Field[Any]) -> type | None:
+    """The dataclass whose options a field groups (its default_factory), if it is one."""
+    factory = f.default_factory
+    return factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None

@@ -29,7 +29,7 @@ from ripples.dashboard.app import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from ripples.worker.launch_env import LaunchEnv
+from ripples.worker.launch_env import CheckpointOptions, LaunchEnv
 from ripples.worker.process_launcher import (
     WorkerProcesses,
     describe_exit,
@@ -58,6 +58,9 @@ class LocalRunConfig:
     script: tuple[str, ...] = ()
     """The user's training script (`python train.py ARGS`) run by every worker; empty:
     the built-in runner trains `run.task`."""
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    """The workers' checkpoints (ripples.Checkpointer), handed to them with their launch
+    environment."""
 
 
 def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
@@ -106,7 +109,10 @@ class LocalCluster:
     def run(self) -> dict[str, object]:
         cfg = self.config
         cfg.output.mkdir(parents=True, exist_ok=True)
-        self.server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=cfg.run))
+        # No final average: model.pt is the average of the saved models anyway, and the
+        # summary reports how far apart they ended (consensus_distance_final).
+        run = cfg.run.replace(final_average=False)
+        self.server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=run))
         self.server.start()
         client = CoordinatorClient(self.server.address)
         dashboard = None
@@ -145,7 +151,7 @@ class LocalCluster:
                 num_threads=cfg.threads_per_worker, metrics_bind="127.0.0.1",
                 save_model=str(cfg.output / "workers" / f"rank{rank}.pt"),
                 save_record=str(cfg.output / "workers" / f"rank{rank}.json"),
-                slowdown=cfg.slowdowns.get(rank, ""))
+                slowdown=cfg.slowdowns.get(rank, ""), checkpoint=cfg.checkpoint)
             argv = script_argv(cfg.script) or runner_argv(
                 env, cfg.run.task, quiet=cfg.worker_log_level > logging.INFO)
             self.processes.start(f"worker rank {rank}", argv,

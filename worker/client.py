@@ -150,6 +150,13 @@ class CoordinatorClient:
         assert isinstance(reply, pb.RunStatus)
         return reply
 
+    def final_group(self, worker_id: int, timeout_seconds: float) -> pb.GroupReply:
+        """The final average's group, once every live worker asked (or the timeout)."""
+        req = pb.FinalGroupRequest(worker_id=worker_id, timeout_seconds=timeout_seconds)
+        reply = self._call(self._stub.FinalGroup, req, timeout_seconds + self.rpc_timeout)
+        assert isinstance(reply, pb.GroupReply)
+        return reply
+
     def stop_run(self, reason: str) -> None:
         self._call(self._stub.StopRun, pb.StopRunRequest(reason=reason), self.rpc_timeout)
 

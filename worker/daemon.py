@@ -18,10 +18,10 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripples.worker.launch_env import LaunchEnv, default_host
+from ripples.worker.launch_env import CheckpointOptions, LaunchEnv, default_host
 from ripples.worker.process_launcher import (
     WorkerProcesses,
     launch_environment,
@@ -71,6 +71,8 @@ class WorkerConfig:
     """How long to wait for the coordinator to be reachable."""
     start_timeout_seconds: float = 120.0
     """How long to wait for every expected worker to register, and to be ready."""
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    """--checkpoint-dir, --checkpoint-every, --keep-checkpoints (ripples.Checkpointer)."""
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -90,7 +92,7 @@ class WorkerConfig:
             metrics_bind=self.metrics_bind, metrics_host=self.metrics_host,
             save_model=self.save_model, save_record=self.save_record, slowdown=self.slowdown,
             connect_timeout_seconds=self.connect_timeout_seconds,
-            start_timeout_seconds=self.start_timeout_seconds)
+            start_timeout_seconds=self.start_timeout_seconds, checkpoint=self.checkpoint)
         env.validate()
         return env
 

@@ -21,11 +21,12 @@ device (`cuda:<local rank>` when CUDA is available).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ripples.rpc import parse_target
 
@@ -45,6 +46,93 @@ _RIPPLES_VARIABLES = {
     "start_timeout_seconds": "RIPPLES_START_TIMEOUT_SECONDS",
 }
 """LaunchEnv field -> the environment variable that sets it."""
+
+_CHECKPOINT_VARIABLES = {
+    "checkpoint_dir": "RIPPLES_CHECKPOINT_DIR",
+    "checkpoint_every": "RIPPLES_CHECKPOINT_EVERY",
+    "keep_checkpoints": "RIPPLES_KEEP_CHECKPOINTS",
+}
+"""CheckpointOptions field -> the environment variable that sets it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInterval:
+    """How often a worker checkpoints: every `steps` optimizer steps, or every `seconds`
+    (at the first step boundary after they passed); neither: only on demand and when the
+    run stops."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str | int | None) -> CheckpointInterval:
+        """"500" or 500 (steps), "90s" (seconds), 0 or None (none); ValueError saying
+        what to write."""
+        if text is None:
+            return cls()
+        value = str(text).strip().lower()
+        try:
+            if value.endswith("s"):
+                seconds = float(value[:-1])
+                if not 0 <= seconds < math.inf:
+                    raise ValueError
+                return cls(seconds=seconds)
+            steps = int(value)
+            if steps < 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"checkpoint interval {text!r}: give a step count (500), seconds "
+                             "(90s), or 0 for no periodic checkpoints") from None
+        return cls(steps=steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """Where and how often every worker saves its checkpoints (ripples.Checkpointer reads
+    them from the launch environment). The flags of `ripples run` and `ripples worker
+    run`; each travels to the workers as the variable named in its help."""
+
+    checkpoint_dir: str = ""
+    """Directory of the workers' checkpoints, DIR/rank-R/step-S.pt
+    (RIPPLES_CHECKPOINT_DIR). A worker that finds checkpoints of its rank there resumes
+    from the newest. Empty: no checkpoints."""
+    checkpoint_every: str = "500"
+    """Checkpoint every N optimizer steps, or every Ns seconds, e.g. 90s (seconds are
+    refused by lock-step protocols, whose workers must all save the same steps); 0: only
+    when the run stops (RIPPLES_CHECKPOINT_EVERY)."""
+    keep_checkpoints: int = 3
+    """How many of its newest checkpoints each worker keeps (RIPPLES_KEEP_CHECKPOINTS)."""
+
+    @property
+    def interval(self) -> CheckpointInterval:
+        return CheckpointInterval.parse(self.checkpoint_every)
+
+    def environment(self) -> dict[str, str]:
+        """The variables that hand these options to a worker process (none without a
+        directory: no checkpoints)."""
+        if not self.checkpoint_dir:
+            return {}
+        return {variable: str(getattr(self, name))
+                for name, variable in _CHECKPOINT_VARIABLES.items()}
+
+    def flags(self) -> list[str]:
+        """These options as `ripples worker run` flags (none without a directory)."""
+        if not self.checkpoint_dir:
+            return []
+        return [item for name in _CHECKPOINT_VARIABLES
+                for item in (f"--{name.replace('_', '-')}", str(getattr(self, name)))]
+
+    def validate(self) -> None:
+        """ValueError naming the flag and the variable of a malformed option."""
+        try:
+            self.interval  # noqa: B018 (parsing is the check)
+        except ValueError as err:
+            raise ValueError(f"{err} (from --checkpoint-every or "
+                             f"{_CHECKPOINT_VARIABLES['checkpoint_every']})") from None
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints} "
+                             f"(from --keep-checkpoints or "
+                             f"{_CHECKPOINT_VARIABLES['keep_checkpoints']})")
 
 
 def default_host(environ: Mapping[str, str] | None = None) -> str:
@@ -98,6 +186,9 @@ class LaunchEnv:
     """How long to wait for the coordinator to be reachable."""
     start_timeout_seconds: float = 120.0
     """How long to wait for the other workers to register, and to be ready."""
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    """Where and how often ripples.Checkpointer saves (RIPPLES_CHECKPOINT_DIR,
+    RIPPLES_CHECKPOINT_EVERY, RIPPLES_KEEP_CHECKPOINTS)."""
 
     @property
     def distributed(self) -> bool:
@@ -113,6 +204,9 @@ class LaunchEnv:
             if env.get(variable, "") != "":
                 kind = type(getattr(cls, name))
                 values[name] = _parse(env, variable, kind)
+        values["checkpoint"] = CheckpointOptions(**{  # type: ignore[arg-type]
+            name: _parse(env, variable, type(getattr(CheckpointOptions, name)))
+            for name, variable in _CHECKPOINT_VARIABLES.items() if env.get(variable, "") != ""})
         if values["coordinator"] and values.get("launcher", "none") == "none":
             values["launcher"] = "ripples"
         if not values.get("host"):
@@ -138,6 +232,7 @@ class LaunchEnv:
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics port {self.metrics_port} is out of range: give 0-65535, "
                              "or -1 for no metrics endpoint")
+        self.checkpoint.validate()
         if self.coordinator:
             try:
                 parse_target(self.coordinator)

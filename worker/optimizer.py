@@ -301,4 +301,6 @@ class Optimizer(torch.optim.Optimizer):
         if self._sync is None:
             return None
         self._sync.close()
+        if not error and not self.worker._session.fatal_error:  # type: ignore[union-attr]
+            self._sync.final_average()
         return self._sync.record(self.stop_reason or error or "the training loop ended")

@@ -45,6 +45,7 @@ def launch_environment(env: LaunchEnv, *, rank: int | None,
                 "RIPPLES_SAVE_MODEL": env.save_model, "RIPPLES_SAVE_RECORD": env.save_record,
                 "RIPPLES_SLOWDOWN": env.slowdown}
     variables.update({k: v for k, v in optional.items() if v})
+    variables.update(env.checkpoint.environment())
     if env.num_threads:
         variables["RIPPLES_NUM_THREADS"] = str(env.num_threads)
         variables["OMP_NUM_THREADS"] = str(env.num_threads)
@@ -86,6 +87,7 @@ def runner_argv(env: LaunchEnv, task: str, *, quiet: bool) -> list[str]:
             argv += [flag, value]
     if env.num_threads:
         argv += ["--num-threads", str(env.num_threads)]
+    argv += env.checkpoint.flags()
     return argv + (["--quiet"] if quiet else [])
 
 

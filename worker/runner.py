@@ -23,6 +23,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 from ripples.protocols import get_protocol
 from ripples.worker.api import Worker
+from ripples.worker.checkpoint import Checkpointer
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.optimizer import Optimizer
 from ripples.worker.protocols import create_protocol
@@ -59,10 +60,14 @@ def train_task(worker: Worker, spec: str) -> str:
     planned = settings.iterations or math.ceil(settings.epochs * _steps_per_epoch(task, loader))
     opt = Optimizer(task.build_optimizer(model), model, planned_steps=planned)
     scheduler = task.build_scheduler(opt) if task.build_scheduler is not None else None
+    # The launch's --checkpoint-dir, if any: resume from it, save into it.
+    checkpoints = Checkpointer(opt, scheduler=scheduler, sampler=sampler,
+                               samples_per_step=task.batch_size)
+    resumed = checkpoints.restore() > 0
     autocast = (torch.autocast(worker.device.type, dtype=task.autocast_dtype)
                 if task.autocast_dtype is not None else contextlib.nullcontext())
     model.train()
-    epoch = 0
+    epoch = sampler.epoch if sampler is not None else 0
     while not opt.stopped:
         if sampler is not None:
             sampler.set_epoch(epoch)
@@ -80,12 +85,14 @@ def train_task(worker: Worker, spec: str) -> str:
             opt.report_loss(loss.detach(), num_samples=len(inputs))
             if scheduler is not None:
                 scheduler.step()
+            checkpoints.step()
             steps += 1
             if opt.stopped:
                 break
-        if steps == 0:
+        if steps == 0 and not resumed:  # a resumed epoch may have had no batch left
             raise ValueError(f"task {spec!r}: this worker's shard of the training data is "
                              "empty; use fewer workers or a larger data set")
+        resumed = False
         epoch += 1
     return opt.stop_reason
 

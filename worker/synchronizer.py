@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ripples.protocols import PROTOCOLS, get_protocol
+from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError
 from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.protocols import create_protocol
 from ripples.worker.protocols.base import Protocol, SyncResult
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
@@ -213,6 +215,32 @@ class StepSynchronizer:
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
         self.protocol.close()
+
+    def final_average(self) -> None:
+        """After the run stopped and the protocol closed: average with every other live
+        worker once more, so that each final model is the consensus model (what a
+        cluster keeps, and `ripples run`'s model.pt). Best effort and bounded: a peer that
+        fails it leaves this worker's model as it was, with a warning."""
+        session, ctx = self.session, self.ctx
+        timeout = session.config.collective_timeout_seconds
+        try:
+            reply = session.client.final_group(ctx.worker_id, timeout)
+        except CoordinatorCallError as err:
+            logger.warning("no final average: %s", err)
+            return
+        if reply.outcome != pb.GROUP_OUTCOME_GROUP:
+            logger.info("no final average: %s", reply.detail)
+            return
+        members = list(reply.group.members)
+        key = f"final/{session.config.run_id}/{reply.group.comm_id}"
+        try:
+            comm = ctx.comms.get(key, members.index(ctx.worker_id), len(members), create=True)
+            preduce(self.state, comm, timeout)
+        except (RuntimeError, TimeoutError, ValueError) as err:
+            logger.warning("the final average over workers %s failed (%s); this worker's "
+                           "model is its own", members, err)
+            return
+        logger.info("final average over workers %s", members)
 
     def record(self, stop_reason: str) -> dict[str, object]:
         """This worker's record of the run (DIR/workers/rankN.json)."""

@@ -53,6 +53,9 @@ function drawTopology(s) {
                            "stroke-width": 1 + 2 * e.weight, "stroke-opacity": 0.15 + 0.6 * e.weight,
                            "data-a": e.a, "data-b": e.b}));
   }
+  if (s.edges_note) {  // a complete graph too large to draw: say so instead
+    svg.append(el("text", {class: "edges-note", x: W / 2, y: H - 4}, s.edges_note));
+  }
   const inGroup = {};
   for (const g of s.active_groups) {
     for (const m of g.members) inGroup[m] = g.state;

@@ -1,5 +1,5 @@
-"""A worker of a running ripples-smart run is SIGKILLed and a replacement started with
-`ripples worker run`: the survivors never stop, the replacement takes the dead worker's
+"""A worker of a running ripples-smart or adpsgd run is SIGKILLed and a replacement is
+started with `ripples worker run`: the survivors never stop, the replacement takes the dead worker's
 rank once its lease expires, heals from a live peer, averages in the policy's groups,
 and the run completes its budget."""
 
@@ -40,9 +40,14 @@ def _finish(procs: list[subprocess.Popen[str]]) -> list[str]:
     return outputs
 
 
-def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with running_coordinator(protocol="ripples-smart", num_workers=3, task="digits",
-                             iterations=1500, lease_seconds=2.0, seed=1) as server:
+# Budgets that outlast the replacement's start-up on a loaded machine (adpsgd never
+# waits for a group, so it runs through iterations several times faster).
+@pytest.mark.parametrize(("protocol", "iterations"), [("ripples-smart", 1500),
+                                                      ("adpsgd", 8000)])
+def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
+        protocol: str, iterations: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with running_coordinator(protocol=protocol, num_workers=3, task="digits",
+                             iterations=iterations, lease_seconds=2.0, seed=1) as server:
         core = server.service.core  # type: ignore[union-attr]
         address = server.address
         workers = [start_worker(address, "--host", f"node{r}", "--metrics-port", "-1",
@@ -59,8 +64,13 @@ def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(tmp_
             replacement = start_worker(address, "--host", "node1b", "--metrics-port", "-1",
                                        "--save-model", str(tmp_path / "w1b.pt"))
             workers.append(replacement)
-            _wait_for(lambda: any(w.replacement for w in core.workers.values()),
-                      "the replacement to register")
+            try:
+                _wait_for(lambda: any(w.replacement for w in core.workers.values()),
+                          "the replacement to register")
+            except AssertionError:
+                replacement.kill()
+                raise AssertionError(f"{core.stop_reason=}; the replacement said:\n"
+                                     f"{replacement.communicate()[0][-3000:]}") from None
             joiner = next(w for w in core.workers.values() if w.replacement)
             survivors = [w for w in core.live() if not w.replacement]
             # The survivors went on while the dead worker's lease ran out.

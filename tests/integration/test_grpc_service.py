@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +12,7 @@ import grpc
 import pytest
 from helpers import running_coordinator
 
+from ripples.coordinator.core import Deliveries
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient
 
@@ -249,6 +251,35 @@ def test_lease_expiry_cancels_the_group_and_tells_the_waiting_member() -> None:
             client.heartbeat(ids[2], pb.Progress())
         assert err.value.code == grpc.StatusCode.NOT_FOUND
         client.close()
+
+
+def test_the_lease_reaper_survives_errors_and_still_expires_silent_workers(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with running_coordinator(num_workers=3, lease_seconds=0.5,
+                             heartbeat_interval_seconds=0.1) as server:
+        assert server.service is not None
+        core = server.service.core
+        expire_leases = core.expire_leases
+        injected: list[float] = []
+
+        def failing_twice(now: float) -> Deliveries:
+            if len(injected) < 2:
+                injected.append(now)
+                raise RuntimeError("injected reaper failure")
+            return expire_leases(now)
+
+        monkeypatch.setattr(core, "expire_leases", failing_twice)
+        client = CoordinatorClient(server.address)
+        _register(client, 2)  # and never heard of again
+        status = _wait_for_status(client, lambda s: [w.state for w in s.workers]
+                                  == [pb.WORKER_STATE_EXPIRED] * 2, timeout_seconds=30)
+        client.close()
+        assert len(injected) == 2 and status.num_lease_expirations == 2
+        with urllib.request.urlopen(f"http://{server.metrics_address}/metrics") as reply:
+            metrics = reply.read().decode()
+        assert 'ripples_coordinator_background_errors_total{task="lease-reaper"} 2.0' in metrics
+        assert "background task lease-reaper failed" in caplog.text
+        assert "RuntimeError: injected reaper failure" in caplog.text  # the traceback
 
 
 def test_stop_run_releases_waiting_workers() -> None:

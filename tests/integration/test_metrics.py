@@ -58,6 +58,7 @@ COORDINATOR_METRICS = {
     "ripples_coordinator_topology_spectral_gap": "gauge",
     "ripples_coordinator_consensus_distance": "gauge",
     "ripples_coordinator_group_request_duration_seconds": "histogram",
+    "ripples_coordinator_background_errors": "counter",
 }
 ALLOWED_LABELS = {"worker", "host", "protocol", "phase", "state", "task", "le"}
 NUM_WORKERS = 3
@@ -181,6 +182,8 @@ def test_coordinator_metrics_match_its_run_status(live_run: tuple[str, str]) -> 
     assert _value(fams, "ripples_coordinator_run_info", protocol="ripples-smart",
                   task="digits") == 1
     assert _value(fams, "ripples_coordinator_group_request_duration_seconds_count") > 0
+    # Exported from the start, at 0, so that dashboards show a zero rather than no data.
+    assert _value(fams, "ripples_coordinator_background_errors_total", task="lease-reaper") == 0
     _check_conventions(fams, {})
 
 

@@ -322,7 +322,7 @@ def test_departures_cancel_groups_tell_members_and_the_rest_go_on(
     sim = Simulation(run)
     sim.random_phase(choices, allow_departures=True)
     if len(sim.live()) < 2:
-        assert sim.core.stopped and "fewer than two" in sim.core.stop_reason
+        assert sim.core.stopped and "fewer than 2 workers" in sim.core.stop_reason
     sim.fair_phase()
 
 
@@ -543,21 +543,24 @@ def _registered(run: RunSettings, hosts: Sequence[str]) -> tuple[CoordinatorCore
 
 
 @pytest.mark.parametrize(("options", "pairs"), [
-    ({"protocol": "allreduce"}, {(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)}),
+    # Lock-step protocols use every pair: a flag says so, not n(n-1)/2 edges.
+    ({"protocol": "allreduce"}, None),
+    ({"protocol": "lpp-sgd"}, None),
     ({"protocol": "hop", "topology": "ring"}, {(0, 1), (1, 2), (2, 3), (0, 3)}),
-    ({"protocol": "lpp-sgd"}, {(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)}),
     # The static schedule on 2 nodes of 2: intra-node pairs and the cross-node pairings.
-    ({"protocol": "ripples-static", "workers_per_node": 2},
-     {(0, 1), (2, 3), (0, 2), (0, 3), (1, 2), (1, 3)}),
+    ({"protocol": "ripples-static", "workers_per_node": 2}, {(0, 1), (2, 3), (0, 2), (1, 3)}),
+    # ... and on 4 nodes of 1: every pair, so a flag again.
+    ({"protocol": "ripples-static", "workers_per_node": 1}, None),
 ])
 def test_the_coordinator_lists_the_edges_a_protocol_always_uses(
-        options: dict[str, object], pairs: set[tuple[int, int]]) -> None:
-    core, _ = _registered(RunSettings.build(num_workers=4, iterations=10, **options),
-                          ["node0", "node0", "node1", "node1"])
+        options: dict[str, object], pairs: set[tuple[int, int]] | None) -> None:
+    hosts = (["node0", "node0", "node1", "node1"] if options.get("workers_per_node", 2) == 2
+             else ["node0", "node1", "node2", "node3"])
+    core, _ = _registered(RunSettings.build(num_workers=4, iterations=10, **options), hosts)
     assert core.membership_formed and not core.stopped
-    assert set(core.graph.edges) <= pairs and core.graph.edges_always_used
-    if options["protocol"] != "ripples-static":
-        assert set(core.graph.edges) == pairs
+    assert core.graph.edges_always_used
+    assert core.graph.complete is (pairs is None)
+    assert set(core.graph.edges) == (pairs or set())
 
 
 def test_group_protocols_draw_only_the_groups_they_form() -> None:

@@ -106,3 +106,25 @@ def test_a_snapshot_of_another_format_is_refused() -> None:
     saved["format"] = 99
     with pytest.raises(ValueError, match="format 99"):
         snapshot.restore(saved, now=0.0, incarnation=2)
+
+
+def test_a_run_resumed_after_a_total_failure_continues_each_rank_with_new_workers() -> None:
+    core, ids = _running()
+    core.stop("interrupted by the user", 110.0)
+    saved = json.loads(json.dumps(snapshot.take(core, now=110.0)))
+    again = snapshot.restore(saved, now=0.0, incarnation=2, resume=True)
+    assert not again.stopped and again.started_at is None
+    assert all(w.state is WorkerState.EXPIRED for w in again.workers.values())
+    new = [again.register(f"node{r}", 0, "cpu", 500 + r, 1.0) for r in range(4)]
+    assert again.membership_formed
+    for wid in new:
+        again.mark_ready(wid, 500, 2.0, MODEL)
+    # Each new member continues its rank's iteration count; the clock goes on.
+    for old_id, new_id in zip(ids, new, strict=True):
+        old, fresh = core.workers[old_id], again.workers[new_id]
+        assert fresh.rank == old.rank and fresh.healed and not fresh.replacement
+        assert fresh.progress.iteration == old.progress.iteration
+    assert again.elapsed(2.0) == pytest.approx(core.elapsed(110.0))
+    assert again.mean_iterations() == pytest.approx(core.mean_iterations())
+    decision, _ = again.request_group(new[0], 30, 2.5)
+    assert decision is None or decision.outcome is Outcome.GROUP

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from ripples.dashboard.view import EDGE_MEMORY_SECONDS, RunView, disconnected
+from ripples.dashboard.view import (
+    EDGE_MEMORY_SECONDS,
+    MAX_COMPLETE_GRAPH_WORKERS,
+    RunView,
+    disconnected,
+)
 from ripples.v1 import coordinator_pb2 as pb
 
 
@@ -59,14 +64,46 @@ def test_edges_are_pairs_that_averaged_lately_and_fade_out() -> None:
 
 
 def test_edges_the_protocol_always_uses_are_drawn_at_full_weight() -> None:
-    # The coordinator lists them (every pair for lock-step protocols, the static
-    # schedule's pairs, hop's graph) and says they are always in use: no group history.
-    status = _status({0: 1, 1: 1, 2: 1}, protocol="allreduce")
-    status.topology_edges.extend(pb.TopologyEdge(a=a, b=b) for a, b in [(0, 1), (0, 2), (1, 2)])
+    # A lock-step protocol's graph is complete: the coordinator says so with a flag (not
+    # n(n-1)/2 edges) and that its edges are always in use: no group history.
+    status = _status({0: 1, 1: 1, 2: 1, 3: 1}, protocol="allreduce", gone=(3,))
+    status.topology_complete = True
     status.edges_always_used = True
     view = RunView().update(status, now=0.0)
     assert {(e["a"], e["b"]) for e in view["edges"]} == {(0, 1), (0, 2), (1, 2)}
     assert all(e["weight"] == 1.0 for e in view["edges"])
+    assert view["edges_note"] == ""
+
+
+def test_a_complete_graph_too_large_to_draw_gets_a_note_instead() -> None:
+    n = MAX_COMPLETE_GRAPH_WORKERS + 1
+    status = _status(dict.fromkeys(range(n), 1), protocol="allreduce")
+    status.topology_complete = True
+    status.edges_always_used = True
+    view = RunView().update(status, now=0.0)
+    assert view["edges"] == []
+    assert view["edges_note"] == (f"all {n} workers average together every iteration; their "
+                                  f"{n * (n - 1) // 2:,} pairs are not drawn")
+    # A group protocol on the complete graph: the pairs that averaged lately, and a note.
+    smart = _status(dict.fromkeys(range(n), 1), groups=[(0, 1, 2)])
+    smart.topology_complete = True
+    view = RunView().update(smart, now=0.0)
+    assert {(e["a"], e["b"]) for e in view["edges"]} == {(0, 1), (0, 2), (1, 2)}
+    assert view["edges_note"].startswith(f"any two of the {n} workers may average")
+
+
+def test_a_small_complete_graph_shows_every_pair_brightest_where_groups_formed() -> None:
+    status = _status({0: 1, 1: 1, 2: 1}, groups=[(0, 1)])
+    status.topology_complete = True
+    edges = {(e["a"], e["b"]): e["weight"] for e in RunView().update(status, now=0.0)["edges"]}
+    assert edges == {(0, 1): 1.0, (0, 2): 0.0, (1, 2): 0.0}
+
+
+def test_workers_the_status_no_longer_lists_are_forgotten() -> None:
+    view = RunView()
+    _run(view, {0: 5, 1: 5, 2: 5}, seconds=2)
+    later = view.update(_status({1: 20, 2: 20}, elapsed=3.0), now=3.0)
+    assert set(later["worker_loss_curves"]) == {"1", "2"}
 
 
 def test_a_new_run_on_the_same_dashboard_starts_a_fresh_history() -> None:

@@ -1,7 +1,7 @@
 """Elastic membership in the pure coordinator core: a worker that registers while a member
-of a running ripples-random/smart run is gone takes that member's rank, heals from a live
-donor in a heal group, and only then joins the policy's groups; lock-step and other
-fixed-membership protocols refuse it with a reason."""
+of a running ripples-random/smart or adpsgd run is gone takes that member's rank, heals
+from a live donor in a heal group, and only then joins the policy's groups; lock-step and
+other fixed-membership protocols refuse it with a reason."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_a_full_elastic_run_asks_a_replacement_to_wait_for_a_vacancy() -> None:
     assert "once a member has left or its lease expired" in str(err.value)
 
 
-@pytest.mark.parametrize("protocol", ["allreduce", "ripples-static", "adpsgd", "hop"])
+@pytest.mark.parametrize("protocol", ["allreduce", "ripples-static", "a2cid2", "hop"])
 def test_fixed_membership_protocols_refuse_a_replacement_saying_why(protocol: str) -> None:
     core, ids = _started(protocol, n=2, workers_per_node=1)
     with pytest.raises(CoordinatorError) as err:
@@ -138,3 +138,35 @@ def test_a_replacement_takes_its_predecessors_neighbours_on_a_ring() -> None:
     new = core.register("node7", 0, "cpu", 999, 2.0)
     assert set(core.neighbours_of(new)) == before
     assert new in core.neighbours_of(ids[1]) and ids[2] not in core.neighbours_of(ids[1])
+
+
+def test_the_run_goes_on_down_to_its_minimum_number_of_workers() -> None:
+    core, ids = _started(n=4, min_workers=3)
+    core.leave(ids[0], None, "killed", 1.0)
+    assert not core.stopped  # three remain: a replacement may still join
+    core.leave(ids[1], None, "killed", 2.0)
+    assert core.stopped and "fewer than 3 workers remain" in core.stop_reason
+
+
+def test_min_workers_must_fit_the_run() -> None:
+    with pytest.raises(ValueError, match="min_workers must be between 1 and num_workers"):
+        RunSettings(num_workers=3, min_workers=4)
+
+
+def test_an_adpsgd_replacement_heals_from_a_donor_that_only_listens() -> None:
+    core, ids = _started("adpsgd", n=3)
+    core.leave(ids[2], None, "killed", 1.0)
+    # The survivors owe no averaging now: they listen for partners.
+    for wid in ids[:2]:
+        decision, _ = core.request_group(wid, 5, 1.5, listen=True)
+        assert decision is None
+    new = core.register("node7", 0, "cpu", 999, 2.0)
+    core.mark_ready(new, 100, 2.0, MODEL)
+    decision, deliveries = core.request_group(new, 0, 2.0)
+    assert decision is not None and decision.outcome is Outcome.GROUP
+    heal = decision.group
+    assert heal is not None and heal.heal_donor in ids[:2]
+    assert deliveries[heal.heal_donor].group is heal  # the listening donor got it at once
+    core.release(heal.heal_donor, heal.group_id, True, "", 2.5)
+    core.release(new, heal.group_id, True, "", 2.5)
+    assert core.workers[new].healed

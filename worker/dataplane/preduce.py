@@ -25,27 +25,36 @@ def preduce(params: AveragedState, comm: Communicator, timeout_seconds: float) -
     params.commit()
 
 
-def copy_model(params: AveragedState, comm: Communicator, donor: int,
-               timeout_seconds: float) -> None:
-    """Heal a joiner: every member but `donor` (an index in the communicator) replaces its
-    parameters and buffers with the donor's; the donor keeps its own.
+def copy_from_donor(values: torch.Tensor, comm: Communicator, donor: int,
+                    timeout_seconds: float) -> torch.Tensor | None:
+    """Heal a joiner: the member `donor` (an index in the communicator) sends `values`;
+    every other member gets them back (the donor gets None).
 
-    One SUM collective over the model part of the flat buffer in which only the donor
-    contributes its values (the others zeros), so the result is the donor's model exactly
-    (x + 0 = x) with the same collective P-Reduce uses. The optimizer state is not copied:
-    a joiner's starts anew and joins its buffer after its first step. A non-finite result
-    is refused (ValueError) and leaves the joiner's model as it was."""
-    n = params.model_numel
+    One SUM collective in which only the donor contributes its values (the others zeros),
+    so the result is the donor's exactly (x + 0 = x), with the collective P-Reduce uses,
+    into a fresh buffer (a failed collective never touches `values`). A non-finite result
+    is refused (ValueError)."""
     is_donor = comm.rank == donor
     with torch.no_grad():
-        buffer = (params.flat[:n].clone() if is_donor
-                  else torch.zeros(n, dtype=params.flat.dtype, device=params.flat.device))
+        buffer = values.detach().clone() if is_donor else torch.zeros_like(values)
         comm.allreduce_sum_(buffer, timeout_seconds)
-        if is_donor:
-            return
-        if not bool(torch.isfinite(buffer).all()):
-            raise ValueError("the donor's model is not finite; not copied")
-        params.flat[:n].copy_(buffer)
+    if is_donor:
+        return None
+    if not bool(torch.isfinite(buffer).all()):
+        raise ValueError("the donor's model is not finite; not copied")
+    return buffer
+
+
+def copy_model(params: AveragedState, comm: Communicator, donor: int,
+               timeout_seconds: float) -> None:
+    """Heal in a heal group: a joiner's parameters and buffers (the head of the flat
+    buffer) become the donor's; the donor keeps its own. The optimizer state is not
+    copied: a joiner's starts anew and joins its buffer after its first step."""
+    n = params.model_numel
+    copied = copy_from_donor(params.flat[:n], comm, donor, timeout_seconds)
+    if copied is not None:
+        with torch.no_grad():
+            params.flat[:n].copy_(copied)
 
 
 class DeltaAverager:

@@ -36,12 +36,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+HEAL_POLL_SECONDS = 10.0
+"""Server-side bound on the wait for a heal group; the replacement then asks again."""
 COORDINATOR_RETRY_SECONDS = 0.5
 """While the coordinator is unreachable (StreamInterrupted), a protocol's averaging
 pauses this long before asking again; training goes on meanwhile."""
 
 __all__ = ["COORDINATOR_RETRY_SECONDS", "Protocol", "ProtocolContext", "StreamInterrupted",
-           "SyncResult", "TrainingJob", "max_peer_wait_seconds", "run_group_collective"]
+           "SyncResult", "TrainingJob", "heal_from_peer", "max_peer_wait_seconds",
+           "run_group_collective"]
 
 
 @dataclass(kw_only=True)
@@ -183,8 +186,48 @@ class Protocol(abc.ABC):
         summary (hop: its iterations over time); empty for most protocols."""
         return {}
 
+    def state_dict(self) -> dict[str, object]:
+        """What a checkpoint keeps of this protocol's own state, besides the model and the
+        optimizer's (a2cid2: its momentum copy); empty for most protocols."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:  # noqa: B027 (optional hook)
+        """Put back what state_dict() gave (empty from a checkpoint of another protocol),
+        once the checkpoint's model is loaded, before the first step."""
+
     def close(self) -> None:  # noqa: B027 (optional hook, deliberately empty)
         """Release protocol resources (not communicators: the session owns the cache)."""
+
+
+def heal_from_peer(ctx: ProtocolContext, stream: GroupStream,
+                   execute: Callable[[pb.Group], tuple[float, bool]],
+                   max_wait_seconds: float) -> None:
+    """A replacement's first requests (before its first step): ask until the coordinator
+    hands it its heal group, and `execute` it (copy the donor's model: copy_model). A
+    cancelled heal (the donor left) or an unreachable coordinator asks again; a stop
+    returns at once (the first step hears it again)."""
+    iteration = int(ctx.membership.start_iteration)
+    waited_since = time.perf_counter()
+    while True:
+        try:
+            reply = stream.request(iteration, HEAL_POLL_SECONDS, ctx.progress())
+        except StreamInterrupted as err:
+            reply = pb.GroupReply(outcome=pb.GROUP_OUTCOME_NO_GROUP, detail=str(err))
+        if reply.outcome == pb.GROUP_OUTCOME_STOP:
+            return
+        if reply.outcome == pb.GROUP_OUTCOME_GROUP:
+            seconds, ok = execute(reply.group)
+            if ok and reply.group.heal:
+                logger.info("healed from worker %d in %.2f s (%.1f s after asking)",
+                            reply.group.heal_donor, seconds, time.perf_counter() - waited_since)
+                return
+        waited = time.perf_counter() - waited_since
+        if waited > max_wait_seconds:
+            raise TimeoutError(f"could not heal from a live peer within {waited:.0f} s: "
+                               f"{reply.detail}")
+        if reply.outcome in (pb.GROUP_OUTCOME_CANCELLED, pb.GROUP_OUTCOME_NO_GROUP):
+            logger.info("heal group not formed, asking again: %s", reply.detail)
+            time.sleep(COORDINATOR_RETRY_SECONDS)
 
 
 def run_group_collective(

@@ -9,11 +9,11 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import copy_model, preduce
 from ripples.worker.protocols.base import (
-    COORDINATOR_RETRY_SECONDS,
     Protocol,
     ProtocolContext,
     StreamInterrupted,
     SyncResult,
+    heal_from_peer,
     max_peer_wait_seconds,
     run_group_collective,
 )
@@ -47,31 +47,7 @@ class GroupGeneratorProtocol(Protocol):
         """A replacement heals before its first step: it copies a live peer's model in
         the heal group the coordinator makes for it (docs/fault-tolerance.md)."""
         if self.ctx.membership.replacement:
-            self._heal(int(self.ctx.membership.start_iteration))
-
-    def _heal(self, iteration: int) -> None:
-        waited_since = time.perf_counter()
-        while True:
-            try:
-                reply = self.stream.request(iteration, GROUP_POLL_SECONDS, self.ctx.progress())
-            except StreamInterrupted as err:
-                reply = pb.GroupReply(outcome=pb.GROUP_OUTCOME_NO_GROUP, detail=str(err))
-            if reply.outcome == pb.GROUP_OUTCOME_STOP:
-                return  # the first step's request hears the stop again, and ends the run
-            if reply.outcome == pb.GROUP_OUTCOME_GROUP:
-                seconds, ok = self._execute(reply.group)
-                if ok and reply.group.heal:
-                    logger.info("healed from worker %d in %.2f s (%.1f s after asking)",
-                                reply.group.heal_donor, seconds,
-                                time.perf_counter() - waited_since)
-                    return
-            waited = time.perf_counter() - waited_since
-            if waited > self.max_group_wait_seconds:
-                raise TimeoutError(f"could not heal from a live peer within {waited:.0f} s: "
-                                   f"{reply.detail}")
-            if reply.outcome in (pb.GROUP_OUTCOME_CANCELLED, pb.GROUP_OUTCOME_NO_GROUP):
-                logger.info("heal group not formed, asking again: %s", reply.detail)
-                time.sleep(COORDINATOR_RETRY_SECONDS)
+            heal_from_peer(self.ctx, self.stream, self._execute, self.max_group_wait_seconds)
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.ctx.stop_requested.is_set():

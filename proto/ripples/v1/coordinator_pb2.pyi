@@ -53,7 +53,7 @@ WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp", "coordinator_outage_seconds")
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp", "coordinator_outage_seconds", "final_average")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class RunConfig(_message.Message):
     HOP_FIELD_NUMBER: _ClassVar[int]
     LPP_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_OUTAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_AVERAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol: str
     task: str
@@ -98,7 +99,8 @@ class RunConfig(_message.Message):
     hop: HopSettings
     lpp: LppSettings
     coordinator_outage_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., group_generator: _Optional[_Union[GroupGeneratorSettings, _Mapping]] = ..., gossip: _Optional[_Union[GossipSettings, _Mapping]] = ..., hop: _Optional[_Union[HopSettings, _Mapping]] = ..., lpp: _Optional[_Union[LppSettings, _Mapping]] = ..., coordinator_outage_seconds: _Optional[float] = ...) -> None: ...
+    final_average: bool
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., group_generator: _Optional[_Union[GroupGeneratorSettings, _Mapping]] = ..., gossip: _Optional[_Union[GossipSettings, _Mapping]] = ..., hop: _Optional[_Union[HopSettings, _Mapping]] = ..., lpp: _Optional[_Union[LppSettings, _Mapping]] = ..., coordinator_outage_seconds: _Optional[float] = ..., final_average: _Optional[bool] = ...) -> None: ...
 
 class GroupGeneratorSettings(_message.Message):
     __slots__ = ("group_size", "c_thres", "inter_intra")
@@ -491,7 +493,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used")
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used", "topology_complete")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -518,6 +520,7 @@ class RunStatus(_message.Message):
     SPECTRAL_GAP_FIELD_NUMBER: _ClassVar[int]
     CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     EDGES_ALWAYS_USED_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     elapsed_seconds: float
@@ -544,7 +547,8 @@ class RunStatus(_message.Message):
     spectral_gap: float
     consensus_distance: float
     edges_always_used: bool
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ...) -> None: ...
+    topology_complete: bool
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ..., topology_complete: _Optional[bool] = ...) -> None: ...
 
 class TopologyEdge(_message.Message):
     __slots__ = ("a", "b")
@@ -563,3 +567,11 @@ class StopRunRequest(_message.Message):
 class StopRunReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FinalGroupRequest(_message.Message):
+    __slots__ = ("worker_id", "timeout_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    timeout_seconds: float
+    def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...

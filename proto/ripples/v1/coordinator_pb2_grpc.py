@@ -89,6 +89,11 @@ class CoordinatorStub:
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.StopRunReply.FromString,
                 _registered_method=True)
+        self.FinalGroup = channel.unary_unary(
+                '/ripples.v1.Coordinator/FinalGroup',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -177,6 +182,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinalGroup(self, request, context):
+        """After the run stopped, every live worker averages its model once more in one group
+        of all of them: each one's final model is then the consensus model. Long-polls until
+        every live worker asked (or its timeout: then those that asked); NO_GROUP says why
+        there is none (the run goes on, a lock-step run's models are equal already, ...).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +249,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.StopRun,
                     request_deserializer=ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.StopRunReply.SerializeToString,
+            ),
+            'FinalGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinalGroup,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -533,6 +553,33 @@ class Coordinator:
             '/ripples.v1.Coordinator/StopRun',
             ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.StopRunReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinalGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Coordinator/FinalGroup',
+            ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
             options,
             channel_credentials,
             insecure,

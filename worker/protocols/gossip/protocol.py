@@ -21,12 +21,14 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from ripples.protocols import GossipSettings, role_of_config
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
+from ripples.worker.dataplane.preduce import copy_from_donor, copy_model
 from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocols.base import (
     COORDINATOR_RETRY_SECONDS,
@@ -34,6 +36,7 @@ from ripples.worker.protocols.base import (
     ProtocolContext,
     StreamInterrupted,
     SyncResult,
+    heal_from_peer,
     max_peer_wait_seconds,
     run_group_collective,
 )
@@ -81,6 +84,9 @@ class GossipProtocol(Protocol):
             if self.pairing == "a2cid2" and settings.momentum else MomentumParameters()
         self.passive = constants.passive
         self.timeout = cfg.collective_timeout_seconds
+        self.stream = ctx.client.open_group_stream(ctx.worker_id)
+        if ctx.membership.replacement:  # copy a live peer's model before anything starts
+            heal_from_peer(ctx, self.stream, self._heal, max_peer_wait_seconds(cfg))
         self.state = GossipState(ctx.state.flat, momentum)
         self._mine = torch.empty_like(ctx.state.flat)  # this side of an exchange
         self.credit = StepCredit(settings.rate_com, torch.Generator().manual_seed(
@@ -99,7 +105,6 @@ class GossipProtocol(Protocol):
         self._stop_reason = ""
         self._error: BaseException | None = None
         self._closing = False
-        self.stream = ctx.client.open_group_stream(ctx.worker_id)
         self._thread = threading.Thread(target=self._communicate, daemon=True,
                                          name=f"gossip-{ctx.worker_id}")
         self._thread.start()
@@ -227,15 +232,32 @@ class GossipProtocol(Protocol):
     def _key(self, comm_id: int) -> str:
         return f"gossip/{self.ctx.config.run_id}/{comm_id}"
 
+    def _heal(self, group: pb.Group) -> tuple[float, bool]:
+        """A replacement's heal group, before the exchanges start: take the donor's model."""
+        donor = list(group.members).index(group.heal_donor)
+        return run_group_collective(self.ctx, self.stream, group, self._key(group.comm_id),
+                                    lambda comm: copy_model(self.ctx.state, comm, donor,
+                                                            self.timeout))
+
     def _exchange(self, group: pb.Group) -> None:
-        """Average with the partner; the result reaches the model at the next boundary."""
+        """Average with the partner; the result reaches the model at the next boundary.
+        In a heal group this worker is the donor: it sends its model, which stays as is."""
+        collective = self._donate_to(group) if group.heal else self._average_with
         seconds, ok = run_group_collective(self.ctx, self.stream, group,
-                                           self._key(group.comm_id), self._average_with)
+                                           self._key(group.comm_id), collective)
         with self._cond:
             if ok:
                 self._finished.append(seconds)
             else:
                 self._num_failed += 1
+
+    def _donate_to(self, group: pb.Group) -> Callable[[Communicator], None]:
+        donor = list(group.members).index(group.heal_donor)
+
+        def donate(comm: Communicator) -> None:
+            self.state.current(out=self._mine)  # what partners see: snapshot + deltas
+            copy_from_donor(self._mine, comm, donor, self.timeout)
+        return donate
 
     def _average_with(self, comm: Communicator) -> float:
         """One exchange on `comm`: hands the delta to the state, returns ||w_i - w_j||^2."""

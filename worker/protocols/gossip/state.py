@@ -80,6 +80,20 @@ class GossipState:
             self._snapshot.copy_(self.flat)
         return applied
 
+    def restart(self, momentum_copy: torch.Tensor | None) -> None:
+        """The model was replaced (a checkpoint restored): drop the deltas of exchanges
+        with the old one, publish the new one, and take the momentum copy it was saved
+        with (None: start it afresh, as at the run's start)."""
+        with torch.no_grad(), self._lock:
+            self._delta.zero_()
+            self._pending = False
+            self._snapshot.copy_(self.flat)
+            if self.y is not None:
+                if momentum_copy is None:
+                    self.y.zero_()
+                else:
+                    self.y.copy_(momentum_copy)
+
     # ------------------------------------------------------------ communication thread
     def current(self, out: torch.Tensor) -> None:
         """Write the model as partners should see it (snapshot + pending deltas) to `out`."""

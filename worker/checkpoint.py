@@ -1,0 +1,442 @@
+"""`ripples.Checkpointer`: a worker's periodic checkpoints, and resuming from them.
+
+    ckpt = ripples.Checkpointer(opt, scheduler=scheduler, sampler=sampler,
+                                samples_per_step=batch_size)
+    start = ckpt.restore()             # the step restored, 0 if there was none
+    for epoch in range(sampler.epoch, epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            ...; opt.step(); scheduler.step()
+            ckpt.step()                # saves when the interval says, and when the run stops
+
+Each worker writes its own files, DIR/rank-R/step-S.pt (R: the run's rank of the
+worker), holding everything its training loop needs to go on as if it had never stopped:
+the model, the optimizer (with Ripples' step counters), the protocol's own state
+(a2cid2's momentum copy), every stateful object the script names (scheduler, sampler,
+GradScaler, ...), and the random number generators (torch's, CUDA's, Python's, numpy's).
+
+**The cut.** `step()` belongs after the step's last change of state (the optimizer's and
+the scheduler's steps): a checkpoint of step S is the state right after step S. The
+sampler resumes mid-epoch after the S steps' samples, and the random number generators
+are put back when its resumed pass starts (see DistributedSampler._at_next_pass), so a
+resumed single-process run ends bit-identical to an uninterrupted one
+(tests/unit/test_checkpoint.py proves it).
+
+**Atomic.** A checkpoint is written to a hidden temporary file in its directory, flushed
+and fsync'ed, renamed to its final name (os.replace, atomic on POSIX) and the directory
+fsync'ed: a file under a checkpoint's name is always whole, whenever the process dies.
+Older checkpoints are deleted (beyond the newest `keep`) only after a new one is complete.
+
+**Lock-step protocols** (allreduce, ripples-static: every worker in every collective) need
+every worker at the same step: step intervals make them save the same steps (time
+intervals are refused), and `restore()` agrees through the run's rendezvous store on the
+newest step that every rank holds and can load.
+
+Checkpoints are pickles (torch.save of arbitrary state_dicts): restore only directories
+you wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ripples.worker.launch_env import CheckpointInterval
+from ripples.worker.optimizer import Optimizer
+from ripples.worker.sampler import DistributedSampler
+
+if TYPE_CHECKING:
+    from ripples.worker.protocols.base import Protocol as SyncProtocol
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""The layout of a checkpoint's dictionary; a checkpoint of another version is refused."""
+_NAME = re.compile(r"step-(\d+)\.pt")
+_Loaded = TypeVar("_Loaded")
+
+
+class Stateful(Protocol):
+    """Anything with `state_dict()` and `load_state_dict()` (schedulers, samplers,
+    GradScaler, your own objects)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
+class Checkpointer:
+    """Saves this worker's training state every `every` steps (or seconds), and restores
+    the newest checkpoint. With no directory (neither given nor in the launch
+    environment) it does nothing and `restore()` returns 0, so a script can always make
+    one.
+
+    Args:
+        optimizer: The ripples.Optimizer (its model and state, and this worker's rank).
+        directory: Where the workers' checkpoints go, DIR/rank-R/step-S.pt. None: the
+            launch's `--checkpoint-dir` (RIPPLES_CHECKPOINT_DIR), if any.
+        every: "500" or 500 (steps), "90s" (seconds; refused by lock-step protocols),
+            0 (only `save()` and the save when the run stops). None: the launch's
+            `--checkpoint-every` (default 500 steps).
+        keep: How many of the newest checkpoints to keep. None: the launch's
+            `--keep-checkpoints` (default 3).
+        samples_per_step: How many of the sampler's indices one optimizer step consumes
+            (the DataLoader's batch size, times the micro-batches of a step with gradient
+            accumulation); needed with a ripples.DistributedSampler, which then resumes
+            mid-epoch where the training loop was.
+        save_on_stop: `step()` also saves when the run has stopped (`opt.stopped`: the
+            iteration budget, the coordinator's stop, a SIGTERM), so nothing is lost.
+        scheduler, sampler, scaler, **stateful: Objects whose state_dict() the checkpoint
+            holds, restored with load_state_dict() under the same names (None: absent).
+    """
+
+    def __init__(self, optimizer: Optimizer, *, directory: str | os.PathLike[str] | None = None,
+                 every: str | int | None = None, keep: int | None = None,
+                 samples_per_step: int | None = None, save_on_stop: bool = True,
+                 scheduler: Stateful | None = None, sampler: Stateful | None = None,
+                 scaler: Stateful | None = None, **stateful: Stateful | None) -> None:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"ripples.Checkpointer takes the ripples.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        launch = optimizer.worker.env.checkpoint
+        self.optimizer = optimizer
+        self.interval = CheckpointInterval.parse(launch.checkpoint_every if every is None
+                                                 else every)
+        self.keep = launch.keep_checkpoints if keep is None else keep
+        if self.keep < 1:
+            raise ValueError(f"keep must be at least 1, got {self.keep}")
+        self.save_on_stop = save_on_stop
+        named = {"scheduler": scheduler, "sampler": sampler, "scaler": scaler, **stateful}
+        self.objects: dict[str, Stateful] = {k: v for k, v in named.items() if v is not None}
+        for name, obj in self.objects.items():
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"{name}={type(obj).__name__}: a checkpointed object needs "
+                                "state_dict() and load_state_dict()")
+        self._sampler = sampler if isinstance(sampler, DistributedSampler) else None
+        if self._sampler is not None and (samples_per_step is None or samples_per_step < 1):
+            raise ValueError("with a ripples.DistributedSampler, give samples_per_step (the "
+                             "DataLoader's batch size, times the micro-batches of one "
+                             "optimizer step): the sampler resumes after the samples the "
+                             "training loop consumed")
+        self.samples_per_step = samples_per_step or 0
+        root = launch.checkpoint_dir if directory is None else os.fspath(directory)
+        self.directory: Path | None = (Path(root) / f"rank-{optimizer.worker.rank}"
+                                       if root else None)
+        """This worker's checkpoints (None: checkpointing is off)."""
+        sync = optimizer._sync
+        self._protocol: SyncProtocol | None = sync.protocol if sync is not None else None
+        self._lockstep = self._protocol is not None and self._protocol.stops_together
+        if self.directory is not None and self._lockstep and self.interval.seconds:
+            raise ValueError(
+                f"{optimizer.worker.protocol} runs in lock-step: every worker must save the "
+                f"same steps, which an interval of {self.interval.seconds:g} s cannot "
+                "promise; give a step count (--checkpoint-every 500)")
+        self._counted_step = optimizer.local_step
+        self._saved_step = -1
+        self._last_save = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+    # ------------------------------------------------------------------ saving
+    def step(self) -> Path | None:
+        """Call once after every optimizer step, after the step's last change of state
+        (the scheduler's step): counts the samples the sampler gave, and saves when the
+        interval says so or the run has stopped. Returns the file written, if any."""
+        if self.directory is None:
+            return None
+        opt = self.optimizer
+        step = opt.local_step
+        if self._sampler is not None and step > self._counted_step:
+            self._sampler.advance(self.samples_per_step * (step - self._counted_step))
+        self._counted_step = step
+        if step == self._saved_step:
+            return None
+        interval = self.interval
+        if interval.steps:
+            due = step % interval.steps == 0
+        else:
+            due = bool(interval.seconds) and (
+                time.monotonic() - self._last_save >= interval.seconds)
+        return self.save() if due or (self.save_on_stop and opt.stopped) else None
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step now (None when checkpointing is off);
+        then delete the checkpoints beyond the newest `keep`."""
+        if self.directory is None:
+            return None
+        started = time.perf_counter()
+        step = self.optimizer.local_step
+        path = self.directory / f"step-{step}.pt"
+        _write_atomically(path, self._state(step))
+        self._saved_step, self._last_save = step, time.monotonic()
+        for old in self._steps()[self.keep:]:
+            (self.directory / f"step-{old}.pt").unlink(missing_ok=True)
+        logger.info("checkpoint of step %d: %s (%.2f s)", step, path,
+                    time.perf_counter() - started)
+        return path
+
+    def _state(self, step: int) -> dict[str, Any]:
+        opt, worker = self.optimizer, self.optimizer.worker
+        protocol_state = self._protocol.state_dict() if self._protocol is not None else {}
+        return {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "saved_at": time.time(),
+            "rank": worker.rank,
+            "num_workers": worker.num_workers,
+            "protocol": worker.protocol,
+            "model": _cpu_copy(opt.model.state_dict()),
+            "optimizer": _cpu_copy(opt.state_dict()),
+            "protocol_state": _cpu_copy(protocol_state),
+            "objects": {name: _cpu_copy(obj.state_dict()) for name, obj in self.objects.items()},
+            "rng": _rng_state(worker.device),
+        }
+
+    # ------------------------------------------------------------------ restoring
+    def restore(self) -> int:
+        """Load this worker's newest checkpoint that loads (a file that does not is named
+        in a warning, and the one before it is tried); with a lock-step protocol, the
+        newest step every rank holds and loads. Call it once, after building everything
+        it restores and before the first step. Returns the step restored (the
+        optimizer's `local_step` goes on from it), or 0 when there is nothing to restore.
+
+        Raises:
+            ValueError: the checkpoint is of another model (its state_dict keys or
+                shapes differ), another format, or lacks a named object.
+            RuntimeError: checkpoints exist but none can be loaded (on every rank).
+        """
+        if self.directory is None:
+            return 0
+        session = self.optimizer.worker._session
+        if session is not None and session.membership.replacement:
+            logger.info("a replacement worker takes its model from a live peer, newer than "
+                        "any checkpoint of its rank: nothing restored")
+            return 0
+        for partial in self.directory.glob(".step-*.pt.partial"):  # a killed writer's
+            partial.unlink(missing_ok=True)
+        found = self._agree() if self._lockstep else self._newest()
+        if found is None:
+            return 0
+        path, state = found
+        self._apply(path, state)
+        step = int(state["step"])
+        self._counted_step = self._saved_step = step
+        self._last_save = time.monotonic()
+        logger.info("restored step %d from %s", step, path)
+        return step
+
+    def _steps(self) -> list[int]:
+        """This worker's checkpoints' steps, newest first (complete files only: a
+        partial one is hidden under another name)."""
+        assert self.directory is not None
+        if not self.directory.is_dir():
+            return []
+        matches = (_NAME.fullmatch(p.name) for p in self.directory.iterdir())
+        return sorted((int(m.group(1)) for m in matches if m), reverse=True)
+
+    def _load(self, step: int) -> tuple[Path, dict[str, Any]] | None:
+        """The checkpoint of `step`, checked against the model; None (with a warning
+        naming the file) if it cannot be read."""
+        assert self.directory is not None
+        path = self.directory / f"step-{step}.pt"
+        try:
+            # Our own pickles (RNG states, arbitrary objects' state): not weights only.
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            if not isinstance(state, dict) or "format" not in state:
+                raise ValueError("not a ripples checkpoint")
+        except Exception as err:  # noqa: BLE001 (any unreadable file: fall back)
+            logger.warning("checkpoint %s cannot be loaded (%s: %s); trying the one before",
+                           path, type(err).__name__, err)
+            return None
+        self._check(path, state)
+        return path, state
+
+    def _newest(self) -> tuple[Path, dict[str, Any]] | None:
+        steps = self._steps()
+        for step in steps:
+            found = self._load(step)
+            if found is not None:
+                return found
+        if steps:
+            raise RuntimeError(f"none of the checkpoints in {self.directory} (steps {steps}) "
+                               "can be loaded (see the warnings); remove them to start afresh")
+        return None
+
+    def _agree(self) -> tuple[Path, dict[str, Any]] | None:
+        """Lock-step: the newest step that every rank holds and loads, agreed through the
+        run's rendezvous store (the workers' directories need not be shared)."""
+        worker = self.optimizer.worker
+        session = worker._session
+        assert session is not None and session.store is not None
+        exchange = _StoreExchange(session.store, f"ripples/checkpoint/{session.config.run_id}",
+                                  worker.rank, worker.num_workers,
+                                  worker.env.start_timeout_seconds)
+        return _agree_on_step(exchange, self._steps(), self._load)
+
+    def _check(self, path: Path, state: dict[str, Any]) -> None:
+        """ValueError unless `state` is a checkpoint of this format, model and objects."""
+        if state["format"] != FORMAT_VERSION:
+            raise ValueError(f"{path} has checkpoint format {state['format']}, this version "
+                             f"of Ripples reads format {FORMAT_VERSION}")
+        mine = self.optimizer.model.state_dict()
+        theirs: dict[str, torch.Tensor] = state["model"]
+        missing = [k for k in mine if k not in theirs]
+        extra = [k for k in theirs if k not in mine]
+        if missing or extra:
+            raise ValueError(f"{path} is a checkpoint of another model: "
+                             f"{len(missing)} tensor(s) missing there (first: "
+                             f"{missing[:1]}), {len(extra)} unknown here (first: {extra[:1]})")
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                raise ValueError(f"{path} is a checkpoint of another model: {name!r} is "
+                                 f"{list(theirs[name].shape)} there, {list(tensor.shape)} here")
+        absent = [name for name in self.objects if name not in state["objects"]]
+        if absent:
+            raise ValueError(f"{path} holds no state for {absent} (it has "
+                             f"{sorted(state['objects'])})")
+
+    def _apply(self, path: Path, state: dict[str, Any]) -> None:
+        opt, worker = self.optimizer, self.optimizer.worker
+        opt.model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])  # re-adopts its state into the averaged one
+        if self._protocol is not None:
+            same = state["protocol"] == worker.protocol
+            self._protocol.load_state_dict(state["protocol_state"] if same else {})
+        for name, obj in self.objects.items():
+            obj.load_state_dict(state["objects"][name])
+        ignored = sorted(set(state["objects"]) - set(self.objects))
+        if ignored:
+            logger.warning("%s also holds state for %s, not restored (not given to the "
+                           "Checkpointer)", path, ignored)
+        rng, device = state["rng"], worker.device
+        if self._sampler is not None:  # after the DataLoader drew its seed (module doc)
+            self._sampler._at_next_pass(lambda: _set_rng_state(rng, device))
+        else:
+            _set_rng_state(rng, device)
+
+
+class _StoreExchange:
+    """Rounds in which every rank publishes a string and reads everyone's."""
+
+    def __init__(self, store: dist.Store, prefix: str, rank: int, num_workers: int,
+                 timeout_seconds: float) -> None:
+        self.store, self.prefix = store, prefix
+        self.rank, self.num_workers = rank, num_workers
+        self.timeout = timeout_seconds
+
+    def round(self, name: str, value: str) -> list[str]:
+        keys = [f"{self.prefix}/{name}/{r}" for r in range(self.num_workers)]
+        self.store.set(keys[self.rank], value)
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except dist.DistStoreError:
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            raise TimeoutError(
+                f"restoring checkpoints: ranks {missing} did not answer ({name}) within "
+                f"{self.timeout:.0f} s; in a lock-step run every worker calls "
+                "Checkpointer.restore() before its first step") from None
+        return [self.store.get(k).decode() for k in keys]
+
+
+def _agree_on_step(exchange: _StoreExchange, steps: list[int],
+                   load: Callable[[int], _Loaded | None]) -> _Loaded | None:
+    """The newest of the steps every rank holds that every rank can `load` (None: it
+    cannot; ValueError: it must not, which fails every rank), or None when no rank holds
+    any. Every rank calls it with its own steps, newest first, and gets the same step."""
+    held = [json.loads(v) for v in exchange.round("steps", json.dumps(steps))]
+    common = sorted(set(held[0]).intersection(*held[1:]), reverse=True)
+    if not common:
+        if any(held):
+            holders = {r: mine[:3] for r, mine in enumerate(held) if mine}
+            raise RuntimeError(
+                f"ranks {sorted(holders)} hold checkpoints (newest steps {holders}) but no "
+                "step is held by every rank, and a lock-step run restarts every worker from "
+                "one step; remove the checkpoint directory to start afresh")
+        return None
+    for step in common:
+        try:
+            loaded = load(step)
+        except ValueError as err:  # tell the peers before failing, so they fail too
+            exchange.round(f"loaded/{step}", f"error: {err}")
+            raise
+        verdicts = exchange.round(f"loaded/{step}", "ok" if loaded is not None else "unloadable")
+        errors = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v.startswith("error")]
+        if errors:
+            raise RuntimeError(f"a peer cannot restore step {step}: {'; '.join(errors)}")
+        if loaded is not None and all(v == "ok" for v in verdicts):
+            return loaded
+        failed = [r for r, v in enumerate(verdicts) if v != "ok"]
+        logger.warning("step %d cannot be loaded on ranks %s; trying the step before",
+                       step, failed)
+    raise RuntimeError(f"no checkpoint step held by every rank ({common}) loads on every rank "
+                       "(see the warnings); remove the checkpoints to start afresh")
+
+
+def _cpu_copy(value: Any) -> Any:
+    """`value` with every tensor copied to the CPU: the model's tensors are views into the
+    averaged state's flat buffer, which torch.save would write whole for each."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cpu_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_cpu_copy(v) for v in value)
+    return value
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy
+    except ImportError:
+        return state
+    state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def _write_atomically(path: Path, state: dict[str, Any]) -> None:
+    """Write `state` under `path` whole or not at all, durably: a hidden temporary file in
+    the same directory (same file system: the rename is atomic), flushed and fsync'ed,
+    renamed over `path`, then the directory fsync'ed so that the rename itself survives
+    a crash of the machine."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
