@@ -97,7 +97,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                             timeout_seconds=args.timeout_seconds, progress=not args.quiet,
                             dashboard_port=args.dashboard_port if args.dashboard else None,
                             worker_log_level=logging.INFO if args.verbose else logging.WARNING,
-                            script=tuple(script), checkpoint=checkpoint)
+                            script=tuple(script), checkpoint=checkpoint,
+                            resume=args.resume)
     try:
         summary = run_local(config)
     except (RuntimeError, TimeoutError, OSError) as err:
@@ -206,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve the live dashboard during the run (see --dashboard-port)")
     run.add_argument("--dashboard-port", type=int, default=8080,
                      help="port of the dashboard on 127.0.0.1 (0: any free port; default: 8080)")
+    run.add_argument("--resume", action="store_true",
+                     help="go on with the run in --output after a total failure (the "
+                          "launcher, the machine): the coordinator's state from "
+                          "OUTPUT/state (its run settings win over the options given) and "
+                          "new workers that continue each rank from its newest checkpoint "
+                          "(OUTPUT/checkpoints unless --checkpoint-dir); give the same "
+                          "script after --")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
     run.add_argument("--verbose", action="store_true", help="log coordinator and worker events")
     run.set_defaults(func=_cmd_run)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import signal
 import sys
 import threading
@@ -25,6 +26,7 @@ import torch
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
+from ripples.coordinator.state_store import DB_NAME
 from ripples.dashboard.app import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb
@@ -60,7 +62,11 @@ class LocalRunConfig:
     the built-in runner trains `run.task`."""
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     """The workers' checkpoints (ripples.Checkpointer), handed to them with their launch
-    environment."""
+    environment. No directory: OUTPUT/checkpoints, so that every run can be resumed."""
+    resume: bool = False
+    """Go on with the run in `output` after a total failure (ripples run --resume): the
+    coordinator's state from OUTPUT/state (its run settings win over `run`), new workers
+    that continue each rank from its newest checkpoint."""
 
 
 def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
@@ -109,11 +115,15 @@ class LocalCluster:
     def run(self) -> dict[str, object]:
         cfg = self.config
         cfg.output.mkdir(parents=True, exist_ok=True)
+        self._prepare_resumable_state()
         # No final average: model.pt is the average of the saved models anyway, and the
         # summary reports how far apart they ended (consensus_distance_final).
         run = cfg.run.replace(final_average=False)
-        self.server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=run))
+        self.server = CoordinatorServer(ServerConfig(
+            host="127.0.0.1", port=0, run=run, state_dir=str(self._state_dir),
+            resume_workers=cfg.resume))
         self.server.start()
+        cfg.run = self.server.config.run  # resumed: the saved run's settings
         client = CoordinatorClient(self.server.address)
         dashboard = None
         previous_handlers = {}
@@ -140,6 +150,30 @@ class LocalCluster:
             if dashboard is not None:  # after the coordinator: the page shows it went away
                 dashboard.stop()
         return self._summarise(status)
+
+    @property
+    def _state_dir(self) -> Path:
+        return self.config.output / "state"
+
+    def _prepare_resumable_state(self) -> None:
+        """Every local run keeps the coordinator's state in OUTPUT/state and, unless told
+        otherwise, the workers' checkpoints in OUTPUT/checkpoints: `--resume` goes on
+        from both. A new run in the same OUTPUT starts afresh: it removes both (the
+        checkpoints only where Ripples chose the place), so that no worker of a new run
+        ever restores an older run's checkpoint."""
+        cfg = self.config
+        default_checkpoints = cfg.output / "checkpoints"
+        if cfg.resume:
+            if not (self._state_dir / DB_NAME).exists():
+                raise RuntimeError(f"nothing to resume: {self._state_dir} holds no run (was "
+                                   "the run started with this --output?)")
+        else:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
+            if not cfg.checkpoint.checkpoint_dir:
+                shutil.rmtree(default_checkpoints, ignore_errors=True)
+        if not cfg.checkpoint.checkpoint_dir:
+            cfg.checkpoint = dataclasses.replace(cfg.checkpoint,
+                                                 checkpoint_dir=str(default_checkpoints))
 
     def _spawn(self) -> None:
         cfg, k = self.config, self.config.run.workers_per_node
@@ -215,6 +249,8 @@ class LocalCluster:
     def _summarise(self, status: pb.RunStatus) -> dict[str, object]:
         cfg = self.config
         by_host = sorted(status.workers, key=lambda w: w.rank)
+        if cfg.resume:  # the workers lost with the run before it resumed: their ranks went on
+            by_host = [w for w in by_host if w.state != pb.WORKER_STATE_EXPIRED]
         states = []
         for rank in range(cfg.run.num_workers):
             path = cfg.output / "workers" / f"rank{rank}.pt"

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
-from helpers import ripples_cli
+from helpers import REPO, ripples_cli
 
 
 def _steps(directory: Path) -> list[int]:
@@ -61,3 +64,45 @@ def test_a_malformed_interval_is_refused_before_anything_starts(tmp_path: Path) 
     assert proc.returncode == 2
     assert "checkpoint interval '5min'" in proc.stderr and "--checkpoint-every" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_run_killed_whole_goes_on_with_ripples_run_resume(tmp_path: Path) -> None:
+    """A total failure: the launcher and every worker SIGKILLed. `ripples run --resume`
+    restarts the coordinator from OUTPUT/state and new workers from OUTPUT/checkpoints
+    (the default place): each rank goes on from its newest checkpoint, the run's
+    counters and loss curve go on, and it completes its budget."""
+    output = tmp_path / "run"
+    common = ("run", "--workers", "2", "--protocol", "ripples-smart", "--task", "digits",
+              "--iterations", "1500", "--checkpoint-every", "100", "--output", str(output),
+              "--quiet")
+    launcher = subprocess.Popen([sys.executable, "-m", "ripples.cli", *common], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    try:
+        while not (len(dirs := _rank_dirs(output)) == 2
+                   and all(len(_steps(d)) >= 2 for d in dirs)):
+            assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no checkpoints within 120 s"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["pkill", "-9", "-P", str(launcher.pid)], check=False)
+        launcher.kill()
+        launcher.communicate()
+    time.sleep(0.5)  # the workers' last writes are done: every file is whole or absent
+    newest = {int(d.name.removeprefix("rank-")): _steps(d)[-1] for d in _rank_dirs(output)}
+    assert len(newest) == 2
+    resumed = ripples_cli(*common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((output / "summary.json").read_text())
+    assert "iteration budget reached" in summary["stop_reason"]
+    for rank, record in _records(output).items():
+        # The steps this process made continued from the checkpoint it restored.
+        restored = record["iterations"] - record["step_times"]["steps"]
+        assert restored == newest[rank], (rank, record["iterations"], newest)
+    assert summary["final_accuracy"] >= 0.85
+    assert summary["loss_curve"][0][0] < 1.0  # the curve kept its start
+
+
+def _rank_dirs(output: Path) -> list[Path]:
+    checkpoints = output / "checkpoints"
+    return sorted(checkpoints.glob("rank-*")) if checkpoints.exists() else []
