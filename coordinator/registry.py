@@ -27,6 +27,9 @@ class WorkerState(enum.Enum):
 
 GONE = (WorkerState.LEFT, WorkerState.EXPIRED, WorkerState.FAILED)
 
+STARTUP_GRACE_SECONDS = 30.0
+"""Added to the lease of a worker that registered but is not ready to train yet."""
+
 
 @dataclass(kw_only=True)
 class Progress:
@@ -205,8 +208,12 @@ class Registry:
         w.lease_expires_at = now + self.lease_seconds
 
     def expired(self, now: float) -> list[WorkerRecord]:
-        """Live workers whose lease ran out (the caller removes them)."""
-        return [w for w in self.live() if w.lease_expires_at < now]
+        """Live workers whose lease ran out (the caller removes them). A worker that is
+        not ready yet gets STARTUP_GRACE_SECONDS more: its start-up (imports, data,
+        building the model) can starve its heartbeat thread on a loaded host, and a
+        chaos trial saw starting workers expire under a short lease."""
+        return [w for w in self.live()
+                if w.lease_expires_at + (0.0 if w.ready else STARTUP_GRACE_SECONDS) < now]
 
     def live(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.state not in GONE]

@@ -5,6 +5,7 @@
     ripples worker run ... [-- python train.py] one worker, or a host's K workers
     ripples dashboard serve ...                 the live web dashboard of a run
     ripples schedule ...                        print the static schedule
+    ripples chaos ...                           seeded fault-injection trials of real runs
 
 After `--` comes the user's training script, which every worker runs (written against
 `import ripples`: docs/library.md); without it the workers run the built-in task.
@@ -18,7 +19,7 @@ import logging
 import os
 import sys
 
-from ripples import schedule_command
+from ripples import chaos, schedule_command
 from ripples.config_cli import add_dataclass_arguments, dataclass_from_args
 
 ENV_COORDINATOR = "RIPPLES_COORDINATOR"
@@ -267,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     schedule_command.add_arguments(sched)
     sched.set_defaults(func=schedule_command.run)
 
+    chaos_parser = sub.add_parser("chaos", help="seeded chaos trials: kill, stop and replace "
+                                  "workers of real runs, check nothing is lost")
+    chaos.add_arguments(chaos_parser)
+    chaos_parser.set_defaults(func=chaos.run_command)
     return parser
 
 

@@ -35,7 +35,7 @@ from ripples.worker.client import CoordinatorCallError
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.protocols import create_protocol
-from ripples.worker.protocols.base import Protocol, SyncResult
+from ripples.worker.protocols.base import GROUP_CHECK_IN_SECONDS, Protocol, SyncResult
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 
 if TYPE_CHECKING:
@@ -234,7 +234,8 @@ class StepSynchronizer:
         members = list(reply.group.members)
         key = f"final/{session.config.run_id}/{reply.group.comm_id}"
         try:
-            comm = ctx.comms.get(key, members.index(ctx.worker_id), len(members), create=True)
+            comm = ctx.comms.get(key, members.index(ctx.worker_id), len(members), create=True,
+                                 peers_within=GROUP_CHECK_IN_SECONDS)
             preduce(self.state, comm, timeout)
         except (RuntimeError, TimeoutError, ValueError) as err:
             logger.warning("the final average over workers %s failed (%s); this worker's "

@@ -42,6 +42,7 @@ from ripples.coordinator.core import (
     Progress,
 )
 from ripples.coordinator.groups import GroupRecord, GroupState
+from ripples.coordinator.registry import STARTUP_GRACE_SECONDS
 from ripples.coordinator.schema import Schema
 
 DT = 0.01  # simulated seconds per event
@@ -609,4 +610,15 @@ def test_a_member_lost_before_the_start_stops_the_run_with_its_reason() -> None:
                             ["a", "a"])
     core.mark_ready(ids[0], 10, 0.0)
     core.expire_leases(6.0)
+    assert core.stopped and "lease expired" in core.stop_reason
+
+
+def test_a_starting_worker_gets_a_grace_beyond_its_lease() -> None:
+    """Its start-up (imports, data, model) can starve its heartbeat thread on a loaded
+    host; a chaos trial saw starting workers expire under a 2 s lease."""
+    core, ids = _registered(RunSettings(num_workers=2, iterations=10, lease_seconds=5),
+                            ["a", "a"])
+    core.expire_leases(6.0)
+    assert not core.stopped and len(core.live()) == 2
+    core.expire_leases(5.0 + STARTUP_GRACE_SECONDS + 1)
     assert core.stopped and "lease expired" in core.stop_reason

@@ -86,18 +86,37 @@ class CommunicatorFactory:
         self.gloo_hostname = gloo_hostname  # address gloo binds to ("" = this host's name)
         self._gloo_device: object | None = None
 
-    def build(self, key: str, rank: int, size: int) -> Communicator:
+    def build(self, key: str, rank: int, size: int, *,
+              peers_within: float | None = None) -> Communicator:
         """The communicator of `key`'s members. If building fails because the store
         connection died (the coordinator restarted), reconnect and build once more: the
-        peers do the same, and meet on the new store under the same key."""
+        peers do the same, and meet on the new store under the same key.
+
+        `peers_within`: the members are known to be on their way (the coordinator handed
+        them the group together), so each one checks in on the store and gives up
+        (TimeoutError) when a member has not checked in within that many seconds: it
+        died after the coordinator delivered the group. Without it, the backend's
+        rendezvous would wait the whole collective timeout for a dead member."""
         try:
-            return self._build(key, rank, size)
+            return self._build(key, rank, size, peers_within)
         except (RuntimeError, dist.DistStoreError) as err:
             if self.reconnect is None or self._store_alive():
                 raise
             logger.warning("the rendezvous store connection is lost (%s); reconnecting", err)
             self.store = self.reconnect()
-            return self._build(key, rank, size)
+            return self._build(key, rank, size, peers_within)
+
+    @staticmethod
+    def _check_in(store: dist.Store, rank: int, size: int, seconds: float) -> None:
+        store.set(f"here/{rank}", "1")
+        try:
+            store.wait([f"here/{r}" for r in range(size)], datetime.timedelta(seconds=seconds))
+        except (RuntimeError, dist.DistStoreError) as err:
+            missing = [r for r in range(size) if not store.check([f"here/{r}"])]
+            if not missing:  # a store error, not a missing member
+                raise
+            raise TimeoutError(f"members {missing} of the group did not check in within "
+                               f"{seconds:.0f} s (dead since the group was made?)") from err
 
     def _store_alive(self) -> bool:
         try:
@@ -106,8 +125,10 @@ class CommunicatorFactory:
             return False
         return True
 
-    def _build(self, key: str, rank: int, size: int) -> Communicator:
+    def _build(self, key: str, rank: int, size: int, peers_within: float | None) -> Communicator:
         prefix_store = dist.PrefixStore(f"comm/{key}/", self.store)
+        if peers_within is not None:
+            self._check_in(prefix_store, rank, size, peers_within)
         if self.device.type == "cuda":
             backend = self._build_nccl(prefix_store, rank, size)
         else:
@@ -153,7 +174,10 @@ class CommunicatorCache:
         self.num_hits = 0
         self.num_misses = 0
 
-    def get(self, key: str, rank: int, size: int, *, create: bool) -> Communicator:
+    def get(self, key: str, rank: int, size: int, *, create: bool,
+            peers_within: float | None = None) -> Communicator:
+        """The cached communicator of `key`, or a new one (see CommunicatorFactory.build
+        for `peers_within`)."""
         comm = self._comms.get(key)
         if comm is not None:
             self.num_hits += 1
@@ -165,7 +189,7 @@ class CommunicatorCache:
             logger.warning("communicator %s is not cached here although the coordinator "
                            "expects reuse; building it", key)
         self.num_misses += 1
-        comm = self.factory.build(key, rank, size)
+        comm = self.factory.build(key, rank, size, peers_within=peers_within)
         self._comms[key] = comm
         return comm
 

@@ -36,15 +36,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+GROUP_CHECK_IN_SECONDS = 10.0
+"""The members of a group the coordinator delivered are all on their way to its
+collective; one that has not checked in on the store within this long to build a new
+communicator died since (the group fails then, instead of waiting out the collective
+timeout: a chaos trial saw every worker stand still for 60 s)."""
 HEAL_POLL_SECONDS = 10.0
 """Server-side bound on the wait for a heal group; the replacement then asks again."""
 COORDINATOR_RETRY_SECONDS = 0.5
 """While the coordinator is unreachable (StreamInterrupted), a protocol's averaging
 pauses this long before asking again; training goes on meanwhile."""
 
-__all__ = ["COORDINATOR_RETRY_SECONDS", "Protocol", "ProtocolContext", "StreamInterrupted",
-           "SyncResult", "TrainingJob", "heal_from_peer", "max_peer_wait_seconds",
-           "run_group_collective"]
+__all__ = ["COORDINATOR_RETRY_SECONDS", "GROUP_CHECK_IN_SECONDS", "Protocol",
+           "ProtocolContext", "StreamInterrupted", "SyncResult", "TrainingJob",
+           "heal_from_peer", "max_peer_wait_seconds", "run_group_collective"]
 
 
 @dataclass(kw_only=True)
@@ -242,7 +247,7 @@ def run_group_collective(
     t0 = time.perf_counter()
     try:
         comm = ctx.comms.get(key, members.index(ctx.worker_id), len(members),
-                             create=group.create_comm)
+                             create=group.create_comm, peers_within=GROUP_CHECK_IN_SECONDS)
         distance = collective(comm)
     except (RuntimeError, TimeoutError, ValueError) as err:
         seconds = time.perf_counter() - t0

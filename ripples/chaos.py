@@ -1,0 +1,801 @@
+"""`ripples chaos`: seeded chaos trials of an elastic run with real processes and signals.
+
+One trial starts a coordinator (`ripples coordinator serve --exit-when-done`) and N
+`ripples worker run` processes of a ripples-smart digits run on loopback, each saving its
+final model; then, at random moments of the run (fractions of its iteration budget drawn
+from `random.Random(seed)`), it injects faults, each followed by a replacement worker
+after a random short delay, and waits for every process to exit before a hard deadline
+(a process still running then is killed: a HANG). It checks that the run completed its
+iteration budget, that every process exited as its fate says (0 unless SIGKILLed), that
+replacements healed from a live peer, that one final model per rank was saved, all
+finite, and that their average reaches the accuracy floor on the digits test split.
+
+Fault kinds are a table (`FAULT_KINDS`): a kind is a function that injects the fault
+into a running trial (picking its victim, signalling it, scheduling what follows). Add a
+kind there (a worker restarted from its checkpoint, a coordinator restart) and select it
+with `--faults`.
+
+This module is orchestration only: it imports no torch until it evaluates the models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ripples.v1 import coordinator_pb2 as pb
+    from ripples.worker.client import CoordinatorClient
+
+LISTENING = re.compile(r"ripples coordinator listening on (\S+) ")
+FINISHED = re.compile(r"worker \d+ finished: (.*)$")
+HEALED = re.compile(r"healed from worker (\d+) in ([\d.]+) s \(([\d.]+) s after asking\)")
+BUDGET = re.compile(r"^iteration budget reached \((\d+) iterations\)")
+POLL_SECONDS = 0.2
+"""Status poll period of the driver (faults, stalls, the run's progress)."""
+MIN_LIVE_AFTER_FAULT = 2
+"""A fault is injected only if this many training workers remain after it (fewer, and the
+run stops on purpose below the run's --min-workers, default 2)."""
+FAULT_WINDOW = (0.05, 0.5)
+"""Faults fire at fractions of the iteration budget drawn from this range, so that their
+replacements have time to start, heal and train before the run ends."""
+GIVE_UP_PROGRESS = 0.8
+"""A planned fault that found no victim before this fraction of the budget is skipped."""
+LONG_STALL_SECONDS = 10.0
+"""Summaries count the trials whose longest stall exceeded this (several leases: more
+than waiting for a dead member's lease to expire)."""
+
+
+@dataclass(kw_only=True)
+class ChaosConfig:
+    """What `ripples chaos` runs. Every trial is one run of `workers` workers."""
+
+    trials: int = 1
+    seed: int = 0
+    """Trial i uses seed + i (for its run and its fault plan): rerun one with --trials 1."""
+    workers: int = 4
+    iterations: int = 1500
+    """Per-worker iteration budget of each run."""
+    lease_seconds: float = 2.0
+    faults: tuple[str, ...] = ("sigkill", "sigterm")
+    """Fault kinds to draw from (keys of FAULT_KINDS); the first fault of a trial is the
+    first kind listed."""
+    faults_per_trial: int = 3
+    min_accuracy: float = 0.85
+    deadline_seconds: float = 240.0
+    """Every process of a trial must have exited this long after the trial started."""
+    workdir: Path | None = None
+    """Logs and models of every trial go under here (kept); default: a temporary folder
+    whose passing trials are removed (failing ones are kept and named)."""
+    task: str = "digits"
+    protocol: str = "ripples-smart"
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in self.faults if k not in FAULT_KINDS]
+        if unknown or not self.faults:
+            raise ValueError(f"unknown fault kind(s) {unknown or '(none)'}; choose from "
+                             f"{', '.join(FAULT_KINDS)}")
+        if self.workers < MIN_LIVE_AFTER_FAULT + 1:
+            raise ValueError(f"a chaos trial needs at least {MIN_LIVE_AFTER_FAULT + 1} workers")
+        if self.trials < 1 or self.iterations < 1 or self.faults_per_trial < 0:
+            raise ValueError("trials and iterations must be positive, faults_per_trial >= 0")
+
+
+# ---------------------------------------------------------------------------- processes
+class Proc:
+    """One process of a trial. A thread reads its output: each line is kept with the
+    monotonic time it arrived and written to its log file."""
+
+    def __init__(self, name: str, role: str, argv: list[str], log_path: Path,
+                 t0: float) -> None:
+        self.name = name
+        self.role = role  # "coordinator", "worker" or "replacement"
+        self.log_path = log_path
+        self.model_path: Path | None = None
+        self.fault = ""  # the fault kind it received, if any
+        self.expected_exit: int | None = 0  # None: any exit code is fine
+        self.started_at = time.monotonic()
+        self._t0 = t0
+        self._lines: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("RIPPLES_COORDINATOR", None)
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, text=True, env=env)
+        self._reader = threading.Thread(target=self._read, name=f"chaos-{name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        with open(self.log_path, "w") as log:
+            log.write(f"# {' '.join(self.popen.args)}\n")  # type: ignore[arg-type]
+            for line in self.popen.stdout:
+                now = time.monotonic()
+                with self._lock:
+                    self._lines.append((now, line.rstrip("\n")))
+                log.write(f"[{now - self._t0:8.3f}] {line}")
+                log.flush()
+
+    def find(self, pattern: re.Pattern[str]) -> tuple[float, re.Match[str]] | None:
+        """The first line matching `pattern`: (when it arrived, the match)."""
+        with self._lock:
+            lines = list(self._lines)
+        for when, line in lines:
+            m = pattern.search(line)
+            if m:
+                return when, m
+        return None
+
+    def tail(self, lines: int = 15) -> str:
+        with self._lock:
+            return "\n".join(line for _, line in self._lines[-lines:])
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            self.popen.send_signal(sig)
+
+    def reap(self) -> None:
+        """Kill it if it still runs; wait for it and for its output."""
+        if self.alive:
+            self.popen.kill()
+        self.popen.wait()
+        self._reader.join(10)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+# ---------------------------------------------------------------------------- faults
+@dataclass(kw_only=True)
+class PlannedFault:
+    """One fault of a trial's plan, drawn before the trial starts."""
+
+    kind: str
+    progress: float
+    """Fires once the live workers' mean iteration reaches this fraction of the budget."""
+    replace_after: float
+    """Seconds from the fault to the start of its replacement."""
+    in_preduce: bool
+    """Wait (briefly) for a victim that the coordinator sees inside a P-Reduce."""
+    pick: float
+    """Which victim among the candidates (a fraction of the list sorted by name)."""
+
+
+@dataclass(kw_only=True)
+class FaultRecord:
+    """One injected fault, as it happened."""
+
+    kind: str
+    victim: str
+    rank: int
+    at_seconds: float
+    """Since the trial started."""
+    progress: float
+    victim_state: str
+    """The coordinator's view of the victim just before the fault (reducing: it held a
+    delivered group, inside a P-Reduce)."""
+    replacement: str = ""
+    replacement_at_seconds: float | None = None
+    heal_seconds: float | None = None
+    """From the replacement's process start to its "healed from worker" line."""
+    fault_to_heal_seconds: float | None = None
+    heal_donor: int | None = None
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    summary: str
+    inject: Callable[[Trial, PlannedFault], FaultRecord | None]
+    """Inject the fault into the running trial now, or return None if it cannot be now
+    (no victim can be spared): the trial asks again at its next poll."""
+
+
+def _signal_worker(sig: int, expected_exit: int | None) -> Callable[
+        [Trial, PlannedFault], FaultRecord | None]:
+    def inject(trial: Trial, planned: PlannedFault) -> FaultRecord | None:
+        candidates = trial.candidates()
+        if len(candidates) < MIN_LIVE_AFTER_FAULT + 1:
+            return None
+        if planned.in_preduce:  # poll fast for a victim that holds a group
+            until = time.monotonic() + 2.0
+            while time.monotonic() < until:
+                reducing = [c for c in candidates if c[1].state == _state("REDUCING")]
+                if reducing:
+                    candidates = reducing
+                    break
+                time.sleep(0.02)
+                candidates = trial.candidates(fast=True)
+                if len(candidates) < MIN_LIVE_AFTER_FAULT + 1:
+                    return None
+        proc, status = candidates[min(int(planned.pick * len(candidates)), len(candidates) - 1)]
+        proc.signal(sig)
+        proc.fault, proc.expected_exit = planned.kind, expected_exit
+        record = FaultRecord(kind=planned.kind, victim=proc.name, rank=status.rank,
+                             at_seconds=trial.elapsed(), progress=trial.progress,
+                             victim_state=_state_name(status.state))
+        trial.note(f"{planned.kind} {proc.name} (worker {status.worker_id}, rank "
+                   f"{status.rank}, {record.victim_state}) at progress {trial.progress:.2f}; "
+                   f"replacement in {planned.replace_after:.1f} s")
+        trial.replace_later(record, planned.replace_after)
+        return record
+    return inject
+
+
+FAULT_KINDS: dict[str, FaultKind] = {
+    "sigkill": FaultKind(
+        "SIGKILL a training worker (sometimes inside a P-Reduce): its lease expires, a "
+        "replacement takes its rank and heals", _signal_worker(signal.SIGKILL, None)),
+    "sigterm": FaultKind(
+        "SIGTERM a training worker: it finishes its step, saves its model, leaves cleanly "
+        "(exit 0); a replacement takes its rank and heals", _signal_worker(signal.SIGTERM, 0)),
+}
+
+
+def _state(name: str) -> int:
+    from ripples.v1 import coordinator_pb2 as pb
+
+    return int(pb.WorkerState.Value(f"WORKER_STATE_{name}"))
+
+
+def _state_name(value: int) -> str:
+    from ripples.v1 import coordinator_pb2 as pb
+
+    return str(pb.WorkerState.Name(value)).removeprefix("WORKER_STATE_").lower()
+
+
+def plan_faults(rng: random.Random, config: ChaosConfig) -> list[PlannedFault]:
+    """The trial's faults, in firing order: the first of the first kind listed."""
+    lo, hi = FAULT_WINDOW
+    moments = sorted(rng.uniform(lo, hi) for _ in range(config.faults_per_trial))
+    plan = []
+    for i, moment in enumerate(moments):
+        kind = config.faults[0] if i == 0 else rng.choice(config.faults)
+        plan.append(PlannedFault(kind=kind, progress=moment,
+                                 replace_after=rng.uniform(0.0, 2.0),
+                                 in_preduce=rng.random() < 0.5, pick=rng.random()))
+    return plan
+
+
+# ---------------------------------------------------------------------------- a trial
+@dataclass(kw_only=True)
+class TrialResult:
+    index: int
+    seed: int
+    ok: bool = False
+    hang: bool = False
+    lost: bool = False
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    training_seconds: float = 0.0
+    """The coordinator's elapsed time of the run (training started to the stop)."""
+    stop_reason: str = ""
+    accuracy: float | None = None
+    faults: list[FaultRecord] = field(default_factory=list)
+    skipped_faults: list[str] = field(default_factory=list)
+    heals: int = 0
+    longest_stall_seconds: float = 0.0
+    """Longest time a training worker that had not been faulted made no iteration (seen
+    by status polls every POLL_SECONDS, while the run trained)."""
+    longest_stall_worker: str = ""
+    groups_failed: int = 0
+    groups_cancelled: int = 0
+    directory: str = ""
+
+    def line(self) -> str:
+        faults = " ".join(
+            f"{f.kind}({f.victim} rank {f.rank}, {f.victim_state})@{f.progress:.2f}"
+            + (f"->{f.replacement} healed {f.heal_seconds:.1f}s" if f.heal_seconds is not None
+               else f"->{f.replacement or '-'} no heal")
+            for f in self.faults)
+        acc = f"{self.accuracy:.3f}" if self.accuracy is not None else "-"
+        head = f"trial {self.index} seed {self.seed}: "
+        head += "ok" if self.ok else ("HANG" if self.hang else "LOST" if self.lost else "FAILED")
+        text = (f"{head} {self.seconds:.1f} s (training {self.training_seconds:.1f} s), "
+                f"accuracy {acc}, longest stall {self.longest_stall_seconds:.1f} s, "
+                f"groups failed {self.groups_failed}; faults: {faults or 'none'}")
+        if self.failures:
+            text += "\n    " + "\n    ".join(self.failures)
+            text += f"\n    logs: {self.directory}"
+        return text
+
+
+class Trial:
+    """One seeded run with faults: start, drive, wait, check (`run()`)."""
+
+    def __init__(self, config: ChaosConfig, index: int, seed: int, directory: Path) -> None:
+        self.config = config
+        self.result = TrialResult(index=index, seed=seed, directory=str(directory))
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.plan = plan_faults(self.rng, config)
+        self.dir = directory
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + config.deadline_seconds
+        self.procs: list[Proc] = []
+        self.coordinator: Proc | None = None
+        self.client: CoordinatorClient | None = None
+        self.status: pb.RunStatus | None = None
+        self.final_status: pb.RunStatus | None = None
+        self.progress = 0.0
+        self.ranks: dict[str, int] = {}  # host (process name) -> rank
+        self._replacements: list[tuple[float, FaultRecord]] = []
+        self._seen: dict[str, tuple[int, float]] = {}  # name -> (iteration, since when)
+        self._num_replacements = 0
+        self._states: dict[str, str] = {}  # process name -> its last state seen
+        self._notes = open(directory / "harness.log", "w")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def note(self, text: str) -> None:
+        """One line of the trial's own log (DIR/harness.log): what it did and saw."""
+        self._notes.write(f"[{self.elapsed():8.3f}] {text}\n")
+        self._notes.flush()
+
+    # ------------------------------------------------------------------ processes
+    def _cli(self, *args: str) -> list[str]:
+        return [self.config.python, "-m", "ripples.cli", *args]
+
+    def _start_coordinator(self) -> str:
+        cfg = self.config
+        argv = self._cli("coordinator", "serve", "--host", "127.0.0.1", "--port", "0",
+                         "--metrics-port", "0", "--exit-when-done",
+                         "--workers", str(cfg.workers), "--protocol", cfg.protocol,
+                         "--task", cfg.task, "--iterations", str(cfg.iterations),
+                         "--lease-seconds", str(cfg.lease_seconds), "--seed", str(self.seed))
+        self.coordinator = Proc("coordinator", "coordinator", argv,
+                                self.dir / "coordinator.log", self.t0)
+        self.procs.append(self.coordinator)
+        until = min(self.deadline, time.monotonic() + 120)
+        while time.monotonic() < until:
+            found = self.coordinator.find(LISTENING)
+            if found:
+                return found[1].group(1)
+            if not self.coordinator.alive:
+                break
+            time.sleep(0.05)
+        raise _TrialError("the coordinator did not start:\n" + self.coordinator.tail())
+
+    def _start_worker(self, name: str, role: str, address: str) -> Proc:
+        model = self.dir / f"{name}.pt"
+        argv = self._cli("worker", "run", "--coordinator", address, "--host", name,
+                         "--metrics-port", "-1", "--save-model", str(model))
+        proc = Proc(name, role, argv, self.dir / f"{name}.log", self.t0)
+        proc.model_path = model
+        self.procs.append(proc)
+        self.note(f"started {name} ({role}), pid {proc.popen.pid}")
+        return proc
+
+    def replace_later(self, record: FaultRecord, delay: float) -> None:
+        self._replacements.append((time.monotonic() + delay, record))
+
+    def _start_due_replacements(self, address: str) -> None:
+        now = time.monotonic()
+        for item in [r for r in self._replacements if r[0] <= now]:
+            self._replacements.remove(item)
+            self._num_replacements += 1
+            record = item[1]
+            record.replacement = f"r{self._num_replacements}"
+            record.replacement_at_seconds = self.elapsed()
+            self._start_worker(record.replacement, "replacement", address)
+
+    def workers(self) -> list[Proc]:
+        return [p for p in self.procs if p.role != "coordinator"]
+
+    def proc(self, name: str) -> Proc | None:
+        return next((p for p in self.procs if p.name == name), None)
+
+    def healed(self, proc: Proc) -> bool:
+        return proc.role != "replacement" or proc.find(HEALED) is not None
+
+    # ------------------------------------------------------------------ status
+    def poll(self) -> pb.RunStatus | None:
+        """Read the run's status (None if the coordinator did not answer); track the
+        progress, the ranks and the survivors' stalls."""
+        from ripples.worker.client import CoordinatorCallError
+
+        if self.client is None or self.coordinator is None or not self.coordinator.alive:
+            return None
+        try:
+            status = self.client.run_status()
+        except CoordinatorCallError:
+            return None
+        now = time.monotonic()
+        self.status = status
+        self._note_changes(status)
+        if status.stopped:
+            self.final_status = status
+        training = [w for w in status.workers if w.state in _training_states()]
+        if status.started:  # the membership is formed: ranks are final
+            for w in status.workers:
+                self.ranks.setdefault(w.host, w.rank)
+        if training and self.config.iterations:
+            self.progress = (sum(w.iteration for w in training) / len(training)
+                             / self.config.iterations)
+        if status.started and not status.stopped:
+            for w in training:
+                p = self.proc(w.host)
+                if p is None or p.fault or not self.healed(p):
+                    self._seen.pop(w.host, None)
+                    continue
+                last = self._seen.get(w.host)
+                if last is None or w.iteration != last[0]:
+                    self._seen[w.host] = (w.iteration, now)
+                elif now - last[1] > self.result.longest_stall_seconds:
+                    self.result.longest_stall_seconds = now - last[1]
+                    self.result.longest_stall_worker = w.host
+        return status
+
+    def _note_changes(self, status: pb.RunStatus) -> None:
+        for w in status.workers:  # training states (computing, waiting, reducing) as one
+            state = "training" if w.state in _training_states() else _state_name(w.state)
+            if self._states.get(w.host) != state:
+                self._states[w.host] = state
+                self.note(f"{w.host} is worker {w.worker_id}, rank {w.rank}: {state} at "
+                          f"iteration {w.iteration}" + (f" ({w.error})" if w.error else ""))
+        if status.started and "started" not in self._states:
+            self._states["started"] = "yes"
+            self.note("training started")
+        if status.stopped and "stopped" not in self._states:
+            self._states["stopped"] = "yes"
+            self.note(f"run stopped: {status.stop_reason}")
+
+    def candidates(self, fast: bool = False) -> list[tuple[Proc, pb.WorkerStatus]]:
+        """Training workers that may be faulted now: alive, not faulted, healed, training
+        in the coordinator's view; sorted by name."""
+        status = self.poll() if fast else self.status
+        if status is None or not status.started or status.stopped:
+            return []
+        out = []
+        for w in status.workers:
+            p = self.proc(w.host)
+            if (p is not None and p.role != "coordinator" and p.alive and not p.fault
+                    and w.state in _training_states() and self.healed(p)):
+                out.append((p, w))
+        return sorted(out, key=lambda c: c[0].name)
+
+    # ------------------------------------------------------------------ the trial
+    def run(self) -> TrialResult:
+        from ripples.worker.client import CoordinatorClient
+
+        r = self.result
+        try:
+            address = self._start_coordinator()
+            self.client = CoordinatorClient(address, rpc_timeout_seconds=5.0)
+            for i in range(self.config.workers):
+                self._start_worker(f"w{i}", "worker", address)
+            self._drive(address)
+            self._wait_for_exits()
+        except _TrialError as err:
+            r.failures.append(str(err))
+        finally:
+            still = [p.name for p in self.procs if p.alive]
+            if still:
+                r.hang = True
+                r.failures.insert(0, f"HANG: still running at the deadline "
+                                  f"({self.config.deadline_seconds:.0f} s): {', '.join(still)}")
+                for p in self.procs:
+                    if p.alive:
+                        with open(p.log_path.with_suffix(".tail"), "w") as f:
+                            f.write(p.tail(60) + "\n")
+            for p in self.procs:
+                p.reap()
+                self.note(f"{p.name} exited with {p.returncode}")
+            if self.client is not None:
+                self.client.close()
+            r.seconds = self.elapsed()
+        self._check()
+        r.ok = not r.failures
+        for failure in r.failures:
+            self.note(f"FAILURE: {failure}")
+        self._notes.close()
+        return r
+
+    def _drive(self, address: str) -> None:
+        """Poll the run, inject the plan's faults and start replacements until it stops."""
+        plan = list(self.plan)
+        while time.monotonic() < self.deadline:
+            status = self.poll()
+            assert self.coordinator is not None
+            if not self.coordinator.alive or (status is not None and status.stopped):
+                break
+            if status is not None and status.started:
+                self._start_due_replacements(address)
+                if plan and self.progress >= plan[0].progress:
+                    record = FAULT_KINDS[plan[0].kind].inject(self, plan[0])
+                    if record is not None:
+                        self.result.faults.append(record)
+                        plan.pop(0)
+                    elif self.progress > GIVE_UP_PROGRESS:
+                        self.result.skipped_faults.append(plan.pop(0).kind)
+            time.sleep(POLL_SECONDS)
+        self.result.skipped_faults += [p.kind for p in plan]
+        self.result.skipped_faults += [f"replacement of {r.victim}" for _, r in self._replacements]
+
+    def _wait_for_exits(self) -> None:
+        while time.monotonic() < self.deadline and any(p.alive for p in self.procs):
+            self.poll()
+            time.sleep(POLL_SECONDS)
+
+    # ------------------------------------------------------------------ checks
+    def _check(self) -> None:
+        r = self.result
+        fail = r.failures.append
+        if self.final_status is not None:
+            r.stop_reason = self.final_status.stop_reason
+            r.training_seconds = self.final_status.elapsed_seconds
+            r.groups_failed = self.final_status.num_groups_failed
+            r.groups_cancelled = self.final_status.num_groups_cancelled
+        else:  # the coordinator exited before a poll saw the stop: its workers' word
+            said = [found for w in self.workers() if (found := w.find(FINISHED)) is not None]
+            r.stop_reason = said[0][1].group(1) if said else ""
+        budget = BUDGET.match(r.stop_reason)
+        needed = self.config.workers * self.config.iterations
+        if budget is None or int(budget.group(1)) < needed:
+            r.lost = True
+            fail(f"LOST run: it stopped with {r.stop_reason or 'no stop reason'!r}, not its "
+                 f"iteration budget of {needed} iterations")
+        for p in self.procs:
+            code = p.returncode
+            if p.expected_exit is not None and code != p.expected_exit:
+                why = f" after {p.fault}" if p.fault else ""
+                fail(f"{p.name} exited with {code}{why}, expected {p.expected_exit}:\n"
+                     + _indent(p.tail()))
+        # Heals: the time from a replacement's start to its heal line.
+        for f in r.faults:
+            joiner = self.proc(f.replacement) if f.replacement else None
+            healed = joiner.find(HEALED) if joiner is not None else None
+            if joiner is not None and healed is not None:
+                when, m = healed
+                f.heal_seconds = when - joiner.started_at
+                f.fault_to_heal_seconds = when - self.t0 - f.at_seconds
+                f.heal_donor = int(m.group(1))
+        r.heals = sum(f.heal_seconds is not None for f in r.faults)
+        if r.faults and r.heals == 0:
+            fail("no replacement healed (no \"healed from worker\" in their logs)")
+        self._check_models()
+
+    def _check_models(self) -> None:
+        r = self.result
+        fail = r.failures.append
+        final = [p for p in self.workers() if not p.fault and p.returncode == 0]
+        saved = [p for p in self.workers() if p.returncode == 0]
+        missing = [p.name for p in saved if p.model_path is None or not p.model_path.exists()]
+        if missing:
+            fail(f"no saved model from {', '.join(missing)}")
+            return
+        ranks = sorted(self.ranks.get(p.name, -1) for p in final)
+        if ranks != list(range(self.config.workers)):
+            fail(f"the final models are not one per rank: ranks {ranks} "
+                 f"({', '.join(p.name for p in final)})")
+        for p in final:
+            if not self.healed(p):  # its model would be the task's fresh one
+                fail(f"{p.name} saved a final model but never healed (the run stopped "
+                     "before its heal group)")
+        if not final:
+            return
+        try:
+            accuracy, nonfinite = evaluate_models(
+                [p.model_path for p in final if p.model_path is not None],
+                [p.model_path for p in saved if p.fault and p.model_path is not None],
+                self.config.task, self.seed)
+        except Exception as err:  # noqa: BLE001 (a model that does not load is a failure)
+            fail(f"could not evaluate the models: {type(err).__name__}: {err}")
+            return
+        r.accuracy = accuracy
+        if nonfinite:
+            fail(f"non-finite values in saved models: {', '.join(nonfinite)}")
+        if not accuracy >= self.config.min_accuracy:
+            fail(f"the average of the final models reaches accuracy {accuracy:.3f} < "
+                 f"{self.config.min_accuracy}")
+
+
+class _TrialError(Exception):
+    pass
+
+
+def _indent(text: str) -> str:
+    return "\n".join("      " + line for line in text.splitlines())
+
+
+@functools.cache
+def _training_states() -> tuple[int, ...]:
+    """The coordinator's states of a worker that trains (between groups, waiting for one,
+    or inside a P-Reduce)."""
+    return tuple(_state(s) for s in ("COMPUTING", "WAITING", "REDUCING"))
+
+
+def evaluate_models(final: list[Path], others: list[Path], task: str,
+                    seed: int) -> tuple[float, list[str]]:
+    """(accuracy of the average of the `final` models on the task's test split, the
+    files among `final` and `others` that hold a non-finite value). CPU, this process."""
+    import torch
+
+    from ripples.worker.tasks import TaskOptions, build_task, evaluate
+
+    nonfinite = []
+    states = []
+    for path in [*final, *others]:
+        state = torch.load(path, map_location="cpu")
+        if not all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
+            nonfinite.append(path.name)
+        if path in final:
+            states.append(state)
+    average = {k: (sum(s[k].double() for s in states) / len(states)).to(states[0][k].dtype)
+               if states[0][k].is_floating_point() else states[0][k] for k in states[0]}
+    built = build_task(task, TaskOptions(seed=seed, device="cpu"))
+    model = built.build_model()
+    model.load_state_dict(average)
+    _, accuracy = evaluate(built, model)
+    return float(accuracy if accuracy is not None else math.nan), nonfinite
+
+
+# ---------------------------------------------------------------------------- many trials
+def run_trials(config: ChaosConfig, on_result: Callable[[TrialResult], None] = lambda r: None
+               ) -> dict[str, Any]:
+    """Run the configured trials one after another; returns the summary (`summarise`)."""
+    temporary = config.workdir is None
+    root = Path(tempfile.mkdtemp(prefix="ripples-chaos-")) if temporary else config.workdir
+    assert root is not None
+    results = []
+    for i in range(config.trials):
+        seed = config.seed + i
+        directory = root / f"trial-{i}-seed-{seed}"
+        directory.mkdir(parents=True, exist_ok=True)
+        result = Trial(config, i, seed, directory).run()
+        if temporary and result.ok:
+            shutil.rmtree(directory, ignore_errors=True)
+        results.append(result)
+        on_result(result)
+    if temporary and all(r.ok for r in results):
+        shutil.rmtree(root, ignore_errors=True)
+    summary = summarise(results)
+    summary["config"] = {"seed": config.seed, "workers": config.workers,
+                         "iterations": config.iterations, "lease_seconds": config.lease_seconds,
+                         "faults": list(config.faults),
+                         "faults_per_trial": config.faults_per_trial,
+                         "deadline_seconds": config.deadline_seconds,
+                         "protocol": config.protocol, "task": config.task,
+                         "workdir": str(root)}
+    return summary
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"min": round(min(values), 3), "median": round(statistics.median(values), 3),
+            "max": round(max(values), 3)}
+
+
+def summarise(results: list[TrialResult]) -> dict[str, Any]:
+    faults = [f for r in results for f in r.faults]
+    kinds: dict[str, int] = {}
+    for f in faults:
+        kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    return {
+        "trials": len(results),
+        "passed": sum(r.ok for r in results),
+        "failed": sum(not r.ok for r in results),
+        "hangs": sum(r.hang for r in results),
+        "lost_runs": sum(r.lost for r in results),
+        "failed_seeds": [r.seed for r in results if not r.ok],
+        "faults": kinds,
+        "faults_inside_preduce": sum(f.victim_state == "reducing" for f in faults),
+        "skipped_faults": sum(len(r.skipped_faults) for r in results),
+        "heals": sum(r.heals for r in results),
+        "heal_seconds": _spread([f.heal_seconds for f in faults if f.heal_seconds is not None]),
+        "fault_to_heal_seconds": _spread([f.fault_to_heal_seconds for f in faults
+                                          if f.fault_to_heal_seconds is not None]),
+        "longest_stall_seconds": _spread([r.longest_stall_seconds for r in results]),
+        "long_stall_seeds": [r.seed for r in results
+                             if r.longest_stall_seconds > LONG_STALL_SECONDS],
+        "trial_seconds": _spread([r.seconds for r in results]),
+        "training_seconds": _spread([r.training_seconds for r in results]),
+        "accuracy": _spread([r.accuracy for r in results if r.accuracy is not None]),
+        "groups_failed": sum(r.groups_failed for r in results),
+        "groups_cancelled": sum(r.groups_cancelled for r in results),
+        "results": [asdict(r) for r in results],
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def spread(key: str) -> str:
+        s = summary[key]
+        return "-" if s is None else f"{s['min']:.1f} / {s['median']:.1f} / {s['max']:.1f}"
+
+    kinds = ", ".join(f"{k} {n}" for k, n in summary["faults"].items()) or "none"
+    lines = [
+        f"chaos: {summary['trials']} trials, {summary['passed']} passed, "
+        f"{summary['failed']} failed ({summary['hangs']} hangs, {summary['lost_runs']} "
+        f"lost runs)" + (f"; failed seeds {summary['failed_seeds']}"
+                         if summary["failed_seeds"] else ""),
+        f"  faults: {kinds} ({summary['faults_inside_preduce']} inside a P-Reduce, "
+        f"{summary['skipped_faults']} skipped); heals {summary['heals']}; groups failed "
+        f"{summary['groups_failed']}, cancelled {summary['groups_cancelled']}",
+        f"  seconds min / median / max: trial {spread('trial_seconds')}, training "
+        f"{spread('training_seconds')}, replacement start to heal {spread('heal_seconds')}, "
+        f"fault to heal {spread('fault_to_heal_seconds')}, survivors' longest stall "
+        f"{spread('longest_stall_seconds')}"
+        + (f"; stalls over {LONG_STALL_SECONDS:.0f} s in seeds {summary['long_stall_seeds']}"
+           if summary["long_stall_seeds"] else ""),
+    ]
+    acc = summary["accuracy"]
+    if acc is not None:
+        lines.append(f"  accuracy of the averaged final model: min {acc['min']:.3f}, "
+                     f"median {acc['median']:.3f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ChaosConfig()
+    parser.add_argument("--trials", type=int, default=d.trials, help="trials to run (default: 1)")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="trial i uses seed + i for its run and its faults (default: 0)")
+    parser.add_argument("--workers", type=int, default=d.workers,
+                        help=f"workers per run (default: {d.workers})")
+    parser.add_argument("--iterations", type=int, default=d.iterations,
+                        help=f"per-worker iteration budget (default: {d.iterations})")
+    parser.add_argument("--lease-seconds", type=float, default=d.lease_seconds,
+                        help=f"the runs' lease (default: {d.lease_seconds})")
+    parser.add_argument("--faults", default=",".join(d.faults),
+                        help=f"fault kinds, comma-separated, from: {', '.join(FAULT_KINDS)} "
+                             f"(default: {','.join(d.faults)})")
+    parser.add_argument("--faults-per-trial", type=int, default=d.faults_per_trial,
+                        help=f"faults injected per trial (default: {d.faults_per_trial})")
+    parser.add_argument("--min-accuracy", type=float, default=d.min_accuracy,
+                        help=f"accuracy floor of the averaged final model "
+                             f"(default: {d.min_accuracy})")
+    parser.add_argument("--deadline-seconds", type=float, default=d.deadline_seconds,
+                        help="every process of a trial must have exited by then, else HANG "
+                             f"(default: {d.deadline_seconds:.0f})")
+    parser.add_argument("--workdir", default="",
+                        help="keep every trial's logs and models here (default: a temporary "
+                             "folder; failing trials are kept and named)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        config = ChaosConfig(
+            trials=args.trials, seed=args.seed, workers=args.workers,
+            iterations=args.iterations, lease_seconds=args.lease_seconds,
+            faults=tuple(k.strip() for k in args.faults.split(",") if k.strip()),
+            faults_per_trial=args.faults_per_trial, min_accuracy=args.min_accuracy,
+            deadline_seconds=args.deadline_seconds,
+            workdir=Path(args.workdir) if args.workdir else None)
+    except ValueError as err:
+        print(f"ripples chaos: error: {err}", file=sys.stderr)
+        return 2
+    out = sys.stderr if args.json else sys.stdout
+    summary = run_trials(config, lambda r: print(r.line(), file=out, flush=True))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_summary(summary))
+    return 0 if summary["failed"] == 0 else 1
