@@ -90,6 +90,10 @@ class RunSettings:
     """Workers ride over a coordinator outage of up to this long (a coordinator restarted
     from its --state-dir): RPCs retry with back-off and jitter, group streams reconnect,
     training goes on meanwhile; past it a worker fails with the coordinator's error."""
+    outage_local_steps: int = 100
+    """While the coordinator is unreachable, a worker of a group or gossip protocol trains
+    on alone for up to this many steps, then waits for it (within the outage window):
+    models that never average drift apart, each towards its own shard."""
     final_average: bool = True
     """After the stop, the live workers of a group or gossip protocol average their models
     once more, all together, so that every worker's final model (--save-model) is the
@@ -196,6 +200,8 @@ class RunSettings:
                 raise ValueError(f"{name} must be positive")
         if self.lease_seconds <= 2 * self.heartbeat_interval_seconds:
             raise ValueError("lease_seconds must exceed twice heartbeat_interval_seconds")
+        if self.outage_local_steps < 0:
+            raise ValueError("outage_local_steps must not be negative")
         if self.checkpoint_interval < 1:
             raise ValueError("checkpoint_interval must be at least 1")
         for settings_cls in spec.settings:
@@ -242,6 +248,7 @@ class RunSettings:
             lease_seconds=self.lease_seconds,
             coordinator_outage_seconds=self.coordinator_outage_seconds,
             final_average=self.final_average,
+            outage_local_steps=self.outage_local_steps,
             checkpoint_interval=self.checkpoint_interval,
             batch_size=self.batch_size,
             learning_rate=self.learning_rate,

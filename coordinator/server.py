@@ -141,7 +141,8 @@ class CoordinatorServer(LoopThreadService):
         saved = state.load()
         if saved is None:
             return CoordinatorCore(self.config.run, now=now), incarnation, None
-        core = snapshot.restore(saved, now, incarnation, resume=self.config.resume_workers)
+        core = snapshot.restore(saved, now, incarnation, wall=time.time(),
+                                resume=self.config.resume_workers)
         self.config.run = core.settings
         live = len(core.live())
         logger.warning("resumed run %s from %s (incarnation %d): %d live workers, %.0f "

@@ -161,7 +161,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self._saving is None:
             self._saving = asyncio.Lock()
         async with self._saving:
-            data = snapshot.take(self.core, self.clock())
+            data = snapshot.take(self.core, self.clock(), time.time())
             data["metrics_targets"] = {str(k): v for k, v in self.metrics_targets.items()}
             await asyncio.to_thread(self.state.save, data)
 

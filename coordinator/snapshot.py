@@ -32,13 +32,14 @@ _TRANSIENT = ("round_target", "wait_started_at", "listening")
 """Worker fields that belong to a pending request, not to the run."""
 
 
-def take(core: CoordinatorCore, now: float) -> dict[str, Any]:
-    """The run's state at monotonic time `now`, as JSON values."""
+def take(core: CoordinatorCore, now: float, wall: float = 0.0) -> dict[str, Any]:
+    """The run's state at monotonic time `now` (wall-clock time `wall`), as JSON values."""
     progress = core.progress
     return {
         "format": FORMAT,
         "settings": core.settings.options(),
         "elapsed": core.elapsed(now) if core.started_at is not None else None,
+        "wall": wall,
         "workers": [_worker(w) for w in core.workers.values()],
         "registry": {"formed": core.registry.formed, "nodes": core.registry._nodes,
                      "next_worker_id": core.registry._next_worker_id,
@@ -59,11 +60,13 @@ def take(core: CoordinatorCore, now: float) -> dict[str, Any]:
     }
 
 
-def restore(snapshot: dict[str, Any], now: float, incarnation: int, *,
+def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: float = 0.0,
             resume: bool = False) -> CoordinatorCore:
-    """A core that goes on with the snapshot's run at monotonic time `now`: with its
-    workers (a coordinator restart), or with a new set of them (`resume`: after a total
-    failure, see CoordinatorCore.resume)."""
+    """A core that goes on with the snapshot's run at monotonic time `now` (wall-clock
+    time `wall`): with its workers (a coordinator restart: its training time includes the
+    time since the save, as the workers trained on meanwhile), or with a new set of them
+    (`resume`: after a total failure, whose downtime is no training time; see
+    CoordinatorCore.resume)."""
     if snapshot.get("format") != FORMAT:
         raise ValueError(f"state of format {snapshot.get('format')!r}; this coordinator "
                          f"reads format {FORMAT}")
@@ -86,7 +89,8 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *,
     if registry.formed:
         core.graph = RunGraph.build(settings, _holders_by_rank(registry.workers.values()))
     if started:
-        core.started_at = now - snapshot["elapsed"]
+        since_save = 0.0 if resume else max(0.0, wall - snapshot["wall"])
+        core.started_at = now - snapshot["elapsed"] - since_save
     stop = snapshot["stop"]
     core.stopper.stopped, core.stopper.reason = stop["stopped"], stop["reason"]
     core.stopper.stop_at_iteration = stop["at_iteration"]

@@ -74,7 +74,7 @@ class ChaosConfig:
     iterations: int = 1500
     """Per-worker iteration budget of each run."""
     lease_seconds: float = 2.0
-    faults: tuple[str, ...] = ("sigkill", "sigterm")
+    faults: tuple[str, ...] = ("sigkill", "sigterm", "coordinator")
     """Fault kinds to draw from (keys of FAULT_KINDS); the first fault of a trial is the
     first kind listed."""
     faults_per_trial: int = 3
@@ -246,6 +246,24 @@ def _signal_worker(sig: int, expected_exit: int | None) -> Callable[
     return inject
 
 
+def _restart_coordinator(trial: Trial, planned: PlannedFault) -> FaultRecord | None:
+    """SIGKILL the coordinator; the trial starts it again on its port and state dir after
+    the planned delay (`restart_coordinator_later`). The workers ride over the outage."""
+    if len(trial.candidates()) < MIN_LIVE_AFTER_FAULT:
+        return None
+    old = trial.coordinator
+    assert old is not None
+    old.signal(signal.SIGKILL)
+    old.fault, old.expected_exit = planned.kind, None
+    record = FaultRecord(kind=planned.kind, victim=old.name, rank=-1,
+                         at_seconds=trial.elapsed(), progress=trial.progress,
+                         victim_state="serving")
+    trial.note(f"{planned.kind}: SIGKILL {old.name} at progress {trial.progress:.2f}; "
+               f"restart in {planned.replace_after:.1f} s")
+    trial.restart_coordinator_later(planned.replace_after)
+    return record
+
+
 FAULT_KINDS: dict[str, FaultKind] = {
     "sigkill": FaultKind(
         "SIGKILL a training worker (sometimes inside a P-Reduce): its lease expires, a "
@@ -253,6 +271,9 @@ FAULT_KINDS: dict[str, FaultKind] = {
     "sigterm": FaultKind(
         "SIGTERM a training worker: it finishes its step, saves its model, leaves cleanly "
         "(exit 0); a replacement takes its rank and heals", _signal_worker(signal.SIGTERM, 0)),
+    "coordinator": FaultKind(
+        "SIGKILL the coordinator and start it again on its address and --state-dir: the "
+        "workers train on through the outage and the run resumes", _restart_coordinator),
 }
 
 
@@ -344,6 +365,7 @@ class Trial:
         self.progress = 0.0
         self.ranks: dict[str, int] = {}  # host (process name) -> rank
         self._replacements: list[tuple[float, FaultRecord]] = []
+        self._coordinator_restart_at: float | None = None
         self._seen: dict[str, tuple[int, float]] = {}  # name -> (iteration, since when)
         self._num_replacements = 0
         self._states: dict[str, str] = {}  # process name -> its last state seen
@@ -361,15 +383,18 @@ class Trial:
     def _cli(self, *args: str) -> list[str]:
         return [self.config.python, "-m", "ripples.cli", *args]
 
-    def _start_coordinator(self) -> str:
+    def _start_coordinator(self, port: int = 0) -> str:
+        """Start the coordinator (again, on `port`, after a coordinator fault: it resumes
+        the run from its state dir) and wait until it listens; returns its address."""
         cfg = self.config
-        argv = self._cli("coordinator", "serve", "--host", "127.0.0.1", "--port", "0",
+        name = "coordinator" if self.coordinator is None else f"coordinator{len(self.procs)}"
+        argv = self._cli("coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
                          "--metrics-port", "0", "--exit-when-done",
+                         "--state-dir", str(self.dir / "coordinator-state"),
                          "--workers", str(cfg.workers), "--protocol", cfg.protocol,
                          "--task", cfg.task, "--iterations", str(cfg.iterations),
                          "--lease-seconds", str(cfg.lease_seconds), "--seed", str(self.seed))
-        self.coordinator = Proc("coordinator", "coordinator", argv,
-                                self.dir / "coordinator.log", self.t0)
+        self.coordinator = Proc(name, "coordinator", argv, self.dir / f"{name}.log", self.t0)
         self.procs.append(self.coordinator)
         until = min(self.deadline, time.monotonic() + 120)
         while time.monotonic() < until:
@@ -393,6 +418,17 @@ class Trial:
 
     def replace_later(self, record: FaultRecord, delay: float) -> None:
         self._replacements.append((time.monotonic() + delay, record))
+
+    def restart_coordinator_later(self, delay: float) -> None:
+        self._coordinator_restart_at = time.monotonic() + delay
+
+    def _restart_due_coordinator(self, address: str) -> None:
+        due = self._coordinator_restart_at
+        if due is None or time.monotonic() < due:
+            return
+        self._coordinator_restart_at = None
+        self._start_coordinator(port=int(address.rpartition(":")[2]))
+        self.note(f"restarted the coordinator on {address}")
 
     def _start_due_replacements(self, address: str) -> None:
         now = time.monotonic()
@@ -520,9 +556,12 @@ class Trial:
         """Poll the run, inject the plan's faults and start replacements until it stops."""
         plan = list(self.plan)
         while time.monotonic() < self.deadline:
+            self._restart_due_coordinator(address)
             status = self.poll()
             assert self.coordinator is not None
-            if not self.coordinator.alive or (status is not None and status.stopped):
+            restarting = self._coordinator_restart_at is not None
+            if (not self.coordinator.alive and not restarting) or (
+                    status is not None and status.stopped):
                 break
             if status is not None and status.started:
                 self._start_due_replacements(address)
@@ -576,7 +615,7 @@ class Trial:
                 f.fault_to_heal_seconds = when - self.t0 - f.at_seconds
                 f.heal_donor = int(m.group(1))
         r.heals = sum(f.heal_seconds is not None for f in r.faults)
-        if r.faults and r.heals == 0:
+        if any(f.replacement for f in r.faults) and r.heals == 0:
             fail("no replacement healed (no \"healed from worker\" in their logs)")
         self._check_models()
 

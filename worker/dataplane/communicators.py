@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,22 @@ def connect_store(host: str, port: int, timeout_seconds: float) -> dist.Store:
         raise ConnectionError(
             f"cannot reach the coordinator's rendezvous store at {host}:{port}: {err}"
         ) from err
+
+
+def gloo_device(hostname: str = "") -> object:
+    """The gloo device to bind: `hostname`'s address; else the interface named by
+    GLOO_SOCKET_IFNAME (its first, if it lists several), as torch's own process groups
+    do; else the address this host's name resolves to. (torch's create_default_device()
+    alone does not read GLOO_SOCKET_IFNAME: where the host name resolves to 127.0.0.1, or
+    to no address of this network namespace, it binds loopback and advertises 127.0.0.1
+    to peers on other hosts, whose connections then fail: tests/integration/test_netns.py.)
+    """
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if hostname:
+        return dist.ProcessGroupGloo.create_device(hostname=hostname)
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname)
+    return dist.ProcessGroupGloo.create_default_device()
 
 
 class CommunicatorFactory:
@@ -139,11 +156,7 @@ class CommunicatorFactory:
         # One eagerly-connected device per process, shared by all groups: ~1.7 ms to
         # create a group and far fewer file descriptors than a device per group.
         if self._gloo_device is None:
-            self._gloo_device = (
-                dist.ProcessGroupGloo.create_device(hostname=self.gloo_hostname)
-                if self.gloo_hostname
-                else dist.ProcessGroupGloo.create_default_device()
-            )
+            self._gloo_device = gloo_device(self.gloo_hostname)
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [self._gloo_device]
         opts._threads = GLOO_THREADS_PER_GROUP

@@ -9,6 +9,7 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import copy_model, preduce
 from ripples.worker.protocols.base import (
+    COORDINATOR_RETRY_SECONDS,
     Protocol,
     ProtocolContext,
     StreamInterrupted,
@@ -41,7 +42,7 @@ class GroupGeneratorProtocol(Protocol):
         # A group may wait for slow peers' iterations; give up only after this long.
         self.max_group_wait_seconds = max_peer_wait_seconds(ctx.config)
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
-        self._outage_noted = False
+        self._outage_steps = 0  # steps in a row without the coordinator
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
@@ -61,14 +62,10 @@ class GroupGeneratorProtocol(Protocol):
         waited_since = time.perf_counter()
         while True:
             t0 = time.perf_counter()
-            try:
-                reply = self.stream.request(completed, GROUP_POLL_SECONDS, self.ctx.progress())
-            except StreamInterrupted as err:  # train on locally; the next step asks again
-                result.wait_seconds += time.perf_counter() - t0
-                self._note_outage(err)
-                break
+            reply = self._ask(completed)
             result.wait_seconds += time.perf_counter() - t0
-            self._outage_noted = False
+            if reply is None:  # the coordinator is unreachable: train on alone
+                break
             for comm_id in reply.evict_comm_ids:
                 self.ctx.comms.drop(f"gg/{self.ctx.config.run_id}/{comm_id}")
             if reply.outcome == pb.GROUP_OUTCOME_RETRY:
@@ -98,11 +95,30 @@ class GroupGeneratorProtocol(Protocol):
         result.preduce_durations = tuple(durations)
         return result
 
-    def _note_outage(self, err: StreamInterrupted) -> None:
-        if not self._outage_noted:
-            logger.warning("training on without averaging while the coordinator is "
-                           "unreachable: %s", err)
-            self._outage_noted = True
+    def _ask(self, completed: int) -> pb.GroupReply | None:
+        """The coordinator's reply to this step's request; None while it is unreachable:
+        train on alone, for up to the run's outage_local_steps steps in a row, then wait
+        for it here (the heartbeat ends the wait once the outage window is over)."""
+        while True:
+            try:
+                reply = self.stream.request(completed, GROUP_POLL_SECONDS, self.ctx.progress())
+            except StreamInterrupted as err:
+                if not self._outage_steps:
+                    logger.warning("training on without averaging while the coordinator is "
+                                   "unreachable: %s", err)
+                if self._outage_steps < self.ctx.config.outage_local_steps:
+                    self._outage_steps += 1
+                    return None
+                if self.ctx.stop_requested.is_set():
+                    return None
+                if self._outage_steps == self.ctx.config.outage_local_steps:
+                    logger.warning("%d steps without the coordinator: waiting for it",
+                                   self._outage_steps)
+                    self._outage_steps += 1
+                time.sleep(COORDINATOR_RETRY_SECONDS)
+                continue
+            self._outage_steps = 0
+            return reply
 
     def _execute(self, group: pb.Group) -> tuple[float, bool]:
         """Run one P-Reduce (or, in a heal group, the joiner's copy of the donor's

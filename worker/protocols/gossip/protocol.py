@@ -105,6 +105,8 @@ class GossipProtocol(Protocol):
         self._stop_reason = ""
         self._error: BaseException | None = None
         self._closing = False
+        self._coordinator_lost = False  # the communication thread cannot reach it
+        self._outage_steps = 0  # steps in a row the compute thread made meanwhile
         self._thread = threading.Thread(target=self._communicate, daemon=True,
                                          name=f"gossip-{ctx.worker_id}")
         self._thread.start()
@@ -132,6 +134,7 @@ class GossipProtocol(Protocol):
         if self.step_seconds > 0:
             self.state.mix(elapsed / self.step_seconds)
         self.state.apply_and_publish()
+        self._bound_outage()
         owed = 0 if self.passive else self.credit.next_step()
         with self._cond:
             self._iteration = completed
@@ -151,6 +154,23 @@ class GossipProtocol(Protocol):
             group_sizes=(2,) * len(finished),
             preduce_durations=tuple(finished),
             preduce_bytes=len(finished) * self.ctx.state.size_bytes)
+
+    def _bound_outage(self) -> None:
+        """While the coordinator is unreachable, train on alone for up to the run's
+        outage_local_steps steps in a row, then wait for it (the heartbeat ends the wait
+        once the outage window is over)."""
+        with self._cond:
+            if not self._coordinator_lost:
+                self._outage_steps = 0
+                return
+            self._outage_steps += 1
+            if self._outage_steps <= self.ctx.config.outage_local_steps:
+                return
+            logger.warning("%d steps without the coordinator: waiting for it",
+                           self._outage_steps - 1)
+            while (self._coordinator_lost and not self._closing and self._error is None
+                   and not self.ctx.stop_requested.is_set()):
+                self._cond.wait(COORDINATOR_RETRY_SECONDS)
 
     def state_dict(self) -> dict[str, object]:
         """A2CiD2's momentum copy (held as x~ - x): the model alone does not carry it."""
@@ -200,9 +220,16 @@ class GossipProtocol(Protocol):
                 reply = self.stream.request(iteration, wait, self.ctx.progress(),
                                             listen=listen)
             except StreamInterrupted as err:  # training goes on; averaging resumes later
-                logger.warning("no averaging while the coordinator is unreachable: %s", err)
+                with self._cond:
+                    if not self._coordinator_lost:
+                        logger.warning("no averaging while the coordinator is unreachable: "
+                                       "%s", err)
+                    self._coordinator_lost = True
                 time.sleep(COORDINATOR_RETRY_SECONDS)
                 continue
+            with self._cond:
+                self._coordinator_lost = False
+                self._cond.notify_all()
             for comm_id in reply.evict_comm_ids:
                 self.ctx.comms.drop(self._key(comm_id))
             if reply.outcome == pb.GROUP_OUTCOME_STOP:
