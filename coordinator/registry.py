@@ -27,8 +27,9 @@ class WorkerState(enum.Enum):
 
 GONE = (WorkerState.LEFT, WorkerState.EXPIRED, WorkerState.FAILED)
 
-STARTUP_GRACE_SECONDS = 30.0
-"""Added to the lease of a worker that registered but is not ready to train yet."""
+STARTUP_LEASE_FACTOR = 3
+"""A worker that registered but is not ready to train yet expires after this many leases
+of silence (heartbeat delays of 1.35 s were measured during a loaded start-up)."""
 
 
 @dataclass(kw_only=True)
@@ -209,11 +210,12 @@ class Registry:
 
     def expired(self, now: float) -> list[WorkerRecord]:
         """Live workers whose lease ran out (the caller removes them). A worker that is
-        not ready yet gets STARTUP_GRACE_SECONDS more: its start-up (imports, data,
+        not ready yet has STARTUP_LEASE_FACTOR leases: its start-up (imports, data,
         building the model) can starve its heartbeat thread on a loaded host, and a
         chaos trial saw starting workers expire under a short lease."""
+        grace = (STARTUP_LEASE_FACTOR - 1) * self.lease_seconds
         return [w for w in self.live()
-                if w.lease_expires_at + (0.0 if w.ready else STARTUP_GRACE_SECONDS) < now]
+                if w.lease_expires_at + (0.0 if w.ready else grace) < now]
 
     def live(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.state not in GONE]

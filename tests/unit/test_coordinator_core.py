@@ -42,7 +42,7 @@ from ripples.coordinator.core import (
     Progress,
 )
 from ripples.coordinator.groups import GroupRecord, GroupState
-from ripples.coordinator.registry import STARTUP_GRACE_SECONDS
+from ripples.coordinator.registry import STARTUP_LEASE_FACTOR
 from ripples.coordinator.schema import Schema
 
 DT = 0.01  # simulated seconds per event
@@ -620,5 +620,5 @@ def test_a_starting_worker_gets_a_grace_beyond_its_lease() -> None:
                             ["a", "a"])
     core.expire_leases(6.0)
     assert not core.stopped and len(core.live()) == 2
-    core.expire_leases(5.0 + STARTUP_GRACE_SECONDS + 1)
+    core.expire_leases(5.0 * STARTUP_LEASE_FACTOR + 1)
     assert core.stopped and "lease expired" in core.stop_reason
