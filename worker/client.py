@@ -195,10 +195,15 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         last_ok = time.monotonic()
+        failing = False
         while not self._finish.wait(self.interval):
             try:
                 progress = self.progress()
                 reply = self.client.heartbeat(self.worker_id, progress)
+                if failing:
+                    logger.warning("the coordinator answers again after %.1f s",
+                                   time.monotonic() - last_ok)
+                    failing = False
                 last_ok = time.monotonic()
                 self.global_progress = (reply.mean_iterations, progress.iteration)
             except CoordinatorCallError as err:
@@ -208,7 +213,10 @@ class HeartbeatThread(threading.Thread):
                                         f"{err} (for {silent:.0f} s, beyond the outage window)")
                     self.stop_requested.set()
                     return
-                logger.warning("heartbeat failed, retrying: %s", err)
+                # One warning per outage, not one per beat (120 lines in a 60 s window).
+                log = logger.warning if not failing else logger.debug
+                log("heartbeat failed, retrying for up to %.0f s: %s", self.tolerance, err)
+                failing = True
                 continue
             if reply.incarnation != self.incarnation:
                 if self.incarnation:
