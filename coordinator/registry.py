@@ -150,13 +150,12 @@ class Registry:
 
     def continue_ranks(self, members: list[WorkerRecord]) -> None:
         """After a resumed run formed its membership anew: each member takes over the
-        part of the departed member that held its rank before (`_take_over`), except
-        healing: every member restores the run's checkpoints itself."""
+        part of the departed member that held its rank before (`_continue`), with its
+        slowdown counter; none heals: every member restores the run's checkpoints."""
         for w in members:
             previous = self.vacant_member(rank=w.rank)
             if previous is not None:
-                self._take_over(w, previous)
-                w.replacement, w.healed = False, True
+                self._continue(w, previous)
                 w.request_count = previous.request_count
 
     def vacant_member(self, rank: int | None = None) -> WorkerRecord | None:
@@ -168,19 +167,23 @@ class Registry:
                 and (rank is None or w.rank == rank)]
         return min(gone, key=lambda w: w.rank, default=None)
 
+    def _continue(self, record: WorkerRecord, previous: WorkerRecord) -> None:
+        """`record` continues `previous`'s part: its rank (so its data shard) and its
+        iteration count and budget, which run totals then count once, with `record`."""
+        record.rank = previous.rank
+        record.progress = Progress(iteration=previous.progress.iteration,
+                                   samples=previous.progress.samples,
+                                   planned_iterations=previous.progress.planned_iterations)
+        previous.replaced_by = record.worker_id
+
     def _take_over(self, record: WorkerRecord, vacant: WorkerRecord) -> None:
-        """`record` continues `vacant`'s part: its rank (so its data shard), its iteration
-        count and budget, and a slowdown counter at the live workers' median (a counter of
-        0 would read as a straggler to the smart policy). It heals before it averages."""
+        """A replacement continues `vacant`'s part (`_continue`) with a slowdown counter
+        at the live workers' median (a counter of 0 would read as a straggler to the
+        smart policy); it heals before it averages."""
         live = [w.request_count for w in self.live() if w is not record]
-        record.rank = vacant.rank
-        record.replacement = True
-        record.healed = False
+        self._continue(record, vacant)
+        record.replacement, record.healed = True, False
         record.request_count = sorted(live)[len(live) // 2] if live else vacant.request_count
-        record.progress = Progress(iteration=vacant.progress.iteration,
-                                   samples=vacant.progress.samples,
-                                   planned_iterations=vacant.progress.planned_iterations)
-        vacant.replaced_by = record.worker_id
 
     def counted(self) -> list[WorkerRecord]:
         """Every worker whose iterations count in the run's totals: all that ever
