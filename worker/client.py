@@ -13,11 +13,17 @@ import grpc
 from ripples.rpc import CoordinatorCallError, describe_rpc_error, insecure_channel
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
-from ripples.worker.group_stream import GroupStream, backoff_pause
+from ripples.worker.group_stream import GroupStream
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CoordinatorCallError", "CoordinatorClient", "GroupStream", "HeartbeatThread"]
+
+
+def backoff_pause(attempt: int, rng: random.Random) -> float:
+    """Seconds before retry `attempt` (0, 1, ...): exponential from 0.2 s, capped at 2 s,
+    with full jitter so that the workers of a run do not reconnect in lock-step."""
+    return rng.uniform(0.5, 1.0) * min(2.0, 0.2 * 1.6 ** attempt)
 
 
 class CoordinatorClient:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 from collections.abc import Iterator
 
@@ -28,12 +27,6 @@ TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLI
                              grpc.StatusCode.CANCELLED, None})
 """Stream failures a reconnect can cure: the coordinator is down or restarting, a reply
 came late, or the stream ended under us (code None: the server closed it)."""
-
-
-def backoff_pause(attempt: int, rng: random.Random) -> float:
-    """Seconds before retry `attempt` (0, 1, ...): exponential from 0.2 s, capped at 2 s,
-    with full jitter so that the workers of a run do not reconnect in lock-step."""
-    return rng.uniform(0.5, 1.0) * min(2.0, 0.2 * 1.6 ** attempt)
 
 
 class _Call:
