@@ -101,6 +101,16 @@ class RunSettings:
     reports how far apart they ended (consensus_distance_final)."""
     checkpoint_interval: int = 8
     """Lock-step protocols agree on a common stop iteration every this many iterations."""
+    max_restarts: int = 3
+    """Lock-step protocols (allreduce, ripples-static) whose workers write checkpoints: a
+    member that fails, or a worker that joins, opens a restart round (every worker restarts
+    its process, registers anew and restores the last checkpoint every rank holds, as
+    torchelastic does) at most this many times; past it, or without checkpoints, a failure
+    stops the run. 0: never restart."""
+    join_window_seconds: float = 15.0
+    """A restart round forms its membership once all num_workers registered, or after this
+    long with at least min_workers (the run then goes on with fewer ranks until a joiner
+    opens another round)."""
     topology: str = "complete"
     """Who may average with whom (ripples-random, ripples-smart, adpsgd, a2cid2): complete,
     ring, ring-based, double-ring, exponential, hierarchical (a clique per host, hosts in a
@@ -204,6 +214,10 @@ class RunSettings:
             raise ValueError("outage_local_steps must not be negative")
         if self.checkpoint_interval < 1:
             raise ValueError("checkpoint_interval must be at least 1")
+        if self.max_restarts < 0:
+            raise ValueError("max_restarts must not be negative")
+        if self.join_window_seconds <= 0:
+            raise ValueError("join_window_seconds must be positive")
         for settings_cls in spec.settings:
             self.settings(settings_cls).validate()
             self.settings(settings_cls).check_run(self.run_facts())

@@ -37,6 +37,10 @@ from ripples.coordinator.schema import Schema, SchemaCheck
 from ripples.coordinator.stop import StateAdoption, StopAgreement, budget_reached
 from ripples.protocols import Coordination, GroupGeneratorSettings
 
+RESTART_GIVE_UP_WINDOWS = 10
+"""A restart round whose workers did not come back within this many join windows stops
+the run (every wait has an end)."""
+
 __all__ = ["GONE", "CoordinatorCore", "CoordinatorError", "Deliveries", "GroupDecision",
            "Outcome", "Progress", "WorkerRecord", "WorkerState"]
 
@@ -64,8 +68,15 @@ class CoordinatorCore:
         self.created_at = now
         self.started_at: float | None = None
         self.resumed_elapsed = 0.0
-        """Training time of the run before a total failure it resumed from (`resume`):
-        the clock goes on from there once every member is ready again."""
+        """Training time of the run before a total failure it resumed from (`resume`), or
+        before its last restart round: the clock goes on from there once every member is
+        ready again."""
+        self.restarts = 0
+        """Restart rounds opened so far (lock-step runs: `_restart`)."""
+        self.restart_began_at: float | None = None
+        """When the open restart round began (None: none is open)."""
+        self.restart_reason = ""
+        """Why the last restart round was opened."""
 
     # ------------------------------------------------------------------ membership
     def register(self, host: str, local_rank: int, device: str, pid: int, now: float) -> int:
@@ -75,6 +86,12 @@ class CoordinatorCore:
                                    f"the run is over ({self.stop_reason}); start a new "
                                    "coordinator for a new run")
         fixed = self.settings.spec.fixed_membership
+        if self.registry.formed and self.settings.spec.restarts:
+            refusal = self._restart_refusal()
+            if not refusal:
+                self._join_lockstep(host, local_rank, now)
+            else:
+                fixed = f"{fixed}; no restart round: {refusal}"
         w = self.registry.register(host, local_rank, device, pid, now, elastic=not fixed,
                                    fixed_reason=fixed)
         if w.replacement:
@@ -82,6 +99,21 @@ class CoordinatorCore:
         elif self.registry.complete:
             self._form_membership(now)
         return w.worker_id
+
+    def _join_lockstep(self, host: str, local_rank: int, now: float) -> None:
+        """A worker asks to join a formed lock-step run that restarts on membership
+        changes: a run below num_workers opens a restart round for it (scale-up); a full
+        one asks it to wait (RESOURCE_EXHAUSTED: the client retries until a member leaves
+        and a round opens)."""
+        registry = self.registry
+        if registry.size < registry.num_workers and self.started_at is not None:
+            self._restart(f"host {host} local rank {local_rank} joins: {registry.size} -> "
+                          f"{registry.size + 1} workers", now)
+            return
+        raise CoordinatorError(
+            "RESOURCE_EXHAUSTED",
+            f"the run has its {registry.size} workers; a worker joins a lock-step run when "
+            "a restart round opens (a member left)")
 
     def _take_in_replacement(self, w: WorkerRecord) -> None:
         """`w` took a departed member's rank: it takes that member's place in the graph
@@ -101,8 +133,10 @@ class CoordinatorCore:
         workers restore, `ripples run --resume`). The stop that ended it is lifted (a
         run whose budget was spent stops again at once); training time goes on from
         where it was once every member is ready."""
-        self.resumed_elapsed = self.elapsed(now)
+        if self.started_at is not None:  # else a restart round had paused the clock
+            self.resumed_elapsed = self.elapsed(now)
         self.started_at = None
+        self.restart_began_at = None  # the resumed run waits for every worker
         self.stopper.stopped, self.stopper.reason, self.stopper.stop_at_iteration = False, "", 0
         for w in self.live():
             w.state = WorkerState.EXPIRED
@@ -110,6 +144,9 @@ class CoordinatorCore:
         self.registry.formed = False
 
     def _form_membership(self, now: float) -> None:
+        if self.restart_began_at is not None:
+            self.registry.generation += 1
+            self.restart_began_at = None
         ordered = self.registry.form()
         self.registry.continue_ranks(ordered)
         try:
@@ -200,12 +237,82 @@ class CoordinatorCore:
         return self._remove(w, WorkerState.FAILED if error else WorkerState.LEFT, now)
 
     def expire_leases(self, now: float) -> Deliveries:
+        """Remove the workers whose lease ran out; close an open restart round whose join
+        window passed (the lease reaper calls this periodically)."""
         deliveries: Deliveries = {}
         for w in self.registry.expired(now):
             self.registry.num_lease_expirations += 1
             w.error = f"lease expired: no heartbeat for {self.settings.lease_seconds:.1f} s"
             deliveries.update(self._remove(w, WorkerState.EXPIRED, now))
+        deliveries.update(self._close_restart_round(now))
         return deliveries
+
+    # ------------------------------------------------------------------ restart rounds
+    def _restart_refusal(self) -> str:
+        """Why this run cannot restart its workers on a membership change ("" when it
+        can): its protocol does not, the restarts are spent, or a member holds no
+        checkpoint yet (it would start over from its initial model)."""
+        if not self.settings.spec.restarts:
+            return f"{self.settings.protocol} does not restart its workers"
+        if self.restarts >= self.settings.max_restarts:
+            return f"max_restarts ({self.settings.max_restarts}) spent"
+        blind = [w.worker_id for w in self.live() if w.progress.checkpoint_step == 0]
+        if blind:
+            return (f"worker {blind[0]} holds no checkpoint to restart from (give "
+                    "--checkpoint-dir; a script saves with ripples.Checkpointer)")
+        return ""
+
+    def _restart(self, reason: str, now: float) -> None:
+        """Open a restart round (lock-step runs, torchelastic's re-rendezvous): every
+        live member's part ends (`restarted`: its heartbeat says restart, its process
+        exits and its launcher starts it again); registration opens anew; the membership
+        forms once num_workers registered, or after the join window with at least
+        min_workers (`_close_restart_round`); each new member continues the part of the
+        departed member of its rank and restores the last checkpoint every rank holds.
+        Training time pauses meanwhile."""
+        self.restarts += 1
+        self.restart_began_at, self.restart_reason = now, reason
+        if self.started_at is not None:  # else a round before this one paused the clock
+            self.resumed_elapsed = self.elapsed(now)
+        self.started_at = None
+        for w in self.live():
+            w.state, w.restarted = WorkerState.LEFT, True
+            w.leave_reason = f"restart round {self.restarts}: {reason}"
+        self.registry.formed = False
+
+    def _close_restart_round(self, now: float) -> Deliveries:
+        """Form the open restart round's membership once its join window passed with at
+        least min_workers registered (the static schedule waits for every worker: its
+        hosts must stay full); stop the run if too few came back within
+        RESTART_GIVE_UP_WINDOWS windows."""
+        began = self.restart_began_at
+        if began is None or self.registry.formed or self.stopped:
+            return {}
+        waited = now - began
+        live = len(self.live())
+        window = self.settings.join_window_seconds
+        shrinks = self.role.coordination is not Coordination.STATIC
+        if waited >= window and live >= self.settings.min_workers and shrinks:
+            self._form_membership(now)
+            return {}
+        if waited >= RESTART_GIVE_UP_WINDOWS * window:
+            need = self.settings.min_workers if shrinks else self.settings.num_workers
+            return self.stop(f"restart round {self.restarts} ({self.restart_reason}): "
+                             f"{live} of the {need} workers needed registered within "
+                             f"{waited:.0f} s", now)
+        return {}
+
+    def rejoins(self, worker_id: int) -> str:
+        """Why this departed worker restarts its process and registers anew, or "": a
+        restart round ended its part, or it failed while a round is open (its own failure
+        may have opened it)."""
+        w = self.registry.workers.get(worker_id)
+        if w is None or self.stopped:
+            return ""
+        if w.restarted or (w.state is WorkerState.FAILED and self.restart_began_at is not None
+                           and not self.registry.formed):
+            return f"restart round {self.restarts}: {self.restart_reason}"
+        return ""
 
     def _remove(self, w: WorkerRecord, state: WorkerState, now: float) -> Deliveries:
         if w.state in GONE:
@@ -217,15 +324,27 @@ class CoordinatorCore:
             return deliveries
         why = f": {w.error or w.leave_reason}" if w.error or w.leave_reason else ""
         if self.started_at is None:
-            if self.registry.formed:  # a member is missing: the run can never start
+            if (self.registry.generation and state is not WorkerState.LEFT
+                    and self.registry.formed and not self._restart_refusal()):
+                # A restart round's member failed before training went on: another round.
+                self._restart(f"worker {w.worker_id} {state.value} before training "
+                              f"resumed{why}", now)
+            elif self.registry.formed:  # a member is missing: the run can never start
                 deliveries.update(self.stop(
                     f"{w.describe()} {state.value} before training started{why}", now))
             return deliveries
         finished = 0 < w.progress.planned_iterations <= w.progress.iteration
         if self.role.needs_every_worker and not (state is WorkerState.LEFT and finished):
-            # Lock-step peers cannot go on without it: stop everyone at the next
-            # checkpoint rather than leave them inside collectives that never complete.
-            deliveries.update(self.stop(f"worker {w.worker_id} {state.value}{why}", now))
+            # Lock-step peers cannot go on without it: every worker restarts from the last
+            # checkpoint with the new membership, or (no restarts) everyone stops at the
+            # next agreed iteration rather than wait inside collectives that never complete.
+            refusal = "" if state is WorkerState.LEFT else self._restart_refusal()
+            if state is not WorkerState.LEFT and not refusal:
+                self._restart(f"worker {w.worker_id} {state.value}{why}", now)
+                return deliveries
+            deliveries.update(self.stop(f"worker {w.worker_id} {state.value}{why}"
+                                        + (f"; no restart: {refusal}" if refusal and
+                                           self.settings.spec.restarts else ""), now))
         elif self.role.needs_every_worker:  # it left having finished its budget
             deliveries.update(self.stop(
                 f"iteration budget reached (worker {w.worker_id} finished its "

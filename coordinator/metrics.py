@@ -109,6 +109,10 @@ class CoreCollector(Collector):
         yield CounterMetricFamily("ripples_coordinator_lease_expirations",
                                   "Workers removed because their lease expired.",
                                   value=float(core.num_lease_expirations))
+        yield CounterMetricFamily("ripples_coordinator_restart_rounds",
+                                  "Restart rounds of a lock-step run (a membership change "
+                                  "restarted every worker from the last checkpoint).",
+                                  value=float(core.restarts))
         mean = core.mean_loss()
         yield GaugeMetricFamily("ripples_coordinator_mean_training_loss",
                                 "Mean of the live workers' smoothed training losses.",

@@ -48,6 +48,8 @@ class ProgressTracker:
         """Take a worker's report; `elapsed` is the training time so far (None before the
         start or after the stop: then only the worker's own numbers are kept)."""
         p.iteration = max(p.iteration, w.progress.iteration)
+        # Its predecessor's (a restarted lock-step worker reports its restore later).
+        p.checkpoint_step = max(p.checkpoint_step, w.progress.checkpoint_step)
         _update_own_seconds(w, p)
         w.progress = p
         if elapsed is None:

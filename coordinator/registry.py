@@ -41,6 +41,7 @@ class Progress:
     wait_seconds: float = 0.0
     preduce_seconds: float = 0.0
     planned_iterations: int = 0
+    checkpoint_step: int = 0  # the newest step it holds a checkpoint of (0: none)
 
 
 @dataclass(kw_only=True)
@@ -81,6 +82,9 @@ class WorkerRecord:
     """A departed member whose rank a replacement took: its iterations went on with the
     replacement, so run totals count them once, there."""
     donations: int = 0  # heal groups it served as the donor (donors are spread by this)
+    restarted: bool = False
+    """A restart round ended its part (lock-step runs): its process restarts, registers
+    anew and restores the run's last checkpoint."""
 
     def describe(self) -> str:
         return f"worker {self.worker_id} (host {self.host}, local rank {self.local_rank})"
@@ -99,6 +103,11 @@ class Registry:
         self.workers: dict[int, WorkerRecord] = {}
         self.formed = False
         """Every expected worker registered; ranks are assigned and final."""
+        self.size = num_workers
+        """Members of the formed membership: num_workers, or fewer after a restart round
+        that formed with the workers that came back (lock-step runs)."""
+        self.generation = 0
+        """Restart rounds that formed the membership anew (lock-step runs)."""
         self._nodes: dict[str, int] = {}
         self._next_worker_id = 0
         self.num_lease_expirations = 0
@@ -173,7 +182,8 @@ class Registry:
         record.rank = previous.rank
         record.progress = Progress(iteration=previous.progress.iteration,
                                    samples=previous.progress.samples,
-                                   planned_iterations=previous.progress.planned_iterations)
+                                   planned_iterations=previous.progress.planned_iterations,
+                                   checkpoint_step=previous.progress.checkpoint_step)
         previous.replaced_by = record.worker_id
 
     def _take_over(self, record: WorkerRecord, vacant: WorkerRecord) -> None:
@@ -206,6 +216,7 @@ class Registry:
         for rank, w in enumerate(ordered):
             w.rank = rank
         self.formed = True
+        self.size = len(ordered)
         return ordered
 
     def renew(self, w: WorkerRecord, now: float) -> None:

@@ -84,6 +84,7 @@ def progress_from_proto(p: pb.Progress) -> Progress:
         wait_seconds=p.wait_seconds,
         preduce_seconds=p.preduce_seconds,
         planned_iterations=p.planned_iterations,
+        checkpoint_step=p.checkpoint_step,
     )
 
 
@@ -96,6 +97,7 @@ def progress_to_proto(p: Progress) -> pb.Progress:
         wait_seconds=p.wait_seconds,
         preduce_seconds=p.preduce_seconds,
         planned_iterations=p.planned_iterations,
+        checkpoint_step=p.checkpoint_step,
     )
 
 
@@ -133,6 +135,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._saver: asyncio.Task[None] | None = None
         self._final_waiters: dict[int, asyncio.Future[GroupRecord | None]] = {}
         self._final_formed = False
+        self._restarts_seen = core.restarts
         self.metrics = CoordinatorMetrics(core, clock)
         self.metrics_address = ""  # the coordinator's own HOST:PORT, set by the server
         self.metrics_targets: dict[int, str] = {}  # worker id -> HOST:PORT
@@ -185,14 +188,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._form_final_group(complete_only=True)
 
     def _note_run_state(self) -> None:
-        """Wake the long-polls whose condition an event just made true."""
-        if self.core.membership_formed or self.core.stopped:
+        """Wake the long-polls whose condition an event just made true (and re-arm them
+        when a restart round opened: registration and start happen again)."""
+        core = self.core
+        if core.restarts > self._restarts_seen:
+            self._restarts_seen = core.restarts
+            logger.warning("restart round %d: %s; every worker restarts from the last "
+                           "checkpoint", core.restarts, core.restart_reason)
+        if core.membership_formed or core.stopped:
             self._members.set()
-        if self.core.stopped:
+        else:
+            self._members.clear()
+        if core.stopped:
             self._stopped.set()
-        if self.core.started_at is not None and not self._started.is_set():
-            logger.info("all %d workers ready: training starts", self.core.settings.num_workers)
+        if core.started_at is not None and not self._started.is_set():
+            logger.info("all %d workers ready: training starts", len(core.live()))
             self._started.set()
+        elif core.started_at is None and not core.stopped:
+            self._started.clear()
 
     def _resolve(self, deliveries: Deliveries) -> None:
         self._note_run_state()
@@ -230,6 +243,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatReply:
+        rejoin = self.core.rejoins(request.worker_id)
+        if rejoin:  # a restart round ended its part: its process restarts
+            return pb.HeartbeatReply(restart=True, restart_reason=rejoin,
+                                     incarnation=self.incarnation)
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         deliveries = await self._call(context, lambda: self.core.heartbeat(
             request.worker_id, progress, self.clock()))
@@ -241,6 +258,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
                     ) -> pb.LeaveReply:
+        rejoin = self.core.rejoins(request.worker_id)
+        if rejoin:  # a restart round ended its part already
+            return pb.LeaveReply(restart=True, restart_reason=rejoin)
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         deliveries = await self._call(context, lambda: self.core.leave(
             request.worker_id, progress, request.error, self.clock(), request.reason))
@@ -252,7 +272,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             logger.warning("worker %d left with an error: %s", request.worker_id, request.error)
         else:
             logger.info("worker %d left", request.worker_id)
-        return pb.LeaveReply()
+        rejoin = self.core.rejoins(request.worker_id)
+        return pb.LeaveReply(restart=bool(rejoin), restart_reason=rejoin)
 
     async def AwaitMembers(self, request: pb.AwaitMembersRequest,
                            context: grpc.aio.ServicerContext) -> pb.Membership:
@@ -273,10 +294,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assert isinstance(me, WorkerRecord)
         ranks = [pb.WorkerRank(worker_id=w.worker_id, rank=w.rank, node=w.node)
                  for w in sorted(core.live(), key=lambda x: x.rank)]
-        # num_workers is the run's, not the live count: ranks stay 0..n-1 while a member
-        # is gone, and a replacement takes the vacant rank.
+        # num_workers is the membership's, not the live count: ranks stay 0..n-1 while a
+        # member is gone, and a replacement takes the vacant rank (a lock-step run's
+        # restart round may form with fewer than the run's num_workers).
         reply = pb.Membership(
-            num_workers=core.settings.num_workers, ranks=ranks, rank=me.rank,
+            num_workers=core.registry.size, generation=core.registry.generation,
+            ranks=ranks, rank=me.rank,
             num_nodes=core.num_nodes(), neighbours=core.neighbours_of(me.worker_id),
             spectral_gap=core.graph.spectral_gap, replacement=me.replacement,
             start_iteration=me.progress.iteration if me.replacement else 0)
@@ -512,6 +535,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             topology_complete=core.graph.complete,
             spectral_gap=core.graph.spectral_gap,
             consensus_distance=distance if distance is not None else -1.0,
+            num_restarts=core.restarts,
+            restarting=core.restart_reason if core.restart_began_at is not None else "",
         )
 
     def _shown_workers(self) -> list[WorkerRecord]:

@@ -43,7 +43,10 @@ def take(core: CoordinatorCore, now: float, wall: float = 0.0) -> dict[str, Any]
         "workers": [_worker(w) for w in core.workers.values()],
         "registry": {"formed": core.registry.formed, "nodes": core.registry._nodes,
                      "next_worker_id": core.registry._next_worker_id,
-                     "lease_expirations": core.registry.num_lease_expirations},
+                     "lease_expirations": core.registry.num_lease_expirations,
+                 "size": core.registry.size, "generation": core.registry.generation},
+        "restarts": {"count": core.restarts, "open": core.restart_began_at is not None,
+                     "reason": core.restart_reason, "elapsed": core.resumed_elapsed},
         "stop": {"stopped": core.stopper.stopped, "reason": core.stopper.reason,
                  "at_iteration": core.stopper.stop_at_iteration,
                  "adopt_after": core.adoption.after_iteration},
@@ -86,6 +89,14 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: flo
     registry._nodes = dict(r["nodes"])
     registry._next_worker_id = r["next_worker_id"]
     registry.num_lease_expirations = r["lease_expirations"]
+    registry.size = r.get("size", settings.num_workers)
+    registry.generation = r.get("generation", 0)
+    restarts = snapshot.get("restarts", {})
+    core.restarts = restarts.get("count", 0)
+    core.restart_reason = restarts.get("reason", "")
+    if restarts.get("open"):  # its join window starts again with the new incarnation
+        core.restart_began_at = now
+        core.resumed_elapsed = restarts.get("elapsed", 0.0)
     if registry.formed:
         core.graph = RunGraph.build(settings, _holders_by_rank(registry.workers.values()))
     if started:

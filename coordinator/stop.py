@@ -36,7 +36,10 @@ class StopAgreement:
         """0 to go on, else the common stop iteration."""
         if self.stopped:
             if self.stop_at_iteration == 0:
-                grants = [max(x.checkpoint_grant, self.interval) for x in workers]
+                # The live workers' grants: a departed one's (a lock-step run that restarted
+                # from a checkpoint) is no promise to anybody still training.
+                live = [x for x in workers if x.state not in GONE] or workers
+                grants = [max(x.checkpoint_grant, self.interval) for x in live]
                 self.stop_at_iteration = max(max(grants), iteration, 1)
             return self.stop_at_iteration
         w.checkpoint_grant = max(w.checkpoint_grant, iteration + self.interval)

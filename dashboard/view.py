@@ -126,6 +126,8 @@ class RunView:
                 "groups_cancelled": status.num_groups_cancelled,
                 "groups_failed": status.num_groups_failed,
                 "lease_expirations": status.num_lease_expirations,
+                "restarts": status.num_restarts,
+                "restarting": status.restarting,
                 "metrics_address": status.metrics_address,
             },
             "workers": workers,

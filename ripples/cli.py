@@ -143,7 +143,9 @@ def _check_coordinator(address: str) -> None:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from ripples.worker.daemon import (
+        RESTART_EXIT_CODE,
         WorkerConfig,
+        exec_again,
         exit_now,
         install_signal_handlers,
         run_host,
@@ -164,7 +166,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return run_host(config, script, args.quiet)
     _setup_logging(not args.quiet, f"worker[{config.host or '-'}/{config.local_rank}] ")
     install_signal_handlers()
-    exit_now(run_worker(config))  # the worker left the run: skip interpreter teardown
+    code = run_worker(config)
+    if code == RESTART_EXIT_CODE:  # a restart round: the same command again, in place
+        exec_again()
+    exit_now(code)  # the worker left the run: skip interpreter teardown
     return 1  # not reached
 
 

@@ -204,6 +204,7 @@ class LocalCluster:
                       "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
                 client.stop_run(INTERRUPTED)
                 self._stop_sent = True
+            self.processes.restart_ordered()  # lock-step restart rounds
             alive = self.processes.alive()  # before the failure check: none is missed
             status = client.run_status()
             failed = self._failed_workers(status)
@@ -377,6 +378,9 @@ class LocalCluster:
 
 
 def _progress_line(status: pb.RunStatus) -> str:
+    if status.restarting:
+        return (f"restart round {status.num_restarts} ({status.restarting[:200]}): the "
+                "workers restart from the last checkpoint")
     if not status.started:
         registered = len(status.workers)
         return f"waiting for workers: {registered} of {status.config.num_workers} registered"

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ripples.worker.client import exit_for_restart
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.session import Session, resolve_device
 from ripples.worker.synchronizer import write_json
@@ -134,7 +135,7 @@ class Worker:
             record = self._optimizer._finish(error) if self._optimizer is not None else None
             if not error and session is not None and session.fatal_error:
                 error = session.fatal_error
-            if not error and self._optimizer is not None:
+            if not error and self._optimizer is not None and not self.restarting:
                 self._save(record)
         except Exception as err:  # noqa: BLE001 (the worker must still leave, failed)
             error = error or f"{type(err).__name__}: {err}"
@@ -146,8 +147,18 @@ class Worker:
                 if _current is self:
                     _current = None
 
+    @property
+    def restarting(self) -> bool:
+        """The coordinator ordered this worker's process to restart (a restart round of a
+        lock-step run): it exits with RESTART_EXIT_CODE, its launcher starts it again, and
+        the new process restores the run's last checkpoint."""
+        return self._session is not None and self._session.restart.ordered.is_set()
+
     def _end_reason(self) -> str:
         """Why a clean worker ends: the run's stop, or its own loop's end."""
+        if self.restarting:
+            assert self._session is not None
+            return f"restarting ({self._session.restart.reason})"
         opt = self._optimizer
         if opt is None:
             return "it made no optimizer step"
@@ -262,3 +273,5 @@ def _at_exit() -> None:
         worker.shutdown(error)
     except Exception:  # noqa: BLE001 (nothing is left to report it to at exit)
         traceback.print_exc()
+    if worker.restarting:  # the launcher starts this process again
+        exit_for_restart()

@@ -44,10 +44,9 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -64,7 +63,6 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 """The layout of a checkpoint's dictionary; a checkpoint of another version is refused."""
 _NAME = re.compile(r"step-(\d+)\.pt")
-_Loaded = TypeVar("_Loaded")
 
 
 class Stateful(Protocol):
@@ -183,6 +181,7 @@ class Checkpointer:
         path = self.directory / f"step-{step}.pt"
         _write_atomically(path, self._state(step))
         self._saved_step, self._last_save = step, time.monotonic()
+        self._holds(step)
         for old in self._steps()[self.keep:]:
             (self.directory / f"step-{old}.pt").unlink(missing_ok=True)
         logger.info("checkpoint of step %d: %s (%.2f s)", step, path,
@@ -235,9 +234,19 @@ class Checkpointer:
         self._apply(path, state)
         step = int(state["step"])
         self._counted_step = self._saved_step = step
+        self._holds(step)
         self._last_save = time.monotonic()
         logger.info("restored step %d from %s", step, path)
         return step
+
+    def _holds(self, step: int) -> None:
+        """Tell the coordinator (with the next heartbeat) the newest step this worker
+        holds a checkpoint of: a lock-step run restarts from checkpoints only when every
+        member holds one."""
+        session = self.optimizer.worker._session
+        if session is not None:
+            with session.stats.lock:
+                session.stats.checkpoint_step = step
 
     def _steps(self) -> list[int]:
         """This worker's checkpoints' steps, newest first (complete files only: a
@@ -285,7 +294,7 @@ class Checkpointer:
         exchange = _StoreExchange(session.store, f"ripples/checkpoint/{session.config.run_id}",
                                   worker.rank, worker.num_workers,
                                   worker.env.start_timeout_seconds)
-        return _agree_on_step(exchange, self._steps(), self._load)
+        return _agree_on_step(exchange, self._steps(), _RankFiles(self))  # type: ignore[no-any-return]
 
     def _check(self, path: Path, state: dict[str, Any]) -> None:
         """ValueError unless `state` is a checkpoint of this format, model and objects."""
@@ -329,6 +338,26 @@ class Checkpointer:
             _set_rng_state(rng, device)
 
 
+class _RankFiles:
+    """This rank's checkpoint files, as _agree_on_step uses them."""
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self.checkpointer = checkpointer
+
+    def _path(self, step: int) -> Path:
+        assert self.checkpointer.directory is not None
+        return self.checkpointer.directory / f"step-{step}.pt"
+
+    def load(self, step: int) -> tuple[Path, dict[str, Any]] | None:
+        return self.checkpointer._load(step)
+
+    def read(self, step: int) -> bytes:
+        return self._path(step).read_bytes()
+
+    def write(self, step: int, data: bytes) -> None:
+        _write_atomically(self._path(step), data)
+
+
 class _StoreExchange:
     """Rounds in which every rank publishes a string and reads everyone's."""
 
@@ -351,25 +380,59 @@ class _StoreExchange:
                 "Checkpointer.restore() before its first step") from None
         return [self.store.get(k).decode() for k in keys]
 
+    def publish(self, name: str, data: bytes) -> None:
+        self.store.set(f"{self.prefix}/{name}", data)  # type: ignore[arg-type]  # bytes work
+
+    def fetch(self, name: str) -> bytes:
+        key = f"{self.prefix}/{name}"
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout))
+        except dist.DistStoreError:
+            raise TimeoutError(f"restoring checkpoints: {name} did not arrive within "
+                               f"{self.timeout:.0f} s") from None
+        return self.store.get(key)
+
+
+class _CheckpointFiles(Protocol):
+    """What agreeing on a step needs of this rank's checkpoints."""
+
+    def load(self, step: int) -> Any: ...
+
+    def read(self, step: int) -> bytes: ...
+
+    def write(self, step: int, data: bytes) -> None: ...
+
 
 def _agree_on_step(exchange: _StoreExchange, steps: list[int],
-                   load: Callable[[int], _Loaded | None]) -> _Loaded | None:
-    """The newest of the steps every rank holds that every rank can `load` (None: it
-    cannot; ValueError: it must not, which fails every rank), or None when no rank holds
-    any. Every rank calls it with its own steps, newest first, and gets the same step."""
+                   files: _CheckpointFiles) -> Any:
+    """The newest of the steps every rank that holds checkpoints holds, loaded on every
+    rank (`files.load`: None, it cannot; ValueError, it must not, which fails every rank),
+    or None when no rank holds any. A rank that holds none (a worker that joined at a
+    restart round, on a host of its own) gets the step's file from the lowest rank that
+    holds it, through the store: lock-step workers hold the same state at the same step.
+    Every rank calls it with its own steps, newest first, and gets the same step."""
     held = [json.loads(v) for v in exchange.round("steps", json.dumps(steps))]
-    common = sorted(set(held[0]).intersection(*held[1:]), reverse=True)
-    if not common:
-        if any(held):
-            holders = {r: mine[:3] for r, mine in enumerate(held) if mine}
-            raise RuntimeError(
-                f"ranks {sorted(holders)} hold checkpoints (newest steps {holders}) but no "
-                "step is held by every rank, and a lock-step run restarts every worker from "
-                "one step; remove the checkpoint directory to start afresh")
+    holders = [r for r, mine in enumerate(held) if mine]
+    if not holders:
         return None
+    common = sorted(set(held[holders[0]]).intersection(*(held[r] for r in holders)),
+                    reverse=True)
+    if not common:
+        newest = {r: held[r][:3] for r in holders}
+        raise RuntimeError(
+            f"ranks {holders} hold checkpoints (newest steps {newest}) but no step is held "
+            "by every one of them, and a lock-step run restarts every worker from one "
+            "step; remove the checkpoint directory to start afresh")
+    joiners = [r for r, mine in enumerate(held) if not mine]
     for step in common:
+        if joiners:
+            if exchange.rank == holders[0]:
+                exchange.publish(f"file/{step}", files.read(step))
+            elif exchange.rank in joiners:
+                files.write(step, exchange.fetch(f"file/{step}"))
+                logger.info("took the checkpoint of step %d from rank %d", step, holders[0])
         try:
-            loaded = load(step)
+            loaded = files.load(step)
         except ValueError as err:  # tell the peers before failing, so they fail too
             exchange.round(f"loaded/{step}", f"error: {err}")
             raise
@@ -423,15 +486,18 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         numpy.random.set_state(state["numpy"])
 
 
-def _write_atomically(path: Path, state: dict[str, Any]) -> None:
-    """Write `state` under `path` whole or not at all, durably: a hidden temporary file in
-    the same directory (same file system: the rename is atomic), flushed and fsync'ed,
-    renamed over `path`, then the directory fsync'ed so that the rename itself survives
-    a crash of the machine."""
+def _write_atomically(path: Path, state: dict[str, Any] | bytes) -> None:
+    """Write `state` (or a checkpoint file's bytes) under `path` whole or not at all,
+    durably: a hidden temporary file in the same directory (same file system: the rename
+    is atomic), flushed and fsync'ed, renamed over `path`, then the directory fsync'ed so
+    that the rename itself survives a crash of the machine."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     with open(partial, "wb") as f:
-        torch.save(state, f)
+        if isinstance(state, bytes):
+            f.write(state)
+        else:
+            torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, path)

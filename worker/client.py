@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +17,7 @@ from ripples.rpc import CoordinatorCallError, describe_rpc_error, insecure_chann
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.group_stream import GroupStream
+from ripples.worker.process_launcher import RESTART_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +130,12 @@ class CoordinatorClient:
         return reply
 
     def leave(self, worker_id: int, progress: pb.Progress, error: str = "",
-              reason: str = "") -> None:
+              reason: str = "") -> pb.LeaveReply:
         req = pb.LeaveRequest(worker_id=worker_id, progress=progress, error=error,
                               reason=reason)
-        self._call(self._stub.Leave, req, self.rpc_timeout)
+        reply = self._call(self._stub.Leave, req, self.rpc_timeout)
+        assert isinstance(reply, pb.LeaveReply)
+        return reply
 
     def open_group_stream(self, worker_id: int) -> GroupStream:
         """The worker's Synchronize stream (group requests and releases)."""
@@ -170,6 +176,55 @@ class CoordinatorClient:
         self._channel.close()
 
 
+RESTART_GRACE_SECONDS = 5.0
+"""After a restart order, the training thread has this long to end the process itself (at
+its next step); then the process exits from the heartbeat thread (a training thread held
+inside a collective whose peers restarted waits out its timeout otherwise)."""
+
+
+class Restart:
+    """A restart order from the coordinator (lock-step runs): the process exits with
+    RESTART_EXIT_CODE and its launcher starts it again."""
+
+    def __init__(self) -> None:
+        self.ordered = threading.Event()
+        self.reason = ""
+
+    def order(self, reason: str) -> None:
+        """Note the order (once) and arm the backstop that ends the process if the
+        training thread does not within RESTART_GRACE_SECONDS."""
+        if self.ordered.is_set():
+            return
+        self.reason = reason
+        self.ordered.set()
+        logger.warning("the run restarts its workers (%s): this process exits with code %d "
+                       "for its launcher to start it again", reason, RESTART_EXIT_CODE)
+        timer = threading.Timer(RESTART_GRACE_SECONDS, exit_for_restart)
+        timer.daemon = True
+        timer.start()
+
+
+class RestartRequested(SystemExit):
+    """Raised in the training thread at its next step after a restart order: the process
+    ends with RESTART_EXIT_CODE (user code that catches Exception does not catch it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(RESTART_EXIT_CODE)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"restarting: {self.reason}"
+
+
+def exit_for_restart() -> None:
+    """End the process now with RESTART_EXIT_CODE (buffers flushed; no clean-up runs:
+    the coordinator ended this worker's part already, and its checkpoints are whole)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(RESTART_EXIT_CODE)
+
+
 class HeartbeatThread(threading.Thread):
     """Renews the lease and reports progress; raises the stop flag when told to.
 
@@ -192,6 +247,7 @@ class HeartbeatThread(threading.Thread):
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         self.fatal_error = ""
+        self.restart = Restart()
         self.tolerance = max(lease_seconds, outage_seconds)
         self.incarnation = 0
         self.global_progress = (0.0, 0)
@@ -229,6 +285,9 @@ class HeartbeatThread(threading.Thread):
                     logger.warning("the coordinator restarted (incarnation %d); going on",
                                    reply.incarnation)
                 self.incarnation = reply.incarnation
+            if reply.restart:
+                self.restart.order(reply.restart_reason)
+                return
             if reply.stop and not self.stop_requested.is_set():
                 self.stop_reason = reply.stop_reason
                 self.stop_requested.set()

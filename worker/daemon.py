@@ -13,6 +13,7 @@ In the last two forms this process watches its children, passes SIGINT/SIGTERM o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from ripples.worker.launch_env import CheckpointOptions, LaunchEnv, default_host
 from ripples.worker.process_launcher import (
+    RESTART_EXIT_CODE,
     WorkerProcesses,
     launch_environment,
     runner_argv,
@@ -102,6 +104,7 @@ def run_worker(config: WorkerConfig) -> int:
     when a second signal N aborted it. Any exception, an abort included, marks the worker
     FAILED with its error at the coordinator (never a clean leave)."""
     from ripples.worker.api import init
+    from ripples.worker.client import RestartRequested
     from ripples.worker.runner import train_task
 
     worker = None
@@ -114,16 +117,21 @@ def run_worker(config: WorkerConfig) -> int:
     except BaseException as err:  # noqa: BLE001 (every failure is reported, none is clean)
         code = 1
         error = f"{type(err).__name__}: {err}"
-        if isinstance(err, SystemExit):  # the signal handler's abort
+        if isinstance(err, RestartRequested):
+            code, error = RESTART_EXIT_CODE, ""
+        elif isinstance(err, SystemExit):  # the signal handler's abort
             code = err.code if isinstance(err.code, int) and err.code else 1
             error = f"aborted by a second signal (exit code {code})"
         elif isinstance(err, KeyboardInterrupt):
             code, error = 130, "aborted (KeyboardInterrupt)"
         worker_id = worker.worker_id if worker is not None else "-"
-        logger.error("worker %s failed: %s", worker_id, error)
+        if error:
+            logger.error("worker %s failed: %s", worker_id, error)
     finally:
         if worker is not None:
             worker.shutdown(error)
+            if worker.restarting:  # a restart round: the launcher starts this process again
+                code = RESTART_EXIT_CODE
     return code
 
 
@@ -166,6 +174,26 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def exec_again() -> None:
+    """A restart round of the run (lock-step protocols): this process becomes a fresh copy
+    of itself, with the same pid and command line (a supervisor that watches the pid, such
+    as a chaos harness or a container runtime, sees one process throughout); the new image
+    registers anew and restores the run's last checkpoint. Every descriptor of the old
+    image (communicators, the store, gRPC's) is marked close-on-exec first, so that its
+    peers see them end; closing them here instead would pull them from under threads that
+    still run (gRPC's poller failed on a closed epoll descriptor, and the exec never came)."""
+    logger.info("restarting this worker process for the run's restart round")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+                os.set_inheritable(fd, False)
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def install_signal_handlers() -> None:

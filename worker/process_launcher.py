@@ -22,6 +22,13 @@ from ripples.worker.launch_env import ENV_COORDINATOR, LaunchEnv
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
+RESTART_EXIT_CODE = 75
+"""A worker process that restarts for a restart round of its lock-step run exits with
+this code (EX_TEMPFAIL); the launchers here start it again (torchrun does with
+--max-restarts)."""
+MAX_PROCESS_RESTARTS = 100
+"""A child restarted this often is left ended (the coordinator bounds restart rounds by
+max_restarts; this bounds a launcher whose coordinator keeps ordering restarts)."""
 TERMINATE_GRACE_SECONDS = 30.0
 """After passing a signal on, how long the children have to leave before they are killed."""
 
@@ -107,6 +114,9 @@ def describe_exit(code: int) -> str:
 class _Child:
     name: str
     process: subprocess.Popen[bytes]
+    argv: list[str]
+    env: dict[str, str]
+    restarts: int = 0
 
 
 @dataclass
@@ -123,8 +133,25 @@ class WorkerProcesses:
         # sessions of their own got unequal CPU shares (measured with a2cid2 on digits,
         # 4 workers on 2 cores: 174-1490 steps each in one run instead of 783-825, and a
         # quarter of the pairwise exchanges).
-        process = subprocess.Popen(argv, env=env, process_group=0)
-        self.children.append(_Child(name, process))
+        self.children.append(_Child(name, self._popen(argv, env), argv, env))
+
+    @staticmethod
+    def _popen(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(argv, env=env, process_group=0)
+
+    def restart_ordered(self) -> list[str]:
+        """Start again every child that ended with RESTART_EXIT_CODE (a restart round of
+        its lock-step run; not after a signal was passed on): the names restarted."""
+        restarted = []
+        for c in self.children:
+            if (c.process.poll() == RESTART_EXIT_CODE and not self._signals
+                    and c.restarts < MAX_PROCESS_RESTARTS):
+                c.restarts += 1
+                c.process = self._popen(c.argv, c.env)
+                restarted.append(c.name)
+                logger.info("%s restarts (restart %d): it registers anew and restores the "
+                            "run's last checkpoint", c.name, c.restarts)
+        return restarted
 
     def alive(self) -> bool:
         return any(c.process.poll() is None for c in self.children)
@@ -172,6 +199,7 @@ class WorkerProcesses:
         ended: list[_Child] = []  # in the order they were seen to end
         try:
             while len(ended) < len(self.children):
+                self.restart_ordered()
                 for c in self.children:
                     if c not in ended and c.process.poll() is not None:
                         ended.append(c)

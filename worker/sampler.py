@@ -116,10 +116,18 @@ class DistributedSampler(TorchDistributedSampler):  # type: ignore[type-arg]
     def state_dict(self) -> dict[str, int]:
         """Where the sampler stands (checkpoints): the epoch, the seed, and how many of
         this pass's indices the training loop consumed (see `advance`)."""
-        return {"epoch": self.epoch, "seed": self.seed, "position": self.position}
+        return {"epoch": self.epoch, "seed": self.seed, "position": self.position,
+                "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Stand where `state` says: the next pass over this epoch starts after the
-        indices consumed already (set_epoch to another epoch starts that one afresh)."""
+        indices consumed already (set_epoch to another epoch starts that one afresh). A
+        state saved with shards of another length (a lock-step run whose restart round
+        formed with another number of workers) resumes at the same fraction of the
+        epoch."""
         self.epoch, self.seed = int(state["epoch"]), int(state["seed"])
-        self.position = self._resume_at = int(state.get("position", 0))
+        position = int(state.get("position", 0))
+        saved_length = int(state.get("num_samples", self.num_samples))
+        if saved_length != self.num_samples and saved_length > 0:
+            position = min(self.num_samples, position * self.num_samples // saved_length)
+        self.position = self._resume_at = position

@@ -18,7 +18,12 @@ import torch
 import torch.distributed as dist
 
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.client import CoordinatorCallError, CoordinatorClient, HeartbeatThread
+from ripples.worker.client import (
+    CoordinatorCallError,
+    CoordinatorClient,
+    HeartbeatThread,
+    Restart,
+)
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import (
     CommunicatorCache,
@@ -66,6 +71,7 @@ class Session:
         self.comms: CommunicatorCache | None = None
         self._store_address = ("", 0)
         self._left = False
+        self._restart: Restart | None = None
 
     # ------------------------------------------------------------------ life
     def join(self) -> None:
@@ -104,11 +110,19 @@ class Session:
                                 self.env.start_timeout_seconds, schema)
         timeout = self.config.collective_timeout_seconds
         host, port = self._store_address
-        self.store = connect_store(host, port, timeout)
+        generation = self.membership.generation
+
+        def connect() -> dist.Store:
+            store = connect_store(host, port, timeout)
+            # After a restart round, every key lives under the round's generation: the
+            # keys of the processes before the restart stay in the store.
+            return dist.PrefixStore(f"g{generation}/", store) if generation else store
+
+        self.store = connect()
         loopback = host in ("127.0.0.1", "localhost")
         factory = CommunicatorFactory(self.store, self.device, timeout,
                                       gloo_hostname="127.0.0.1" if loopback else "",
-                                      reconnect=lambda: connect_store(host, port, timeout))
+                                      reconnect=connect)
         self.comms = CommunicatorCache(factory)
         self.metrics.attach(worker_id=self.worker_id, host=self.env.host,
                             protocol=self.config.protocol, cache=self.comms)
@@ -141,7 +155,9 @@ class Session:
             self.comms.close()
         if self.worker_id is not None:
             try:
-                self.client.leave(self.worker_id, self.stats.snapshot(), error, reason)
+                reply = self.client.leave(self.worker_id, self.stats.snapshot(), error, reason)
+                if reply.restart:
+                    self.restart.order(reply.restart_reason)
             except CoordinatorCallError as err:
                 logger.warning("could not leave cleanly: %s", err)
         self.client.close()
@@ -153,6 +169,15 @@ class Session:
         """Raised by the heartbeat once the coordinator stopped the run."""
         assert self.heartbeat is not None
         return self.heartbeat.stop_requested
+
+    @property
+    def restart(self) -> Restart:
+        """The coordinator's restart order (a restart round of a lock-step run), if any."""
+        if self.heartbeat is None:
+            if self._restart is None:
+                self._restart = Restart()
+            return self._restart
+        return self.heartbeat.restart
 
     @property
     def fatal_error(self) -> str:

@@ -28,6 +28,8 @@ class WorkerStats:
     preduce_seconds: float = 0.0
     num_groups: int = 0
     planned_iterations: int = 0
+    checkpoint_step: int = 0
+    """The newest step this worker holds a checkpoint of (ripples.Checkpointer)."""
     last_loss: float = float("nan")
     _recent_losses: deque[float] = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -68,4 +70,5 @@ class WorkerStats:
                 samples=self.samples, compute_seconds=self.compute_seconds,
                 wait_seconds=self.wait_seconds, preduce_seconds=self.preduce_seconds,
                 planned_iterations=self.planned_iterations,
+                checkpoint_step=self.checkpoint_step,
             )

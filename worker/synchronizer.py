@@ -31,7 +31,7 @@ import torch
 
 from ripples.protocols import PROTOCOLS, get_protocol
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.client import CoordinatorCallError
+from ripples.worker.client import CoordinatorCallError, RestartRequested
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.protocols import create_protocol
@@ -109,6 +109,9 @@ class StepSynchronizer:
         """Everything after the local step of step `completed`; returns why the run is
         over for this worker, or "" to go on."""
         stats = self.session.stats
+        restart = self.session.restart
+        if restart.ordered.is_set():  # lock-step: the membership changes, from a checkpoint
+            raise RestartRequested(restart.reason)
         # Compute: everything since the last step returned, less a sync that ran inside
         # backward (DDP), which a slower device would not make slower.
         inside = self.protocol.backward_sync_seconds()

@@ -107,6 +107,7 @@ function drawCounters(s) {
     ["pending (queue)", r.groups_pending], ["conflicts", r.conflicts],
     ["pending waits", r.pending_waits], ["cancelled", r.groups_cancelled],
     ["failed", r.groups_failed], ["lease expirations", r.lease_expirations],
+    ["restart rounds", r.restarts],
   ];
   const dl = document.getElementById("counters");
   dl.replaceChildren();

@@ -91,6 +91,10 @@ class ProtocolSpec:
     fixed_membership: str = ""
     """Why no worker may join the running run, or empty: elastic, a worker may join in
     place of a member that left (it heals from a live peer first)."""
+    restarts: bool = False
+    """A membership change (a member fails, a worker joins) restarts every worker from the
+    run's last checkpoint with the new membership (lock-step protocols whose workers
+    checkpoint; RunSettings.max_restarts)."""
     role_from: Callable[[SettingsLookup[Any]], Role] | None = None
     """Derives the role from the run's settings when it depends on them."""
     summarise: str = ""
@@ -132,7 +136,7 @@ PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
     ProtocolSpec(name="allreduce", summary="PyTorch DDP over all workers (the baseline)",
                  role=Role(Coordination.LOCKSTEP),
                  runtime=f"{_RUNTIMES}.allreduce:AllReduceProtocol",
-                 fixed_membership=_LOCKSTEP_FIXED),
+                 fixed_membership=_LOCKSTEP_FIXED, restarts=True),
     ProtocolSpec(name="ripples-random", summary=f"{_GROUPS}: random groups",
                  role=Role(Coordination.GROUPS, "random"), settings=(GroupGeneratorSettings,),
                  runtime=f"{_RUNTIMES}.group_generator:GroupGeneratorProtocol"),
@@ -142,7 +146,7 @@ PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
     ProtocolSpec(name="ripples-static", summary="P-Reduce on the static conflict-free schedule",
                  role=Role(Coordination.STATIC),
                  runtime=f"{_RUNTIMES}.static_schedule:StaticScheduleProtocol",
-                 fixed_membership=_LOCKSTEP_FIXED),
+                 fixed_membership=_LOCKSTEP_FIXED, restarts=True),
     ProtocolSpec(name="adpsgd", summary="AD-PSGD: wait-free pairwise averaging",
                  role=Role(Coordination.GOSSIP, "adpsgd"), settings=(GossipSettings,),
                  runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol"),

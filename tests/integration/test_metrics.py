@@ -52,6 +52,7 @@ COORDINATOR_METRICS = {
     "ripples_coordinator_groups_cancelled": "counter",
     "ripples_coordinator_groups_failed": "counter",
     "ripples_coordinator_lease_expirations": "counter",
+    "ripples_coordinator_restart_rounds": "counter",
     "ripples_coordinator_mean_training_loss": "gauge",
     "ripples_coordinator_run_elapsed_seconds": "gauge",
     "ripples_coordinator_run_stopped": "gauge",

@@ -268,7 +268,7 @@ def test_the_sampler_resumes_its_epoch_after_the_consumed_samples() -> None:
     order = list(sampler)
     sampler.advance(4)
     state = sampler.state_dict()
-    assert state == {"epoch": 2, "seed": 1, "position": 4}
+    assert state == {"epoch": 2, "seed": 1, "position": 4, "num_samples": 10}
     fresh = ripples.DistributedSampler(TensorDataset(torch.zeros(10)), shuffle=True, seed=0)
     fresh.load_state_dict(state)
     fresh.set_epoch(2)
@@ -277,6 +277,20 @@ def test_the_sampler_resumes_its_epoch_after_the_consumed_samples() -> None:
     fresh.load_state_dict(state)
     fresh.set_epoch(3)  # another epoch than the restored one starts afresh
     assert len(list(fresh)) == 10
+
+
+def test_a_sampler_of_another_shard_length_resumes_at_the_same_fraction_of_the_epoch() -> None:
+    """A lock-step run's restart round formed with 2 workers where 4 saved: each shard is
+    twice as long, and 4 of 5 samples consumed become 8 of 10."""
+    dataset = TensorDataset(torch.zeros(20))
+    saved = ripples.DistributedSampler(dataset, num_replicas=4, rank=1)
+    saved.set_epoch(1)
+    list(saved)
+    saved.advance(4)
+    resumed = ripples.DistributedSampler(dataset, num_replicas=2, rank=1)
+    resumed.load_state_dict(saved.state_dict())
+    resumed.set_epoch(1)
+    assert resumed.position == 8 and len(list(resumed)) == 2
 
 
 def test_a2cid2s_momentum_copy_is_restored_and_stale_deltas_dropped() -> None:
@@ -290,6 +304,44 @@ def test_a2cid2s_momentum_copy_is_restored_and_stale_deltas_dropped() -> None:
 
 
 # ---------------------------------------------------------------------- lock-step
+class _Files:
+    """A rank's checkpoint files in memory: step -> bytes."""
+
+    def __init__(self, rank: int, steps: list[int], unloadable: set[tuple[int, int]]) -> None:
+        self.rank, self.unloadable = rank, unloadable
+        self.data = {step: f"state of step {step} from rank {rank}".encode() for step in steps}
+
+    def load(self, step: int) -> tuple[int, bytes] | None:
+        return None if (self.rank, step) in self.unloadable else (step, self.data[step])
+
+    def read(self, step: int) -> bytes:
+        return self.data[step]
+
+    def write(self, step: int, data: bytes) -> None:
+        self.data[step] = data
+
+
+def _agree(held: dict[int, list[int]], unloadable: set[tuple[int, int]] = frozenset()  # type: ignore[assignment]
+           ) -> tuple[dict[int, object], dict[int, str]]:
+    store = dist.HashStore()
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+
+    def rank(r: int) -> None:
+        exchange = _StoreExchange(store, "run", r, len(held), 10.0)
+        try:
+            results[r] = _agree_on_step(exchange, held[r], _Files(r, held[r], unloadable))
+        except RuntimeError as err:
+            errors[r] = str(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(held))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return results, errors
+
+
 @pytest.mark.parametrize(("held", "unloadable", "expected"), [
     ({0: [6, 4, 2], 1: [6, 4, 2], 2: [4, 2]}, set(), 4),  # rank 2 never saved 6
     ({0: [6, 4, 2], 1: [6, 4, 2], 2: [6, 4, 2]}, {(1, 6), (2, 4)}, 2),
@@ -298,39 +350,26 @@ def test_a2cid2s_momentum_copy_is_restored_and_stale_deltas_dropped() -> None:
 def test_lockstep_ranks_agree_on_the_newest_step_every_rank_loads(
         held: dict[int, list[int]], unloadable: set[tuple[int, int]],
         expected: int | None) -> None:
-    store = dist.HashStore()
-    results: dict[int, int | None] = {}
+    results, errors = _agree(held, unloadable)
+    assert not errors
+    steps = {r: None if found is None else found[0] for r, found in results.items()}  # type: ignore[index]
+    assert steps == {0: expected, 1: expected, 2: expected}
 
-    def rank(r: int) -> None:
-        exchange = _StoreExchange(store, "run", r, 3, 10.0)
-        results[r] = _agree_on_step(exchange, held[r],
-                                    lambda step: None if (r, step) in unloadable else step)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert results == {0: expected, 1: expected, 2: expected}
+def test_a_rank_without_checkpoints_takes_the_agreed_step_from_the_lowest_holder() -> None:
+    """A worker that joined at a restart round on a host of its own holds no checkpoint:
+    it gets the agreed step's file through the store (lock-step workers hold the same
+    state at the same step)."""
+    results, errors = _agree({0: [], 1: [8, 4], 2: [8, 4]})
+    assert not errors
+    assert results == {0: (8, b"state of step 8 from rank 1"),
+                       1: (8, b"state of step 8 from rank 1"),
+                       2: (8, b"state of step 8 from rank 2")}
 
 
 def test_lockstep_ranks_without_a_common_step_refuse_to_start_afresh() -> None:
-    store = dist.HashStore()
-    errors: dict[int, str] = {}
-
-    def rank(r: int) -> None:
-        try:
-            _agree_on_step(_StoreExchange(store, "run", r, 2, 10.0), [4, 2] if r else [],
-                           lambda step: step)
-        except RuntimeError as err:
-            errors[r] = str(err)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert sorted(errors) == [0, 1] and "ranks [1] hold checkpoints" in errors[0]
+    results, errors = _agree({0: [6], 1: [4, 2]})
+    assert sorted(errors) == [0, 1] and "ranks [0, 1] hold checkpoints" in errors[0]
 
 
 # ---------------------------------------------------------------------- bit-identical resume

@@ -181,7 +181,7 @@ class RegisterReply(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("iteration", "loss", "samples", "compute_seconds", "wait_seconds", "preduce_seconds", "planned_iterations")
+    __slots__ = ("iteration", "loss", "samples", "compute_seconds", "wait_seconds", "preduce_seconds", "planned_iterations", "checkpoint_step")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class Progress(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     loss: float
     samples: int
@@ -196,7 +197,8 @@ class Progress(_message.Message):
     wait_seconds: float
     preduce_seconds: float
     planned_iterations: int
-    def __init__(self, iteration: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., preduce_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ...) -> None: ...
+    checkpoint_step: int
+    def __init__(self, iteration: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., preduce_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "progress")
@@ -207,16 +209,20 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "stop_reason", "mean_iterations", "incarnation")
+    __slots__ = ("stop", "stop_reason", "mean_iterations", "incarnation", "restart", "restart_reason")
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    RESTART_REASON_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     stop_reason: str
     mean_iterations: float
     incarnation: int
-    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    restart: bool
+    restart_reason: str
+    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ..., incarnation: _Optional[int] = ..., restart: _Optional[bool] = ..., restart_reason: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "progress", "error", "reason")
@@ -231,8 +237,12 @@ class LeaveRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("restart", "restart_reason")
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    RESTART_REASON_FIELD_NUMBER: _ClassVar[int]
+    restart: bool
+    restart_reason: str
+    def __init__(self, restart: _Optional[bool] = ..., restart_reason: _Optional[str] = ...) -> None: ...
 
 class AwaitMembersRequest(_message.Message):
     __slots__ = ("worker_id", "timeout_seconds")
@@ -291,7 +301,7 @@ class CheckSchemaReply(_message.Message):
     def __init__(self) -> None: ...
 
 class Membership(_message.Message):
-    __slots__ = ("num_workers", "ranks", "rank", "num_nodes", "neighbours", "spectral_gap", "gossip", "replacement", "start_iteration")
+    __slots__ = ("num_workers", "ranks", "rank", "num_nodes", "neighbours", "spectral_gap", "gossip", "replacement", "start_iteration", "generation")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +311,7 @@ class Membership(_message.Message):
     GOSSIP_FIELD_NUMBER: _ClassVar[int]
     REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
     START_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
     ranks: _containers.RepeatedCompositeFieldContainer[WorkerRank]
     rank: int
@@ -310,7 +321,8 @@ class Membership(_message.Message):
     gossip: GossipConstants
     replacement: bool
     start_iteration: int
-    def __init__(self, num_workers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., neighbours: _Optional[_Iterable[int]] = ..., spectral_gap: _Optional[float] = ..., gossip: _Optional[_Union[GossipConstants, _Mapping]] = ..., replacement: _Optional[bool] = ..., start_iteration: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, num_workers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[WorkerRank, _Mapping]]] = ..., rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., neighbours: _Optional[_Iterable[int]] = ..., spectral_gap: _Optional[float] = ..., gossip: _Optional[_Union[GossipConstants, _Mapping]] = ..., replacement: _Optional[bool] = ..., start_iteration: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class GossipConstants(_message.Message):
     __slots__ = ("chi_1", "chi_2", "eta", "alpha_tilde", "passive")
@@ -495,7 +507,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used", "topology_complete")
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used", "topology_complete", "num_restarts", "restarting")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +535,8 @@ class RunStatus(_message.Message):
     CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     EDGES_ALWAYS_USED_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTING_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     elapsed_seconds: float
@@ -550,7 +564,9 @@ class RunStatus(_message.Message):
     consensus_distance: float
     edges_always_used: bool
     topology_complete: bool
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ..., topology_complete: _Optional[bool] = ...) -> None: ...
+    num_restarts: int
+    restarting: str
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ..., topology_complete: _Optional[bool] = ..., num_restarts: _Optional[int] = ..., restarting: _Optional[str] = ...) -> None: ...
 
 class TopologyEdge(_message.Message):
     __slots__ = ("a", "b")

@@ -1,0 +1,112 @@
+"""Lock-step runs (allreduce) survive a member's death with a restart round, as
+torchelastic does: a worker of a running 3-worker run is SIGKILLed; the survivors'
+processes restart in place (same pid: `ripples worker run` execs itself), register anew,
+restore the last checkpoint every rank holds, and go on, with a replacement (back to 3
+workers) or without one (2 workers after the join window). The run completes, no
+survivor's process ends before the run, and at most one checkpoint interval is lost."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.helpers import running_coordinator, start_worker
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_SECONDS = 240
+CHECKPOINT_EVERY = 40
+
+
+def _wait_for(condition, what: str, timeout: float = 90.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _finish(procs: list[subprocess.Popen[str]]) -> list[str]:
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=DEADLINE_SECONDS)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out or "")
+    return outputs
+
+
+def _worker(address: str, host: str, tmp_path: Path) -> subprocess.Popen[str]:
+    return start_worker(address, "--host", host, "--metrics-port", "-1",
+                        "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                        "--checkpoint-every", str(CHECKPOINT_EVERY),
+                        "--save-model", str(tmp_path / f"{host}.pt"))
+
+
+@pytest.mark.parametrize("replace", [True, False], ids=["replaced", "shrunk"])
+def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
+        replace: bool, tmp_path: Path) -> None:
+    with running_coordinator(protocol="allreduce", num_workers=3, min_workers=2,
+                             task="digits", iterations=400, lease_seconds=2.0, seed=1,
+                             join_window_seconds=4.0) as server:
+        core = server.service.core  # type: ignore[union-attr]
+        address = server.address
+        workers = [_worker(address, f"node{r}", tmp_path) for r in range(3)]
+        try:
+            _wait_for(lambda: core.started_at is not None
+                      and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
+                      "two checkpoints")
+            at_kill = max(w.progress.iteration for w in core.live())
+            workers[1].send_signal(signal.SIGKILL)
+            workers[1].wait(10)
+            killed_at = time.monotonic()
+            if replace:
+                workers.append(_worker(address, "node1b", tmp_path))
+            _wait_for(lambda: core.restarts >= 1, "a restart round")
+            # The replacement joins the first round, or (when it started after the join
+            # window) opens a second one: either way the run is back to 3 workers.
+            size = 3 if replace else 2
+            _wait_for(lambda: core.registry.generation >= 1 and core.started_at is not None
+                      and core.registry.size == size,
+                      f"training to go on with {size} workers")
+            resumed_after = time.monotonic() - killed_at
+            survivors = [workers[0], workers[2]]
+            assert all(p.poll() is None for p in survivors)  # restarted in place, same pid
+            outputs = _finish([p for i, p in enumerate(workers) if i != 1])
+        except AssertionError as err:
+            for p in workers:
+                p.kill()
+            said = "\n".join(f"--- worker {i}:\n{p.communicate()[0][-3000:]}"
+                             for i, p in enumerate(workers))
+            raise AssertionError(f"{err}; {core.stop_reason=}\n{said}") from None
+        finally:
+            for p in workers:
+                if p.poll() is None:
+                    p.kill()
+        log = "\n".join(outputs)
+        assert all(p.returncode == 0 for i, p in enumerate(workers) if i != 1), log[-4000:]
+        assert core.stopped and "iteration budget reached" in core.stop_reason, core.stop_reason
+        restored = [int(s) for s in re.findall(r"restored step (\d+)", log)]
+        assert restored, log[-4000:]
+        print(f"\n{'replaced' if replace else 'shrunk'}: training went on "
+              f"{resumed_after:.1f} s after the kill with {size} workers, "
+              f"{core.restarts} restart round(s); iteration {at_kill} at the kill, "
+              f"step {min(restored)} restored")
+        # At most one checkpoint interval lost (and the steps since the kill's report).
+        assert min(restored) >= at_kill - 2 * CHECKPOINT_EVERY
+        if replace:
+            assert "took the checkpoint of step" not in log  # the shared dir had rank 1's
+        models = [torch.load(tmp_path / f"{h}.pt") for h in
+                  (["node0", "node1b", "node2"] if replace else ["node0", "node2"])]
+        for model in models[1:]:  # lock-step: every worker ends with the same model
+            for name, tensor in model.items():
+                assert torch.allclose(tensor, models[0][name], atol=1e-5), name
