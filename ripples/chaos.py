@@ -47,7 +47,17 @@ if TYPE_CHECKING:
 LISTENING = re.compile(r"ripples coordinator listening on (\S+) ")
 FINISHED = re.compile(r"worker \d+ finished: (.*)$")
 HEALED = re.compile(r"healed from worker (\d+) in ([\d.]+) s \(([\d.]+) s after asking\)")
+RESTORED = re.compile(r"restored step (\d+) from ")
+"""A lock-step worker's line once it restored the run's checkpoint after a restart round
+(its replacement's "heal")."""
+LOCKSTEP_PROTOCOLS = ("allreduce",)
+"""Lock-step protocols a trial may run: a fault opens a restart round (every worker
+restarts from the last checkpoint), a replacement joins it."""
 BUDGET = re.compile(r"^iteration budget reached \((\d+) iterations\)")
+LOCKSTEP_BUDGET = re.compile(r"^iteration budget reached \(worker \d+ finished its (\d+) "
+                             r"iterations\)")
+"""A lock-step run stops when its first worker finishes its budget (all stand at the
+same iteration)."""
 POLL_SECONDS = 0.2
 """Status poll period of the driver (faults, stalls, the run's progress)."""
 MIN_LIVE_AFTER_FAULT = 2
@@ -86,7 +96,16 @@ class ChaosConfig:
     whose passing trials are removed (failing ones are kept and named)."""
     task: str = "digits"
     protocol: str = "ripples-smart"
+    """ripples-smart, ripples-random, adpsgd (elastic: replacements heal) or allreduce
+    (lock-step: restart rounds)."""
+    checkpoint_every: int = 250
+    """Workers checkpoint every this many steps (0: not at all); every checkpoint left
+    must load, with finite values. Lock-step runs restart from them."""
     python: str = sys.executable
+
+    @property
+    def lockstep(self) -> bool:
+        return self.protocol in LOCKSTEP_PROTOCOLS
 
     def __post_init__(self) -> None:
         unknown = [k for k in self.faults if k not in FAULT_KINDS]
@@ -97,6 +116,18 @@ class ChaosConfig:
             raise ValueError(f"a chaos trial needs at least {MIN_LIVE_AFTER_FAULT + 1} workers")
         if self.trials < 1 or self.iterations < 1 or self.faults_per_trial < 0:
             raise ValueError("trials and iterations must be positive, faults_per_trial >= 0")
+        elastic = ("ripples-smart", "ripples-random", "adpsgd")
+        if self.protocol not in (*elastic, *LOCKSTEP_PROTOCOLS):
+            raise ValueError(f"chaos trials run {', '.join((*elastic, *LOCKSTEP_PROTOCOLS))}, "
+                             f"not {self.protocol}")
+        if self.lockstep and "sigterm" in self.faults:
+            raise ValueError(f"a SIGTERM stops a {self.protocol} run on purpose (every worker "
+                             "at one agreed step): leave sigterm out of --faults")
+        if self.lockstep and not self.checkpoint_every:
+            raise ValueError(f"{self.protocol} restarts from checkpoints: give "
+                             "--checkpoint-every")
+        if self.checkpoint_every < 0:
+            raise ValueError("checkpoint_every must not be negative")
 
 
 # ---------------------------------------------------------------------------- processes
@@ -292,6 +323,9 @@ def _state_name(value: int) -> str:
 def plan_faults(rng: random.Random, config: ChaosConfig) -> list[PlannedFault]:
     """The trial's faults, in firing order: the first of the first kind listed."""
     lo, hi = FAULT_WINDOW
+    if config.lockstep:  # after the first checkpoint, which a restart round restores
+        lo = max(lo, (config.checkpoint_every + 20) / config.iterations)
+        hi = max(hi, lo + 0.1)
     moments = sorted(rng.uniform(lo, hi) for _ in range(config.faults_per_trial))
     plan = []
     for i, moment in enumerate(moments):
@@ -325,6 +359,13 @@ class TrialResult:
     longest_stall_worker: str = ""
     groups_failed: int = 0
     groups_cancelled: int = 0
+    restart_rounds: int = 0
+    """Lock-step runs: restart rounds the faults opened."""
+    checkpoints: int = 0
+    """Checkpoint files left at the end, each loaded and checked."""
+    corrupt_checkpoints: int = 0
+    partial_checkpoints: int = 0
+    """Hidden partial files of writers killed mid-write (never under a checkpoint name)."""
     directory: str = ""
 
     def line(self) -> str:
@@ -410,6 +451,9 @@ class Trial:
         model = self.dir / f"{name}.pt"
         argv = self._cli("worker", "run", "--coordinator", address, "--host", name,
                          "--metrics-port", "-1", "--save-model", str(model))
+        if self.config.checkpoint_every:
+            argv += ["--checkpoint-dir", str(self.dir / "checkpoints"),
+                     "--checkpoint-every", str(self.config.checkpoint_every)]
         proc = Proc(name, role, argv, self.dir / f"{name}.log", self.t0)
         proc.model_path = model
         self.procs.append(proc)
@@ -447,7 +491,13 @@ class Trial:
         return next((p for p in self.procs if p.name == name), None)
 
     def healed(self, proc: Proc) -> bool:
-        return proc.role != "replacement" or proc.find(HEALED) is not None
+        return proc.role != "replacement" or proc.find(self.heal_line) is not None
+
+    @property
+    def heal_line(self) -> re.Pattern[str]:
+        """What a replacement logs once it holds the run's model: healed from a live peer,
+        or (lock-step) restored the run's checkpoint."""
+        return RESTORED if self.config.lockstep else HEALED
 
     # ------------------------------------------------------------------ status
     def poll(self) -> pb.RunStatus | None:
@@ -467,9 +517,10 @@ class Trial:
         if status.stopped:
             self.final_status = status
         training = [w for w in status.workers if w.state in _training_states()]
-        if status.started:  # the membership is formed: ranks are final
+        if status.started:  # the membership is formed (again, after a restart round)
             for w in status.workers:
-                self.ranks.setdefault(w.host, w.rank)
+                if w.state in _training_states():
+                    self.ranks[w.host] = w.rank
         if training and self.config.iterations:
             self.progress = (sum(w.iteration for w in training) / len(training)
                              / self.config.iterations)
@@ -490,8 +541,9 @@ class Trial:
     def _note_changes(self, status: pb.RunStatus) -> None:
         for w in status.workers:  # training states (computing, waiting, reducing) as one
             state = "training" if w.state in _training_states() else _state_name(w.state)
-            if self._states.get(w.host) != state:
-                self._states[w.host] = state
+            key = f"{w.host}/{w.worker_id}"  # a restarted process registers anew
+            if self._states.get(key) != state:
+                self._states[key] = state
                 self.note(f"{w.host} is worker {w.worker_id}, rank {w.rank}: {state} at "
                           f"iteration {w.iteration}" + (f" ({w.error})" if w.error else ""))
         if status.started and "started" not in self._states:
@@ -563,8 +615,10 @@ class Trial:
             if (not self.coordinator.alive and not restarting) or (
                     status is not None and status.stopped):
                 break
-            if status is not None and status.started:
+            if status is not None and (status.started or status.restarting):
+                # A lock-step run's replacement joins the restart round its fault opened.
                 self._start_due_replacements(address)
+            if status is not None and status.started:
                 if plan and self.progress >= plan[0].progress:
                     record = FAULT_KINDS[plan[0].kind].inject(self, plan[0])
                     if record is not None:
@@ -593,8 +647,8 @@ class Trial:
         else:  # the coordinator exited before a poll saw the stop: its workers' word
             said = [found for w in self.workers() if (found := w.find(FINISHED)) is not None]
             r.stop_reason = said[0][1].group(1) if said else ""
-        budget = BUDGET.match(r.stop_reason)
-        needed = self.config.workers * self.config.iterations
+        budget = (LOCKSTEP_BUDGET if self.config.lockstep else BUDGET).match(r.stop_reason)
+        needed = self.config.iterations * (1 if self.config.lockstep else self.config.workers)
         if budget is None or int(budget.group(1)) < needed:
             r.lost = True
             fail(f"LOST run: it stopped with {r.stop_reason or 'no stop reason'!r}, not its "
@@ -608,16 +662,43 @@ class Trial:
         # Heals: the time from a replacement's start to its heal line.
         for f in r.faults:
             joiner = self.proc(f.replacement) if f.replacement else None
-            healed = joiner.find(HEALED) if joiner is not None else None
+            healed = joiner.find(self.heal_line) if joiner is not None else None
             if joiner is not None and healed is not None:
                 when, m = healed
                 f.heal_seconds = when - joiner.started_at
                 f.fault_to_heal_seconds = when - self.t0 - f.at_seconds
-                f.heal_donor = int(m.group(1))
+                f.heal_donor = -1 if self.config.lockstep else int(m.group(1))
         r.heals = sum(f.heal_seconds is not None for f in r.faults)
         if any(f.replacement for f in r.faults) and r.heals == 0:
-            fail("no replacement healed (no \"healed from worker\" in their logs)")
+            fail(f"no replacement healed (no {self.heal_line.pattern!r} in their logs)")
+        if self.final_status is not None:
+            r.restart_rounds = self.final_status.num_restarts
         self._check_models()
+        self._check_checkpoints()
+
+    def _check_checkpoints(self) -> None:
+        """Every checkpoint left loads, and holds finite values only (a writer SIGKILLed
+        mid-write leaves a hidden partial file, never a torn checkpoint)."""
+        root = self.dir / "checkpoints"
+        if not self.config.checkpoint_every or not root.is_dir():
+            return
+        import torch
+
+        r = self.result
+        for path in sorted(root.glob("rank-*/step-*.pt")):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=False)
+                bad = [k for k, v in state["model"].items()
+                       if v.is_floating_point() and not torch.isfinite(v).all()]
+            except Exception as err:  # noqa: BLE001 (any unreadable checkpoint is a failure)
+                r.failures.append(f"CORRUPT checkpoint {path}: {type(err).__name__}: {err}")
+                r.corrupt_checkpoints += 1
+                continue
+            if bad:
+                r.failures.append(f"checkpoint {path} holds non-finite {bad[:3]}")
+                r.corrupt_checkpoints += 1
+            r.checkpoints += 1
+        r.partial_checkpoints = len(list(root.glob("rank-*/.step-*.pt.partial")))
 
     def _check_models(self) -> None:
         r = self.result
@@ -758,6 +839,10 @@ def summarise(results: list[TrialResult]) -> dict[str, Any]:
         "accuracy": _spread([r.accuracy for r in results if r.accuracy is not None]),
         "groups_failed": sum(r.groups_failed for r in results),
         "groups_cancelled": sum(r.groups_cancelled for r in results),
+        "restart_rounds": sum(r.restart_rounds for r in results),
+        "checkpoints_loaded": sum(r.checkpoints for r in results),
+        "corrupt_checkpoints": sum(r.corrupt_checkpoints for r in results),
+        "partial_checkpoint_files": sum(r.partial_checkpoints for r in results),
         "results": [asdict(r) for r in results],
     }
 
@@ -775,7 +860,11 @@ def format_summary(summary: dict[str, Any]) -> str:
                          if summary["failed_seeds"] else ""),
         f"  faults: {kinds} ({summary['faults_inside_preduce']} inside a P-Reduce, "
         f"{summary['skipped_faults']} skipped); heals {summary['heals']}; groups failed "
-        f"{summary['groups_failed']}, cancelled {summary['groups_cancelled']}",
+        f"{summary['groups_failed']}, cancelled {summary['groups_cancelled']}; restart "
+        f"rounds {summary['restart_rounds']}",
+        f"  checkpoints: {summary['checkpoints_loaded']} loaded, "
+        f"{summary['corrupt_checkpoints']} corrupt, "
+        f"{summary['partial_checkpoint_files']} partial files of killed writers",
         f"  seconds min / median / max: trial {spread('trial_seconds')}, training "
         f"{spread('training_seconds')}, replacement start to heal {spread('heal_seconds')}, "
         f"fault to heal {spread('fault_to_heal_seconds')}, survivors' longest stall "
@@ -816,6 +905,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="",
                         help="keep every trial's logs and models here (default: a temporary "
                              "folder; failing trials are kept and named)")
+    parser.add_argument("--protocol", default=d.protocol,
+                        help="ripples-smart, ripples-random, adpsgd (replacements heal) or "
+                             f"allreduce (restart rounds) (default: {d.protocol})")
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                        help="workers checkpoint every N steps, and every checkpoint must "
+                             f"load at the end; 0: none (default: {d.checkpoint_every})")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -826,7 +921,8 @@ def run_command(args: argparse.Namespace) -> int:
             iterations=args.iterations, lease_seconds=args.lease_seconds,
             faults=tuple(k.strip() for k in args.faults.split(",") if k.strip()),
             faults_per_trial=args.faults_per_trial, min_accuracy=args.min_accuracy,
-            deadline_seconds=args.deadline_seconds,
+            deadline_seconds=args.deadline_seconds, protocol=args.protocol,
+            checkpoint_every=args.checkpoint_every,
             workdir=Path(args.workdir) if args.workdir else None)
     except ValueError as err:
         print(f"ripples chaos: error: {err}", file=sys.stderr)
