@@ -37,9 +37,10 @@ from ripples.coordinator.schema import Schema, SchemaCheck
 from ripples.coordinator.stop import StateAdoption, StopAgreement, budget_reached
 from ripples.protocols import Coordination, GroupGeneratorSettings
 
-RESTART_GIVE_UP_WINDOWS = 10
+RESTART_GIVE_UP_WINDOWS = 6
 """A restart round whose workers did not come back within this many join windows stops
-the run (every wait has an end)."""
+the run (every wait has an end; 90 s with the default window, within the workers' own
+start timeout of 120 s)."""
 
 __all__ = ["GONE", "CoordinatorCore", "CoordinatorError", "Deliveries", "GroupDecision",
            "Outcome", "Progress", "WorkerRecord", "WorkerState"]
@@ -56,7 +57,8 @@ class CoordinatorCore:
         self.progress = ProgressTracker(num_workers=settings.num_workers,
                                         target_loss=settings.target_loss,
                                         live=self.registry.live,
-                                        everyone=self.registry.counted)
+                                        everyone=self.registry.counted,
+                                        lockstep=settings.spec.restarts)
         self.groups = GroupService(self.role, settings.settings(GroupGeneratorSettings),
                                    registry=self.registry, graph=lambda: self.graph,
                                    progress=self.progress, rng=random.Random(settings.seed),
@@ -85,6 +87,8 @@ class CoordinatorCore:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"the run is over ({self.stop_reason}); start a new "
                                    "coordinator for a new run")
+        if not host:  # before a joiner may open a restart round
+            raise CoordinatorError("INVALID_ARGUMENT", "host must not be empty")
         fixed = self.settings.spec.fixed_membership
         if self.registry.formed and self.settings.spec.restarts:
             refusal = self._restart_refusal()
@@ -309,9 +313,15 @@ class CoordinatorCore:
         w = self.registry.workers.get(worker_id)
         if w is None or self.stopped:
             return ""
-        if w.restarted or (w.state is WorkerState.FAILED and self.restart_began_at is not None
-                           and not self.registry.formed):
+        round_open = self.restart_began_at is not None and not self.registry.formed
+        if w.restarted or (w.state is WorkerState.FAILED and round_open):
             return f"restart round {self.restarts}: {self.restart_reason}"
+        if w.state is WorkerState.EXPIRED and self.settings.spec.restarts and (
+                round_open or not self._restart_refusal()):
+            # Alive after all (a long pause cost it its lease): it restarts and registers
+            # anew, joining the open round or opening one for the run to grow back.
+            return (f"its lease expired ({w.error}); it registers anew"
+                    + (f" in restart round {self.restarts}" if round_open else ""))
         return ""
 
     def _remove(self, w: WorkerRecord, state: WorkerState, now: float) -> Deliveries:

@@ -31,8 +31,9 @@ class ProgressTracker:
 
     def __init__(self, *, num_workers: int, target_loss: float,
                  live: Callable[[], list[WorkerRecord]],
-                 everyone: Callable[[], list[WorkerRecord]]) -> None:
+                 everyone: Callable[[], list[WorkerRecord]], lockstep: bool = False) -> None:
         self.num_workers = num_workers
+        self.lockstep = lockstep
         self.target_loss = target_loss
         self._live = live
         self._everyone = everyone
@@ -101,7 +102,13 @@ class ProgressTracker:
         return sum(losses) / len(losses)
 
     def mean_iterations(self) -> float:
-        """Iterations of an average worker: all iterations done, over the run's workers."""
+        """Iterations of an average worker: all iterations done, over the run's workers
+        (a lock-step run's live workers all stand at its iteration: their mean, also
+        after a restart round formed with fewer workers)."""
+        if self.lockstep:
+            live = self._live()
+            if live:
+                return sum(w.progress.iteration for w in live) / len(live)
         return sum(w.progress.iteration for w in self._everyone()) / self.num_workers
 
     def consensus_distance(self) -> float | None:

@@ -158,7 +158,8 @@ class Registry:
         return record
 
     def continue_ranks(self, members: list[WorkerRecord]) -> None:
-        """After a resumed run formed its membership anew: each member takes over the
+        """After a resumed run (or a lock-step run's restart round) formed its membership
+        anew: each member takes over the
         part of the departed member that held its rank before (`_continue`), with its
         slowdown counter; none heals: every member restores the run's checkpoints."""
         for w in members:
@@ -166,6 +167,11 @@ class Registry:
             if previous is not None:
                 self._continue(w, previous)
                 w.request_count = previous.request_count
+                # It goes on from the checkpoint it restores, not from where its
+                # predecessor was: the steps since are made again.
+                held = previous.progress.checkpoint_step
+                if held:
+                    w.progress.iteration = min(w.progress.iteration, held)
 
     def vacant_member(self, rank: int | None = None) -> WorkerRecord | None:
         """The departed member of lowest rank (or of `rank`) whose rank nobody holds

@@ -96,6 +96,7 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: flo
     core.restart_reason = restarts.get("reason", "")
     if restarts.get("open"):  # its join window starts again with the new incarnation
         core.restart_began_at = now
+    if not started:  # the training time before a restart round (or 0 before any start)
         core.resumed_elapsed = restarts.get("elapsed", 0.0)
     if registry.formed:
         core.graph = RunGraph.build(settings, _holders_by_rank(registry.workers.values()))

@@ -238,7 +238,7 @@ class LocalCluster:
         failed = []
         for rank, child in enumerate(self.processes.children):
             code = child.process.poll()
-            if code not in (None, 0):
+            if code not in (None, 0) and not self.processes.will_restart(child):
                 why = errors.get(rank) or "it exited without reporting an error (see its log above)"
                 failed.append(f"worker rank {rank} (pid {child.process.pid}) "
                               f"{describe_exit(code)}: {why}")

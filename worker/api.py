@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ripples.worker.client import exit_for_restart
+from ripples.worker.client import PROCESS_RESTART
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.session import Session, resolve_device
 from ripples.worker.synchronizer import write_json
@@ -114,6 +114,7 @@ class Worker:
         """Ask this worker to stop after its current step (`opt.stopped` turns True)."""
         if self._session is not None:
             self._session.local_stop.set()
+            self._session.restart.decline()  # asked to leave: it leaves, even mid-restart
 
     def _register_optimizer(self, optimizer: Optimizer) -> None:
         if self._shut_down:
@@ -152,7 +153,7 @@ class Worker:
         """The coordinator ordered this worker's process to restart (a restart round of a
         lock-step run): it exits with RESTART_EXIT_CODE, its launcher starts it again, and
         the new process restores the run's last checkpoint."""
-        return self._session is not None and self._session.restart.ordered.is_set()
+        return self._session is not None and self._session.restart.pending
 
     def _end_reason(self) -> str:
         """Why a clean worker ends: the run's stop, or its own loop's end."""
@@ -217,6 +218,7 @@ def init(*, coordinator: str | None = None, device: str | None = None, host: str
         launch = (env or LaunchEnv.from_environ()).replace(**overrides)
         session = None
         if launch.distributed:
+            _install_exit_hooks()  # before joining: a restart round may end the start
             session = Session(launch)
             try:
                 session.join()
@@ -265,6 +267,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def _at_exit() -> None:
     worker = _current
     if worker is None:
+        if PROCESS_RESTART.pending:  # a restart round ended this worker's start
+            PROCESS_RESTART.action()
         return
     error = _uncaught[-1] if _uncaught else ""
     if error:
@@ -274,4 +278,4 @@ def _at_exit() -> None:
     except Exception:  # noqa: BLE001 (nothing is left to report it to at exit)
         traceback.print_exc()
     if worker.restarting:  # the launcher starts this process again
-        exit_for_restart()
+        PROCESS_RESTART.action()

@@ -332,6 +332,11 @@ class Checkpointer:
             logger.warning("%s also holds state for %s, not restored (not given to the "
                            "Checkpointer)", path, ignored)
         rng, device = state["rng"], worker.device
+        if state["rank"] != worker.rank:  # another rank's file (a restart round's copy)
+            logger.info("%s was saved by rank %d: its random number generators stay "
+                        "this process's (rank %d's would repeat its dropout and data order)",
+                        path, state["rank"], worker.rank)
+            return
         if self._sampler is not None:  # after the DataLoader drew its seed (module doc)
             self._sampler._at_next_pass(lambda: _set_rng_state(rng, device))
         else:
@@ -383,6 +388,9 @@ class _StoreExchange:
     def publish(self, name: str, data: bytes) -> None:
         self.store.set(f"{self.prefix}/{name}", data)  # type: ignore[arg-type]  # bytes work
 
+    def forget(self, name: str) -> None:
+        self.store.delete_key(f"{self.prefix}/{name}")
+
     def fetch(self, name: str) -> bytes:
         key = f"{self.prefix}/{name}"
         try:
@@ -405,38 +413,34 @@ class _CheckpointFiles(Protocol):
 
 def _agree_on_step(exchange: _StoreExchange, steps: list[int],
                    files: _CheckpointFiles) -> Any:
-    """The newest of the steps every rank that holds checkpoints holds, loaded on every
-    rank (`files.load`: None, it cannot; ValueError, it must not, which fails every rank),
-    or None when no rank holds any. A rank that holds none (a worker that joined at a
-    restart round, on a host of its own) gets the step's file from the lowest rank that
-    holds it, through the store: lock-step workers hold the same state at the same step.
-    Every rank calls it with its own steps, newest first, and gets the same step."""
+    """The run's newest checkpoint step, loaded on every rank (`files.load`: None, it
+    cannot; ValueError, it must not, which fails every rank), or None when no rank holds
+    any. Lock-step workers save the same steps and hold the same state at a step, so a
+    rank that lacks the newest step (it joined at a restart round on a host of its own;
+    it was killed before saving it; its directory is a stale one of its rank from before
+    a restart round re-dealt the ranks) gets that step's file from the lowest rank that
+    holds it, through the store. A step that some rank cannot load is given up for the
+    next newest. Every rank calls it with its own steps, newest first, and gets the same
+    step."""
     held = [json.loads(v) for v in exchange.round("steps", json.dumps(steps))]
-    holders = [r for r, mine in enumerate(held) if mine]
-    if not holders:
-        return None
-    common = sorted(set(held[holders[0]]).intersection(*(held[r] for r in holders)),
-                    reverse=True)
-    if not common:
-        newest = {r: held[r][:3] for r in holders}
-        raise RuntimeError(
-            f"ranks {holders} hold checkpoints (newest steps {newest}) but no step is held "
-            "by every one of them, and a lock-step run restarts every worker from one "
-            "step; remove the checkpoint directory to start afresh")
-    joiners = [r for r, mine in enumerate(held) if not mine]
-    for step in common:
-        if joiners:
-            if exchange.rank == holders[0]:
-                exchange.publish(f"file/{step}", files.read(step))
-            elif exchange.rank in joiners:
-                files.write(step, exchange.fetch(f"file/{step}"))
-                logger.info("took the checkpoint of step %d from rank %d", step, holders[0])
+    candidates = sorted(set().union(*map(set, held)), reverse=True)
+    for step in candidates:
+        have = [r for r, mine in enumerate(held) if step in mine]
+        lacking = [r for r, mine in enumerate(held) if step not in mine]
+        key = f"file/{step}"
+        if lacking and exchange.rank == have[0]:
+            exchange.publish(key, files.read(step))
+        elif exchange.rank in lacking:
+            files.write(step, exchange.fetch(key))
+            logger.info("took the checkpoint of step %d from rank %d", step, have[0])
         try:
             loaded = files.load(step)
         except ValueError as err:  # tell the peers before failing, so they fail too
             exchange.round(f"loaded/{step}", f"error: {err}")
             raise
         verdicts = exchange.round(f"loaded/{step}", "ok" if loaded is not None else "unloadable")
+        if lacking and exchange.rank == have[0]:
+            exchange.forget(key)  # every rank has read it: the store keeps no model copy
         errors = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v.startswith("error")]
         if errors:
             raise RuntimeError(f"a peer cannot restore step {step}: {'; '.join(errors)}")
@@ -445,8 +449,10 @@ def _agree_on_step(exchange: _StoreExchange, steps: list[int],
         failed = [r for r, v in enumerate(verdicts) if v != "ok"]
         logger.warning("step %d cannot be loaded on ranks %s; trying the step before",
                        step, failed)
-    raise RuntimeError(f"no checkpoint step held by every rank ({common}) loads on every rank "
-                       "(see the warnings); remove the checkpoints to start afresh")
+    if not candidates:
+        return None
+    raise RuntimeError(f"no checkpoint step ({candidates}) loads on every rank (see the "
+                       "warnings); remove the checkpoints to start afresh")
 
 
 def _cpu_copy(value: Any) -> Any:

@@ -80,8 +80,11 @@ class CoordinatorClient:
                  metrics_port: int = 0, metrics_host: str = "",
                  vacancy_timeout_seconds: float = 0.0) -> pb.RegisterReply:
         """Register; a replacement for an elastic run that has all its workers now
-        (RESOURCE_EXHAUSTED: a dead member's lease has not expired yet) asks again, with
-        back-off, for up to `vacancy_timeout_seconds`."""
+        (RESOURCE_EXHAUSTED: a dead member's lease has not expired yet; a lock-step run
+        until a restart round opens) asks again, with back-off, for up to
+        `vacancy_timeout_seconds`, and rides over a coordinator that goes away meanwhile
+        (UNAVAILABLE: restarting from its state dir; a chaos trial's replacement died of
+        it)."""
         req = pb.RegisterRequest(host=host, local_rank=local_rank, device=device, pid=pid,
                                  metrics_port=metrics_port, metrics_host=metrics_host)
         deadline = time.monotonic() + vacancy_timeout_seconds
@@ -91,8 +94,9 @@ class CoordinatorClient:
                 reply = self._call(self._stub.Register, req, self.rpc_timeout)
                 break
             except CoordinatorCallError as err:
-                if (err.code != grpc.StatusCode.RESOURCE_EXHAUSTED
-                        or time.monotonic() + pause > deadline):
+                waiting = err.code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                    err.code == grpc.StatusCode.UNAVAILABLE and vacancy_timeout_seconds > 0)
+                if not waiting or time.monotonic() + pause > deadline:
                     raise
                 logger.info("waiting for a vacancy in the run: %s", err)
                 time.sleep(pause)
@@ -183,25 +187,46 @@ inside a collective whose peers restarted waits out its timeout otherwise)."""
 
 
 class Restart:
-    """A restart order from the coordinator (lock-step runs): the process exits with
-    RESTART_EXIT_CODE and its launcher starts it again."""
+    """This process's restart order from the coordinator (lock-step runs; one per
+    process: PROCESS_RESTART): the process ends and starts again, by `action`
+    (exit_for_restart, whose launcher starts it again; `ripples worker run` execs itself
+    in place)."""
 
     def __init__(self) -> None:
         self.ordered = threading.Event()
         self.reason = ""
+        self.declined = False
+        """The worker was asked to leave (a SIGTERM, request_stop()): it leaves instead."""
+        self.action: Callable[[], None] = exit_for_restart
+
+    @property
+    def pending(self) -> bool:
+        """Ordered, and this process restarts (rather than leave, as it was asked to)."""
+        return self.ordered.is_set() and not self.declined
 
     def order(self, reason: str) -> None:
-        """Note the order (once) and arm the backstop that ends the process if the
-        training thread does not within RESTART_GRACE_SECONDS."""
-        if self.ordered.is_set():
+        """Note the order (once) and arm the backstop that restarts the process if the
+        training thread does not end it within RESTART_GRACE_SECONDS (it may be held in
+        a collective, or in a wait for the run to start)."""
+        if self.ordered.is_set() or self.declined:
             return
         self.reason = reason
         self.ordered.set()
-        logger.warning("the run restarts its workers (%s): this process exits with code %d "
-                       "for its launcher to start it again", reason, RESTART_EXIT_CODE)
-        timer = threading.Timer(RESTART_GRACE_SECONDS, exit_for_restart)
+        logger.warning("the run restarts its workers (%s): this process ends (exit code %d) "
+                       "and starts again", reason, RESTART_EXIT_CODE)
+        timer = threading.Timer(RESTART_GRACE_SECONDS, self._deadline)
         timer.daemon = True
         timer.start()
+
+    def decline(self) -> None:
+        """The worker was asked to leave: no restart, even if one was ordered."""
+        self.declined = True
+
+    def _deadline(self) -> None:
+        if self.pending:
+            logger.warning("the training thread did not end within %.0f s of the restart "
+                           "order: restarting now", RESTART_GRACE_SECONDS)
+            self.action()
 
 
 class RestartRequested(SystemExit):
@@ -223,6 +248,12 @@ def exit_for_restart() -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(RESTART_EXIT_CODE)
+
+
+PROCESS_RESTART = Restart()
+"""This process's restart order: every session and heartbeat of the process shares it,
+so that it outlives a failed start (a restart round that ends a worker waiting in
+ripples.init())."""
 
 
 class HeartbeatThread(threading.Thread):
@@ -247,7 +278,7 @@ class HeartbeatThread(threading.Thread):
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         self.fatal_error = ""
-        self.restart = Restart()
+        self.restart = PROCESS_RESTART
         self.tolerance = max(lease_seconds, outage_seconds)
         self.incarnation = 0
         self.global_progress = (0.0, 0)

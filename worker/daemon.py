@@ -104,12 +104,13 @@ def run_worker(config: WorkerConfig) -> int:
     when a second signal N aborted it. Any exception, an abort included, marks the worker
     FAILED with its error at the coordinator (never a clean leave)."""
     from ripples.worker.api import init
-    from ripples.worker.client import RestartRequested
+    from ripples.worker.client import PROCESS_RESTART, RestartRequested
     from ripples.worker.runner import train_task
 
     worker = None
     error = ""
     code = 0
+    PROCESS_RESTART.action = exec_again  # no launcher watches this process: it execs itself
     try:
         worker = init(env=config.launch_env())
         reason = train_task(worker, config.task)
@@ -130,8 +131,8 @@ def run_worker(config: WorkerConfig) -> int:
     finally:
         if worker is not None:
             worker.shutdown(error)
-            if worker.restarting:  # a restart round: the launcher starts this process again
-                code = RESTART_EXIT_CODE
+        if PROCESS_RESTART.pending:  # a restart round (a failed start included)
+            code = RESTART_EXIT_CODE
     return code
 
 

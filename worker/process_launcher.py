@@ -144,8 +144,7 @@ class WorkerProcesses:
         its lock-step run; not after a signal was passed on): the names restarted."""
         restarted = []
         for c in self.children:
-            if (c.process.poll() == RESTART_EXIT_CODE and not self._signals
-                    and c.restarts < MAX_PROCESS_RESTARTS):
+            if self.will_restart(c):
                 c.restarts += 1
                 c.process = self._popen(c.argv, c.env)
                 restarted.append(c.name)
@@ -153,14 +152,22 @@ class WorkerProcesses:
                             "run's last checkpoint", c.name, c.restarts)
         return restarted
 
+    def will_restart(self, child: _Child) -> bool:
+        """The child ended for a restart round and `restart_ordered` starts it again (not
+        after a signal was passed on, nor past MAX_PROCESS_RESTARTS): not a failure, and
+        not the child's end."""
+        return (child.process.poll() == RESTART_EXIT_CODE and not self._signals
+                and child.restarts < MAX_PROCESS_RESTARTS)
+
     def alive(self) -> bool:
-        return any(c.process.poll() is None for c in self.children)
+        return any(c.process.poll() is None or self.will_restart(c) for c in self.children)
 
     def failures(self) -> list[str]:
         """The children that ended with an error, named with their exit codes."""
         return [f"{c.name} (pid {c.process.pid}) {describe_exit(c.process.returncode)}"
                 for c in self.children
-                if c.process.returncode is not None and c.process.returncode != 0]
+                if c.process.returncode is not None and c.process.returncode != 0
+                and not self.will_restart(c)]
 
     def pass_signal(self, signum: int) -> None:
         """First call: SIGTERM to every child (it finishes its step and leaves the run);
@@ -201,7 +208,8 @@ class WorkerProcesses:
             while len(ended) < len(self.children):
                 self.restart_ordered()
                 for c in self.children:
-                    if c not in ended and c.process.poll() is not None:
+                    if (c not in ended and c.process.poll() is not None
+                            and not self.will_restart(c)):
                         ended.append(c)
                 time.sleep(POLL_SECONDS)
         finally:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import (
+    PROCESS_RESTART,
     CoordinatorCallError,
     CoordinatorClient,
     HeartbeatThread,
@@ -71,7 +72,6 @@ class Session:
         self.comms: CommunicatorCache | None = None
         self._store_address = ("", 0)
         self._left = False
-        self._restart: Restart | None = None
 
     # ------------------------------------------------------------------ life
     def join(self) -> None:
@@ -173,11 +173,7 @@ class Session:
     @property
     def restart(self) -> Restart:
         """The coordinator's restart order (a restart round of a lock-step run), if any."""
-        if self.heartbeat is None:
-            if self._restart is None:
-                self._restart = Restart()
-            return self._restart
-        return self.heartbeat.restart
+        return PROCESS_RESTART
 
     @property
     def fatal_error(self) -> str:

@@ -56,8 +56,8 @@ def _worker(address: str, host: str, tmp_path: Path) -> subprocess.Popen[str]:
 def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
         replace: bool, tmp_path: Path) -> None:
     with running_coordinator(protocol="allreduce", num_workers=3, min_workers=2,
-                             task="digits", iterations=400, lease_seconds=2.0, seed=1,
-                             join_window_seconds=4.0) as server:
+                             task="digits", iterations=400 if replace else 2000,
+                             lease_seconds=2.0, seed=1, join_window_seconds=4.0) as server:
         core = server.service.core  # type: ignore[union-attr]
         address = server.address
         workers = [_worker(address, f"node{r}", tmp_path) for r in range(3)]
@@ -81,6 +81,17 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
             resumed_after = time.monotonic() - killed_at
             survivors = [workers[0], workers[2]]
             assert all(p.poll() is None for p in survivors)  # restarted in place, same pid
+            if not replace:
+                # The killed host comes back later: a round grows the run to 3 again.
+                # Ranks are dealt anew (node2 held rank 1 of 2, takes rank 2 again), and
+                # rank-2's directory is stale (the steps before the shrink): every rank
+                # restores the run's newest step all the same.
+                shrunk_at = max(w.progress.iteration for w in core.live())
+                _wait_for(lambda: min(w.progress.iteration for w in core.live())
+                          > shrunk_at + CHECKPOINT_EVERY, "a checkpoint of the 2 workers")
+                workers.append(_worker(address, "node1", tmp_path))
+                _wait_for(lambda: core.restarts >= 2 and core.started_at is not None
+                          and core.registry.size == 3, "the run to grow back to 3")
             outputs = _finish([p for i, p in enumerate(workers) if i != 1])
         except AssertionError as err:
             for p in workers:
@@ -97,16 +108,16 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
         assert core.stopped and "iteration budget reached" in core.stop_reason, core.stop_reason
         restored = [int(s) for s in re.findall(r"restored step (\d+)", log)]
         assert restored, log[-4000:]
-        print(f"\n{'replaced' if replace else 'shrunk'}: training went on "
+        print(f"\n{'replaced' if replace else 'shrunk, then grown back'}: training went on "
               f"{resumed_after:.1f} s after the kill with {size} workers, "
               f"{core.restarts} restart round(s); iteration {at_kill} at the kill, "
               f"step {min(restored)} restored")
         # At most one checkpoint interval lost (and the steps since the kill's report).
         assert min(restored) >= at_kill - 2 * CHECKPOINT_EVERY
-        if replace:
-            assert "took the checkpoint of step" not in log  # the shared dir had rank 1's
+        if not replace:  # the stale rank-2 directory got the newest step from a peer
+            assert "took the checkpoint of step" in log
         models = [torch.load(tmp_path / f"{h}.pt") for h in
-                  (["node0", "node1b", "node2"] if replace else ["node0", "node2"])]
+                  ["node0", "node2", "node1b" if replace else "node1"]]
         for model in models[1:]:  # lock-step: every worker ends with the same model
             for name, tensor in model.items():
                 assert torch.allclose(tensor, models[0][name], atol=1e-5), name

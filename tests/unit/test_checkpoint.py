@@ -339,11 +339,13 @@ def _agree(held: dict[int, list[int]], unloadable: set[tuple[int, int]] = frozen
         t.start()
     for t in threads:
         t.join(20)
+    steps = {step for mine in held.values() for step in mine}
+    assert not any(store.check([f"run/file/{step}"]) for step in steps)  # no copy is kept
     return results, errors
 
 
 @pytest.mark.parametrize(("held", "unloadable", "expected"), [
-    ({0: [6, 4, 2], 1: [6, 4, 2], 2: [4, 2]}, set(), 4),  # rank 2 never saved 6
+    ({0: [6, 4, 2], 1: [6, 4, 2], 2: [6, 4, 2]}, set(), 6),
     ({0: [6, 4, 2], 1: [6, 4, 2], 2: [6, 4, 2]}, {(1, 6), (2, 4)}, 2),
     ({0: [], 1: [], 2: []}, set(), None),
 ])
@@ -356,20 +358,26 @@ def test_lockstep_ranks_agree_on_the_newest_step_every_rank_loads(
     assert steps == {0: expected, 1: expected, 2: expected}
 
 
-def test_a_rank_without_checkpoints_takes_the_agreed_step_from_the_lowest_holder() -> None:
-    """A worker that joined at a restart round on a host of its own holds no checkpoint:
-    it gets the agreed step's file through the store (lock-step workers hold the same
-    state at the same step)."""
-    results, errors = _agree({0: [], 1: [8, 4], 2: [8, 4]})
+@pytest.mark.parametrize("held", [
+    {0: [], 1: [8, 4], 2: [8, 4]},  # rank 0 joined at a restart round on a host of its own
+    {0: [4, 2], 1: [8, 4], 2: [8, 4]},  # rank 0 was killed before it saved step 8
+    {0: [80, 40], 1: [280, 240], 2: [280, 240]},  # rank 0's directory is a stale one
+])
+def test_a_rank_without_the_newest_step_takes_it_from_the_lowest_holder(
+        held: dict[int, list[int]]) -> None:
+    """Lock-step workers hold the same state at the same step: a rank that lacks the run's
+    newest step gets its file through the store, and the store keeps no copy."""
+    results, errors = _agree(held)
     assert not errors
-    assert results == {0: (8, b"state of step 8 from rank 1"),
-                       1: (8, b"state of step 8 from rank 1"),
-                       2: (8, b"state of step 8 from rank 2")}
+    newest = held[1][0]
+    assert results == {0: (newest, f"state of step {newest} from rank 1".encode()),
+                       1: (newest, f"state of step {newest} from rank 1".encode()),
+                       2: (newest, f"state of step {newest} from rank 2".encode())}
 
 
-def test_lockstep_ranks_without_a_common_step_refuse_to_start_afresh() -> None:
-    results, errors = _agree({0: [6], 1: [4, 2]})
-    assert sorted(errors) == [0, 1] and "ranks [0, 1] hold checkpoints" in errors[0]
+def test_a_step_nobody_can_load_fails_every_rank_naming_the_steps() -> None:
+    results, errors = _agree({0: [6], 1: [6]}, {(0, 6)})
+    assert sorted(errors) == [0, 1] and "no checkpoint step ([6]) loads" in errors[0]
 
 
 # ---------------------------------------------------------------------- bit-identical resume
