@@ -121,3 +121,40 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
         for model in models[1:]:  # lock-step: every worker ends with the same model
             for name, tensor in model.items():
                 assert torch.allclose(tensor, models[0][name], atol=1e-5), name
+
+
+def test_a_static_schedule_run_restarts_with_a_replacement_on_the_same_host(
+        tmp_path: Path) -> None:
+    """ripples-static on 2 hosts of 2 workers: the round waits for the killed worker's
+    replacement on its host (the schedule needs full hosts), then every worker goes on
+    from the last checkpoint and the run completes."""
+    def worker(address: str, host: str, local_rank: int) -> subprocess.Popen[str]:
+        return start_worker(address, "--host", host, "--local-rank", str(local_rank),
+                            "--metrics-port", "-1",
+                            "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                            "--checkpoint-every", str(CHECKPOINT_EVERY))
+
+    with running_coordinator(protocol="ripples-static", num_workers=4, workers_per_node=2,
+                             task="digits", iterations=500, lease_seconds=2.0, seed=1,
+                             join_window_seconds=4.0) as server:
+        core = server.service.core  # type: ignore[union-attr]
+        workers = [worker(server.address, f"node{i // 2}", i % 2) for i in range(4)]
+        try:
+            _wait_for(lambda: core.started_at is not None
+                      and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
+                      "two checkpoints")
+            workers[3].send_signal(signal.SIGKILL)
+            workers[3].wait(10)
+            workers.append(worker(server.address, "node1", 1))
+            _wait_for(lambda: core.restarts == 1 and core.registry.generation == 1
+                      and core.started_at is not None, "training to go on with 4 workers")
+            assert core.registry.size == 4
+            outputs = _finish([p for i, p in enumerate(workers) if i != 3])
+        finally:
+            for p in workers:
+                if p.poll() is None:
+                    p.kill()
+        log = "\n".join(outputs)
+        assert all(p.returncode == 0 for i, p in enumerate(workers) if i != 3), log[-4000:]
+        assert core.stopped and "iteration budget reached" in core.stop_reason, core.stop_reason
+        assert re.search(r"restored step \d+", log), log[-4000:]
