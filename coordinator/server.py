@@ -99,7 +99,7 @@ class CoordinatorServer(LoopThreadService):
             state.store_port = self.store_port
         self.service = CoordinatorService(core, store_host=_advertised(cfg),
                                           store_port=self.store_port, state=state,
-                                          incarnation=incarnation)
+                                          incarnation=incarnation, store=self._store)
         if saved is not None:
             self.service.metrics_targets = {int(k): v for k, v in
                                             saved.get("metrics_targets", {}).items()}

@@ -12,9 +12,11 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 
+from ripples import consensus
 from ripples.coordinator import snapshot
 from ripples.coordinator.core import (
     GONE,
@@ -118,8 +120,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         clock: Callable[[], float] = time.monotonic,
         state: StateStore | None = None,
         incarnation: int = 1,
+        store: Any = None,
     ) -> None:
         self.core = core
+        self.store = store
+        """The rendezvous store this coordinator hosts (a torch.distributed.TCPStore, or
+        None): consensus models come through it."""
+        self._consensus_seq = 0
+        self._consensus_pending = 0
+        """The consensus request the workers are asked to publish for (0: none)."""
+        self._consensus_lock: asyncio.Lock | None = None
         self.state = state
         """Where the run's state is saved (--state-dir), if anywhere."""
         self.incarnation = incarnation
@@ -254,7 +264,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._resolve(deliveries)
         return pb.HeartbeatReply(stop=self.core.stopped, stop_reason=self.core.stop_reason,
                                  mean_iterations=self.core.mean_iterations(),
-                                 incarnation=self.incarnation)
+                                 incarnation=self.incarnation,
+                                 consensus_id=self._consensus_pending)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
                     ) -> pb.LeaveReply:
@@ -462,6 +473,89 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._final_waiters[w].set_result(group)
         if group is not None:
             logger.info("final average over workers %s", list(group.members))
+
+    # ------------------------------------------------------------------ consensus
+    async def Consensus(self, request: pb.ConsensusRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[pb.ConsensusChunk]:
+        """The live workers' average model now (ripples/consensus.py): ask every live
+        worker to publish its model at its next step boundary, wait for all (a worker
+        that leaves meanwhile is dropped), average, stream the average back. One request
+        at a time; every wait is bounded by the request's timeout."""
+        core = self.core
+        refusal = self._consensus_refusal()
+        if refusal:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        if self._consensus_lock is None:
+            self._consensus_lock = asyncio.Lock()
+        timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
+        async with self._consensus_lock:
+            started = self.clock()
+            self._consensus_seq += 1
+            cid = (self.incarnation << 32) + self._consensus_seq  # never reused
+            expected = {w.worker_id for w in core.live() if w.healed}
+            prefix = f"g{core.registry.generation}/" if core.registry.generation else ""
+            keys = {w: prefix + consensus.publish_key(cid, w) for w in expected}
+            self._consensus_pending = cid
+            logger.info("consensus %d: asking workers %s for their models", cid,
+                        sorted(expected))
+            try:
+                missing = await self._await_published(keys, started + timeout)
+            finally:
+                self._consensus_pending = 0
+            if missing:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                    f"workers {missing} did not publish their model within {timeout:.0f} s "
+                    "(each does at its next step boundary); ask again, or with a longer "
+                    "--timeout-seconds"))
+            # Whoever published (one that left since counts with the model it had).
+            published = [w for w in sorted(keys)
+                         if await asyncio.to_thread(self.store.check, [keys[w]])]
+            blobs = [await asyncio.to_thread(self.store.get, keys[w]) for w in published]
+            for w in published:
+                await asyncio.to_thread(self.store.delete_key, keys[w])
+        if not published:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "no live worker published its model")
+        try:
+            average = await asyncio.to_thread(consensus.average_models, blobs)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            raise AssertionError("unreachable") from err
+        seconds = self.clock() - started
+        logger.info("consensus %d: averaged workers %s in %.2f s", cid, published, seconds)
+        yield pb.ConsensusChunk(info=pb.ConsensusInfo(
+            consensus_id=cid, workers=published, iterations=average.iterations,
+            consensus_distance=average.consensus_distance, seconds=seconds,
+            size_bytes=len(average.data)))
+        for i in range(0, len(average.data), consensus.CHUNK_BYTES):
+            yield pb.ConsensusChunk(data=average.data[i:i + consensus.CHUNK_BYTES])
+
+    def _consensus_refusal(self) -> str:
+        core = self.core
+        if self.store is None:
+            return "this coordinator hosts no rendezvous store to collect the models"
+        if not core.settings.spec.library:
+            return (f"{core.settings.protocol}'s updater processes train outside the "
+                    "worker's step loop: no consensus model mid-run (the final one is "
+                    "written at the end)")
+        if core.stopped:
+            return f"the run is over ({core.stop_reason})"
+        if core.started_at is None:
+            return "the run is not training now (it has not started, or a restart round is open)"
+        return ""
+
+    async def _await_published(self, keys: dict[int, str], deadline: float) -> list[int]:
+        """Wait until every expected worker that is still live published; returns the
+        ones missing at the deadline (none: all did)."""
+        while True:
+            live = {w.worker_id for w in self.core.live()}
+            missing = []
+            for w, key in keys.items():
+                if w in live and not await asyncio.to_thread(self.store.check, [key]):
+                    missing.append(w)
+            if not missing or self.clock() > deadline:
+                return sorted(missing)
+            await asyncio.sleep(0.1)
 
     # ------------------------------------------------------------------ lock-step
     async def GetStaticSchedule(self, request: pb.StaticScheduleRequest,

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from ripples import chaos, schedule_command
 from ripples.config_cli import add_dataclass_arguments, dataclass_from_args
@@ -187,6 +188,42 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         return 2
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from ripples.worker.client import CoordinatorCallError, CoordinatorClient
+
+    try:
+        _check_coordinator(args.coordinator)
+        if args.timeout_seconds <= 0:
+            raise ValueError("--timeout-seconds must be positive")
+    except ValueError as err:
+        print(f"ripples checkpoint: error: {err}", file=sys.stderr)
+        return 2
+    client = CoordinatorClient(args.coordinator)
+    try:
+        info, data = client.consensus(args.timeout_seconds)
+    except CoordinatorCallError as err:
+        print(f"ripples checkpoint: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_bytes(data)
+    partial.replace(path)
+    summary = {"path": str(path), "consensus_id": info.consensus_id,
+               "workers": list(info.workers), "iterations": list(info.iterations),
+               "consensus_distance": info.consensus_distance,
+               "seconds": round(info.seconds, 3), "bytes": len(data)}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"wrote {path}: the average of workers {summary['workers']} at iterations "
+              f"{summary['iterations']} (consensus distance {info.consensus_distance:.3g}, "
+              f"{info.seconds:.2f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ripples.dashboard.app import DashboardConfig
     from ripples.worker.daemon import WorkerConfig
@@ -272,6 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
     sched = sub.add_parser("schedule", help="print the static (conflict-free) schedule")
     schedule_command.add_arguments(sched)
     sched.set_defaults(func=schedule_command.run)
+
+    ckpt = sub.add_parser("checkpoint", help="write the running run's consensus model now "
+                          "(the average of the live workers' models)")
+    ckpt.add_argument("--coordinator", default=os.environ.get(ENV_COORDINATOR, ""),
+                      help=f"HOST:PORT of the run's coordinator (default: ${ENV_COORDINATOR})")
+    ckpt.add_argument("--output", required=True,
+                      help="file to write (a state_dict, torch.load-able), written whole or "
+                           "not at all")
+    ckpt.add_argument("--timeout-seconds", type=float, default=60.0,
+                      help="how long the workers have to publish their models, each at its "
+                           "next step boundary (default: 60)")
+    ckpt.add_argument("--json", action="store_true", help="print what was averaged as JSON")
+    ckpt.set_defaults(func=_cmd_checkpoint)
 
     chaos_parser = sub.add_parser("chaos", help="seeded chaos trials: kill, stop and replace "
                                   "workers of real runs, check nothing is lost")

@@ -104,6 +104,24 @@ class CoordinatorClient:
         assert isinstance(reply, pb.RegisterReply)
         return reply
 
+    def consensus(self, timeout_seconds: float) -> tuple[pb.ConsensusInfo, bytes]:
+        """The run's consensus model now (the Consensus RPC): what was averaged, and the
+        average as torch.save'd bytes of a state_dict."""
+        req = pb.ConsensusRequest(timeout_seconds=timeout_seconds)
+        info, data = pb.ConsensusInfo(), bytearray()
+        try:
+            for chunk in self._stub.Consensus(req, timeout=timeout_seconds + 60.0):
+                if chunk.HasField("info"):
+                    info = chunk.info
+                data += chunk.data
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            raise CoordinatorCallError(describe_rpc_error(err, self.target), code) from err
+        if len(data) != info.size_bytes:
+            raise CoordinatorCallError(f"the consensus model arrived cut short ({len(data)} of "
+                                       f"{info.size_bytes} bytes)", None)
+        return info, bytes(data)
+
     def await_members(self, worker_id: int, timeout_seconds: float) -> pb.Membership:
         """Wait until every expected worker registered: ranks and topology."""
         req = pb.AwaitMembersRequest(worker_id=worker_id, timeout_seconds=timeout_seconds)
@@ -279,6 +297,9 @@ class HeartbeatThread(threading.Thread):
         self.stop_reason = ""
         self.fatal_error = ""
         self.restart = PROCESS_RESTART
+        self.consensus_id = 0
+        """The consensus model the coordinator asks for now (0: none): the training thread
+        publishes its model for it at its next step boundary."""
         self.tolerance = max(lease_seconds, outage_seconds)
         self.incarnation = 0
         self.global_progress = (0.0, 0)
@@ -319,6 +340,7 @@ class HeartbeatThread(threading.Thread):
             if reply.restart:
                 self.restart.order(reply.restart_reason)
                 return
+            self.consensus_id = reply.consensus_id
             if reply.stop and not self.stop_requested.is_set():
                 self.stop_reason = reply.stop_reason
                 self.stop_requested.set()

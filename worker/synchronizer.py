@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ripples.consensus import encode_model, publish_key
 from ripples.protocols import PROTOCOLS, get_protocol
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
@@ -97,6 +98,7 @@ class StepSynchronizer:
             spec_text, seed=config.seed * 1000 + self.ctx.rank) if spec_text
             else SlowdownSpec())
         self.times = StepTimes()
+        self._consensus_served = 0
         self.stop_reason = ""
         self._stop_asked = False
         self._check_finite("before the first step")  # begin() may send already (hop)
@@ -143,9 +145,24 @@ class StepSynchronizer:
         t.injected_seconds += injected
         t.other_seconds += max(0.0, now - step_started - local_seconds - sync - injected)
         self._since = now
+        self._publish_for_consensus(completed)
         if reason:
             self.protocol.on_stop()
         return reason
+
+    def _publish_for_consensus(self, completed: int) -> None:
+        """The coordinator wants the run's consensus model (`ripples checkpoint`): publish
+        this worker's model, as it stands between two steps, through the rendezvous
+        store, once per request (ripples/consensus.py)."""
+        heartbeat, store = self.session.heartbeat, self.session.store
+        wanted = heartbeat.consensus_id if heartbeat is not None else 0
+        if wanted == 0 or wanted == self._consensus_served or store is None:
+            return
+        self._consensus_served = wanted
+        assert self.session.worker_id is not None
+        store.set(publish_key(wanted, self.session.worker_id),
+                  encode_model(completed, self.model.state_dict()))  # type: ignore[arg-type]
+        logger.info("published the model of step %d for consensus %d", completed, wanted)
 
     def _check_finite(self, when: str) -> None:
         """The gate: nothing non-finite ever leaves this worker (nor a model that no longer

@@ -52,6 +52,36 @@ WORKER_STATE_LEFT: WorkerState
 WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
+class ConsensusRequest(_message.Message):
+    __slots__ = ("timeout_seconds",)
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ConsensusChunk(_message.Message):
+    __slots__ = ("info", "data")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    info: ConsensusInfo
+    data: bytes
+    def __init__(self, info: _Optional[_Union[ConsensusInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ConsensusInfo(_message.Message):
+    __slots__ = ("consensus_id", "workers", "iterations", "consensus_distance", "seconds", "size_bytes")
+    CONSENSUS_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    consensus_id: int
+    workers: _containers.RepeatedScalarFieldContainer[int]
+    iterations: _containers.RepeatedScalarFieldContainer[int]
+    consensus_distance: float
+    seconds: float
+    size_bytes: int
+    def __init__(self, consensus_id: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ..., iterations: _Optional[_Iterable[int]] = ..., consensus_distance: _Optional[float] = ..., seconds: _Optional[float] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
 class RunConfig(_message.Message):
     __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp", "coordinator_outage_seconds", "final_average", "outage_local_steps")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -209,20 +239,22 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "stop_reason", "mean_iterations", "incarnation", "restart", "restart_reason")
+    __slots__ = ("stop", "stop_reason", "mean_iterations", "incarnation", "restart", "restart_reason", "consensus_id")
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
     RESTART_REASON_FIELD_NUMBER: _ClassVar[int]
+    CONSENSUS_ID_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     stop_reason: str
     mean_iterations: float
     incarnation: int
     restart: bool
     restart_reason: str
-    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ..., incarnation: _Optional[int] = ..., restart: _Optional[bool] = ..., restart_reason: _Optional[str] = ...) -> None: ...
+    consensus_id: int
+    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ..., incarnation: _Optional[int] = ..., restart: _Optional[bool] = ..., restart_reason: _Optional[str] = ..., consensus_id: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "progress", "error", "reason")

@@ -94,6 +94,11 @@ class CoordinatorStub:
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
                 _registered_method=True)
+        self.Consensus = channel.unary_stream(
+                '/ripples.v1.Coordinator/Consensus',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -192,6 +197,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Consensus(self, request, context):
+        """The consensus model mid-run, on demand (`ripples checkpoint`): every live worker
+        publishes its model at its next step boundary through the rendezvous store; the
+        coordinator averages them and streams the average back (a torch.save'd state_dict)
+        in chunks, the first of which says what it averaged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +269,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.FinalGroup,
                     request_deserializer=ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.SerializeToString,
+            ),
+            'Consensus': grpc.unary_stream_rpc_method_handler(
+                    servicer.Consensus,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -580,6 +600,33 @@ class Coordinator:
             '/ripples.v1.Coordinator/FinalGroup',
             ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Consensus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ripples.v1.Coordinator/Consensus',
+            ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.FromString,
             options,
             channel_credentials,
             insecure,
