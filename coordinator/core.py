@@ -37,6 +37,9 @@ from ripples.coordinator.schema import Schema, SchemaCheck
 from ripples.coordinator.stop import StateAdoption, StopAgreement, budget_reached
 from ripples.protocols import Coordination, GroupGeneratorSettings
 
+RESTART_STRAGGLER_WINDOWS = 3
+"""A restart round forms without the restarting workers that are not back after this many
+join windows (with at least min_workers)."""
 RESTART_GIVE_UP_WINDOWS = 6
 """A restart round whose workers did not come back within this many join windows stops
 the run (every wait has an end; 90 s with the default window, within the workers' own
@@ -75,6 +78,13 @@ class CoordinatorCore:
         ready again."""
         self.restarts = 0
         """Restart rounds opened so far (lock-step runs: `_restart`)."""
+        self.failure_restarts = 0
+        """Of them, the rounds a failure opened (max_restarts bounds these; a joiner's
+        round does not count, as with torchelastic)."""
+        self.expected_back: set[tuple[str, int]] = set()
+        """The open round's workers that are alive and restart: (host, local rank) of the
+        members it ended and of the one whose failed leave opened it. The round waits
+        for them before it forms with fewer than num_workers."""
         self.restart_began_at: float | None = None
         """When the open restart round began (None: none is open)."""
         self.restart_reason = ""
@@ -91,7 +101,7 @@ class CoordinatorCore:
             raise CoordinatorError("INVALID_ARGUMENT", "host must not be empty")
         fixed = self.settings.spec.fixed_membership
         if self.registry.formed and self.settings.spec.restarts:
-            refusal = self._restart_refusal()
+            refusal = self._restart_refusal(failure=False)
             if not refusal:
                 self._join_lockstep(host, local_rank, now)
             else:
@@ -112,7 +122,7 @@ class CoordinatorCore:
         registry = self.registry
         if registry.size < registry.num_workers and self.started_at is not None:
             self._restart(f"host {host} local rank {local_rank} joins: {registry.size} -> "
-                          f"{registry.size + 1} workers", now)
+                          f"{registry.size + 1} workers", now, failure=False)
             return
         raise CoordinatorError(
             "RESOURCE_EXHAUSTED",
@@ -252,30 +262,35 @@ class CoordinatorCore:
         return deliveries
 
     # ------------------------------------------------------------------ restart rounds
-    def _restart_refusal(self) -> str:
+    def _restart_refusal(self, *, failure: bool = True) -> str:
         """Why this run cannot restart its workers on a membership change ("" when it
         can): its protocol does not, the restarts are spent, or a member holds no
         checkpoint yet (it would start over from its initial model)."""
         if not self.settings.spec.restarts:
             return f"{self.settings.protocol} does not restart its workers"
-        if self.restarts >= self.settings.max_restarts:
-            return f"max_restarts ({self.settings.max_restarts}) spent"
+        if failure and self.failure_restarts >= self.settings.max_restarts:
+            return (f"max_restarts ({self.settings.max_restarts}) spent on failures")
         blind = [w.worker_id for w in self.live() if w.progress.checkpoint_step == 0]
         if blind:
             return (f"worker {blind[0]} holds no checkpoint to restart from (give "
                     "--checkpoint-dir; a script saves with ripples.Checkpointer)")
         return ""
 
-    def _restart(self, reason: str, now: float) -> None:
+    def _restart(self, reason: str, now: float, *, failure: bool = True,
+                 alive: tuple[tuple[str, int], ...] = ()) -> None:
         """Open a restart round (lock-step runs, torchelastic's re-rendezvous): every
         live member's part ends (`restarted`: its heartbeat says restart, its process
         exits and its launcher starts it again); registration opens anew; the membership
         forms once num_workers registered, or after the join window with at least
         min_workers (`_close_restart_round`); each new member continues the part of the
         departed member of its rank and restores the last checkpoint every rank holds.
-        Training time pauses meanwhile."""
+        Training time pauses meanwhile. `failure`: a failure opened it (max_restarts
+        counts these); `alive`: (host, local rank) of a departed worker that restarts too
+        (it failed and said so: it is alive)."""
         self.restarts += 1
+        self.failure_restarts += failure
         self.restart_began_at, self.restart_reason = now, reason
+        self.expected_back = {(w.host, w.local_rank) for w in self.live()} | set(alive)
         if self.started_at is not None:  # else a round before this one paused the clock
             self.resumed_elapsed = self.elapsed(now)
         self.started_at = None
@@ -293,10 +308,17 @@ class CoordinatorCore:
         if began is None or self.registry.formed or self.stopped:
             return {}
         waited = now - began
-        live = len(self.live())
+        members = self.live()
+        live = len(members)
         window = self.settings.join_window_seconds
         shrinks = self.role.coordination is not Coordination.STATIC
-        if waited >= window and live >= self.settings.min_workers and shrinks:
+        missing = self.expected_back - {(w.host, w.local_rank) for w in members}
+        # Fewer than num_workers: after the join window, once every worker the round
+        # ended is back (a blocked one restarts after RESTART_GRACE_SECONDS plus its
+        # imports), or without the missing ones after RESTART_STRAGGLER_WINDOWS windows.
+        waited_enough = waited >= window and (
+            not missing or waited >= RESTART_STRAGGLER_WINDOWS * window)
+        if waited_enough and live >= self.settings.min_workers and shrinks:
             self._form_membership(now)
             return {}
         if waited >= RESTART_GIVE_UP_WINDOWS * window:
@@ -337,8 +359,9 @@ class CoordinatorCore:
             if (self.registry.generation and state is not WorkerState.LEFT
                     and self.registry.formed and not self._restart_refusal()):
                 # A restart round's member failed before training went on: another round.
+                alive = ((w.host, w.local_rank),) if state is WorkerState.FAILED else ()
                 self._restart(f"worker {w.worker_id} {state.value} before training "
-                              f"resumed{why}", now)
+                              f"resumed{why}", now, alive=alive)
             elif self.registry.formed:  # a member is missing: the run can never start
                 deliveries.update(self.stop(
                     f"{w.describe()} {state.value} before training started{why}", now))
@@ -350,7 +373,9 @@ class CoordinatorCore:
             # next agreed iteration rather than wait inside collectives that never complete.
             refusal = "" if state is WorkerState.LEFT else self._restart_refusal()
             if state is not WorkerState.LEFT and not refusal:
-                self._restart(f"worker {w.worker_id} {state.value}{why}", now)
+                # A worker that failed and said so (Leave) is alive: it restarts too.
+                alive = ((w.host, w.local_rank),) if state is WorkerState.FAILED else ()
+                self._restart(f"worker {w.worker_id} {state.value}{why}", now, alive=alive)
                 return deliveries
             deliveries.update(self.stop(f"worker {w.worker_id} {state.value}{why}"
                                         + (f"; no restart: {refusal}" if refusal and

@@ -45,8 +45,10 @@ def take(core: CoordinatorCore, now: float, wall: float = 0.0) -> dict[str, Any]
                      "next_worker_id": core.registry._next_worker_id,
                      "lease_expirations": core.registry.num_lease_expirations,
                  "size": core.registry.size, "generation": core.registry.generation},
-        "restarts": {"count": core.restarts, "open": core.restart_began_at is not None,
-                     "reason": core.restart_reason, "elapsed": core.resumed_elapsed},
+        "restarts": {"count": core.restarts, "failures": core.failure_restarts,
+                     "open": core.restart_began_at is not None,
+                     "reason": core.restart_reason, "elapsed": core.resumed_elapsed,
+                     "expected_back": sorted(core.expected_back)},
         "stop": {"stopped": core.stopper.stopped, "reason": core.stopper.reason,
                  "at_iteration": core.stopper.stop_at_iteration,
                  "adopt_after": core.adoption.after_iteration},
@@ -93,6 +95,8 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: flo
     registry.generation = r.get("generation", 0)
     restarts = snapshot.get("restarts", {})
     core.restarts = restarts.get("count", 0)
+    core.failure_restarts = restarts.get("failures", core.restarts)
+    core.expected_back = {(h, r) for h, r in restarts.get("expected_back", [])}
     core.restart_reason = restarts.get("reason", "")
     if restarts.get("open"):  # its join window starts again with the new incarnation
         core.restart_began_at = now

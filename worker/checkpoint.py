@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ripples.protocols import get_protocol
 from ripples.worker.launch_env import CheckpointInterval
 from ripples.worker.optimizer import Optimizer
 from ripples.worker.sampler import DistributedSampler
@@ -135,7 +136,11 @@ class Checkpointer:
         """This worker's checkpoints (None: checkpointing is off)."""
         sync = optimizer._sync
         self._protocol: SyncProtocol | None = sync.protocol if sync is not None else None
-        self._lockstep = self._protocol is not None and self._protocol.stops_together
+        # Lock-step protocols, and those that restart every worker on a membership change
+        # (hop), restore one step agreed by every rank.
+        self._lockstep = self._protocol is not None and (
+            self._protocol.stops_together
+            or get_protocol(optimizer.worker.protocol).restarts)
         if self.directory is not None and self._lockstep and self.interval.seconds:
             raise ValueError(
                 f"{optimizer.worker.protocol} runs in lock-step: every worker must save the "

@@ -198,7 +198,7 @@ class CoordinatorClient:
         self._channel.close()
 
 
-RESTART_GRACE_SECONDS = 5.0
+RESTART_GRACE_SECONDS = 2.0
 """After a restart order, the training thread has this long to end the process itself (at
 its next step); then the process exits from the heartbeat thread (a training thread held
 inside a collective whose peers restarted waits out its timeout otherwise)."""

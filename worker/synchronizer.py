@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import grpc
 import torch
 
 from ripples.consensus import encode_model, publish_key
@@ -125,12 +126,16 @@ class StepSynchronizer:
             stats.iteration = completed
         injected = self.slowdown.after_compute(compute)
         compute += injected
-        result = self.protocol.after_step(completed)
-        smoothed = stats.add_sync(result, compute)
-        self.session.metrics.observe_iteration(compute_seconds=compute, result=result,
-                                               loss=smoothed)
-        verdict: SyncResult | None = result if result.stop else self.protocol.should_stop(
-            completed, self.planned_steps)
+        try:
+            result = self.protocol.after_step(completed)
+            smoothed = stats.add_sync(result, compute)
+            self.session.metrics.observe_iteration(compute_seconds=compute, result=result,
+                                                   loss=smoothed)
+            verdict: SyncResult | None = result if result.stop else self.protocol.should_stop(
+                completed, self.planned_steps)
+        except CoordinatorCallError as err:
+            self._restart_instead(err)
+            raise
         reason = verdict.stop_reason if verdict is not None and verdict.stop else ""
         if not reason and self.session.local_stop.is_set():
             reason = self._asked_to_stop()
@@ -149,6 +154,18 @@ class StepSynchronizer:
         if reason:
             self.protocol.on_stop()
         return reason
+
+    def _restart_instead(self, err: CoordinatorCallError) -> None:
+        """The coordinator no longer knows this worker (NOT_FOUND) because a restart
+        round ended its part, which its heartbeat learns within a beat: raise
+        RestartRequested rather than the error (a lock-step worker's agreement RPC can
+        hear of the round before its heartbeat does)."""
+        if err.code != grpc.StatusCode.NOT_FOUND:
+            return
+        restart = self.session.restart
+        beat = self.session.config.heartbeat_interval_seconds
+        if restart.ordered.wait(timeout=3 * beat + 1.0) and restart.pending:
+            raise RestartRequested(restart.reason) from err
 
     def _publish_for_consensus(self, completed: int) -> None:
         """The coordinator wants the run's consensus model (`ripples checkpoint`): publish

@@ -12,6 +12,7 @@ from ripples.coordinator import snapshot
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import (
     RESTART_GIVE_UP_WINDOWS,
+    RESTART_STRAGGLER_WINDOWS,
     CoordinatorCore,
     CoordinatorError,
     Progress,
@@ -75,11 +76,11 @@ def test_a_failed_member_restarts_every_worker_which_continue_their_ranks() -> N
 
 def test_a_round_forms_with_fewer_workers_after_the_join_window_and_a_joiner_scales_up() -> None:
     core, ids = _started(min_workers=2)
-    core.expire_leases(11.0)  # no heartbeat since 0: every lease ran out at 10
-    assert core.restarts == 1
-    new = _register(core, ["node0", "node1"], 12.0)
+    core.expire_leases(11.0)  # no heartbeat since 0: node0's lease ran out first
+    assert core.restarts == 1 and core.expected_back == {("node1", 0), ("node2", 0)}
+    new = _register(core, ["node1", "node2"], 12.0)  # the two the round ended are back
     core.expire_leases(11.0 + WINDOW - 1)
-    assert not core.membership_formed
+    assert not core.membership_formed  # node0 (or a replacement) may still come
     core.expire_leases(11.0 + WINDOW)
     assert core.membership_formed and core.registry.size == 2
     _ready(core, new, 30.0)
@@ -90,11 +91,12 @@ def test_a_round_forms_with_fewer_workers_after_the_join_window_and_a_joiner_sca
         core.heartbeat(w, Progress(iteration=60, checkpoint_step=10, planned_iterations=100),
                        31.0)
     assert core.mean_iterations() == pytest.approx(60.0)
-    # A worker that asks to join while the run is below num_workers opens another round.
-    joiner = core.register("node2", 0, "cpu", 900, 40.0)
-    assert core.restarts == 2 and not core.membership_formed
+    # A worker that asks to join while the run is below num_workers opens another round,
+    # which max_restarts does not count (it counts failures).
+    joiner = core.register("node0", 0, "cpu", 900, 40.0)
+    assert core.restarts == 2 and core.failure_restarts == 1 and not core.membership_formed
     assert all(core.rejoins(w) for w in new) and not core.rejoins(joiner)
-    again = _register(core, ["node0", "node1"], 45.0)
+    again = _register(core, ["node1", "node2"], 45.0)
     assert core.membership_formed and core.registry.size == 3
     assert core.registry.generation == 2
     assert sorted(core.workers[w].rank for w in [*again, joiner]) == [0, 1, 2]
@@ -190,4 +192,21 @@ def test_an_empty_host_opens_no_round() -> None:
     with pytest.raises(CoordinatorError) as err:
         core.register("", 0, "cpu", 1, 31.0)
     assert err.value.code == "INVALID_ARGUMENT" and core.restarts == 1
+
+
+def test_a_round_waits_for_its_restarting_workers_before_it_forms_with_fewer() -> None:
+    """A worker blocked in a collective restarts later than the others (its backstop,
+    then its imports): the round waits for it beyond the join window, up to
+    RESTART_STRAGGLER_WINDOWS windows, rather than form without it and need another."""
+    core, ids = _started(n=4, min_workers=2)
+    core.leave(ids[0], None, "RuntimeError: connection reset", 5.0)  # alive: it said so
+    assert core.expected_back == {(f"node{r}", 0) for r in range(4)}
+    back = _register(core, ["node1", "node2", "node3"], 8.0)
+    core.expire_leases(5.0 + WINDOW)
+    assert not core.membership_formed  # node0 restarts too
+    later = 5.0 + RESTART_STRAGGLER_WINDOWS * WINDOW
+    for w in back:  # their leases are kept while they wait
+        core.heartbeat(w, None, later - 1.0)
+    core.expire_leases(later)
+    assert core.membership_formed and core.registry.size == 3
 
