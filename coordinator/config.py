@@ -60,6 +60,10 @@ class RunSettings:
     """Elastic protocols (ripples-random, ripples-smart) go on while at least this many
     workers are live; a member that leaves can be replaced meanwhile (a replacement takes
     its rank and heals from a live peer). Fewer: the run stops."""
+    max_workers: int = 0
+    """Elastic protocols: workers may join a running run beyond num_workers, up to this
+    many (each takes the next rank, heals from a live peer and averages; 0: num_workers,
+    no scale-up)."""
     workers_per_node: int = 4
     """Workers per host (node), for Inter-Intra phases and the static schedule."""
     iterations: int = 0
@@ -192,6 +196,13 @@ class RunSettings:
         if not 1 <= self.min_workers <= self.num_workers:
             raise ValueError(f"min_workers must be between 1 and num_workers "
                              f"({self.num_workers}), got {self.min_workers}")
+        if self.max_workers and self.max_workers < self.num_workers:
+            raise ValueError(f"max_workers must be 0 or at least num_workers "
+                             f"({self.num_workers}), got {self.max_workers}")
+        if self.max_workers > self.num_workers and spec.fixed_membership:
+            raise ValueError(f"{self.protocol} takes no workers beyond num_workers "
+                             f"({spec.fixed_membership}); max_workers is for ripples-random, "
+                             "ripples-smart and adpsgd")
         if self.workers_per_node < 1:
             raise ValueError("workers_per_node must be at least 1")
         if self.iterations < 0 or self.epochs < 0:

@@ -55,7 +55,8 @@ class CoordinatorCore:
     def __init__(self, settings: RunSettings, *, now: float) -> None:
         self.settings = settings
         self.role = settings.role
-        self.registry = Registry(settings.num_workers, settings.lease_seconds)
+        self.registry = Registry(settings.num_workers, settings.lease_seconds,
+                                 settings.max_workers)
         self.graph = RunGraph()
         self.progress = ProgressTracker(num_workers=settings.num_workers,
                                         target_loss=settings.target_loss,
@@ -131,10 +132,23 @@ class CoordinatorCore:
 
     def _take_in_replacement(self, w: WorkerRecord) -> None:
         """`w` took a departed member's rank: it takes that member's place in the graph
-        (its neighbours on a sparse topology) and, once ready, trains at once."""
-        departed = next(x for x in self.registry.workers.values()
-                        if x.replaced_by == w.worker_id)
-        self.graph.replace_worker(departed.worker_id, w.worker_id)
+        (its neighbours on a sparse topology) and, once ready, trains at once. Or `w` is
+        an extra rank (scale-up): the graph is built again over every rank (refused,
+        undone, if the topology does not fit the new size)."""
+        departed = next((x for x in self.registry.workers.values()
+                         if x.replaced_by == w.worker_id), None)
+        if departed is not None:
+            self.graph.replace_worker(departed.worker_id, w.worker_id)
+            return
+        try:
+            self.graph = RunGraph.build(self.settings, self.registry.holders_by_rank())
+        except ValueError as err:
+            del self.registry.workers[w.worker_id]
+            self.registry.size -= 1
+            raise CoordinatorError("FAILED_PRECONDITION",
+                                   f"the run cannot grow to {self.registry.size + 1} "
+                                   f"workers: {err}") from None
+        self.progress.num_workers = self.registry.size
 
     @property
     def membership_formed(self) -> bool:

@@ -74,7 +74,8 @@ class WorkerRecord:
     progress reports after its first iteration."""
     own_base: tuple[int, float] = (0, 0.0)  # (iteration, own seconds) it is measured from
     replacement: bool = False
-    """It joined the running run in place of a member that left (elastic protocols)."""
+    """It joined the running run (elastic protocols): in place of a member that left, or
+    as an extra rank up to max_workers (scale-up)."""
     healed: bool = True
     """A replacement is False until it copied a live peer's model (its heal group): until
     then no policy puts it into a group, and its requests get the heal group only."""
@@ -97,8 +98,10 @@ def _natural_key(text: str) -> list[int | str]:
 class Registry:
     """Every worker that ever registered with the run, by id (ids are never reused)."""
 
-    def __init__(self, num_workers: int, lease_seconds: float) -> None:
+    def __init__(self, num_workers: int, lease_seconds: float, max_workers: int = 0) -> None:
         self.num_workers = num_workers
+        self.max_workers = max(max_workers, num_workers)
+        """Elastic runs grow up to this many ranks (scale-up: `_grow`)."""
         self.lease_seconds = lease_seconds
         self.workers: dict[int, WorkerRecord] = {}
         self.formed = False
@@ -128,11 +131,12 @@ class Registry:
                     f"the run already has its {self.num_workers} workers and its membership "
                     f"is fixed ({fixed_reason}); start a new coordinator for a new run")
             vacant = self.vacant_member()
-            if vacant is None:
+            if vacant is None and self.size >= self.max_workers:
                 raise CoordinatorError(
                     "RESOURCE_EXHAUSTED",
-                    f"the run already has its {self.num_workers} workers; a replacement "
-                    "joins once a member has left or its lease expired")
+                    f"the run already has its {self.size} workers (max_workers "
+                    f"{self.max_workers}); a replacement joins once a member has left or "
+                    "its lease expired")
         elif len(self.live()) >= self.num_workers:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
@@ -155,6 +159,8 @@ class Registry:
         self.workers[worker_id] = record
         if vacant is not None:
             self._take_over(record, vacant)
+        elif self.formed:
+            self._grow(record)
         return record
 
     def continue_ranks(self, members: list[WorkerRecord]) -> None:
@@ -200,6 +206,31 @@ class Registry:
         self._continue(record, vacant)
         record.replacement, record.healed = True, False
         record.request_count = sorted(live)[len(live) // 2] if live else vacant.request_count
+
+    def _grow(self, record: WorkerRecord) -> None:
+        """Scale-up: `record` takes the next rank, beyond the run's num_workers; it starts
+        at the live workers' median iteration count and slowdown counter (it joins a run
+        under way) and heals before it averages, as a replacement does."""
+        live = [w for w in self.live() if w is not record]
+        record.rank = self.size
+        self.size += 1
+        if live:
+            record.progress = Progress(
+                iteration=sorted(w.progress.iteration for w in live)[len(live) // 2])
+            record.request_count = sorted(w.request_count for w in live)[len(live) // 2]
+        record.replacement, record.healed = True, False
+
+    def holders_by_rank(self) -> list[WorkerRecord]:
+        """For each rank, the worker that holds it now: the live one, else the departed
+        member nobody replaced (a graph is built over every rank of the run)."""
+        holders: dict[int, WorkerRecord] = {}
+        for w in sorted(self.workers.values(), key=lambda x: x.worker_id):
+            if w.rank < 0 or w.replaced_by is not None:
+                continue
+            current = holders.get(w.rank)
+            if current is None or (current.state in GONE and w.state not in GONE):
+                holders[w.rank] = w
+        return [holders[rank] for rank in sorted(holders)]
 
     def counted(self) -> list[WorkerRecord]:
         """Every worker whose iterations count in the run's totals: all that ever

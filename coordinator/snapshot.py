@@ -103,7 +103,8 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: flo
     if not started:  # the training time before a restart round (or 0 before any start)
         core.resumed_elapsed = restarts.get("elapsed", 0.0)
     if registry.formed:
-        core.graph = RunGraph.build(settings, _holders_by_rank(registry.workers.values()))
+        core.graph = RunGraph.build(settings, registry.holders_by_rank())
+    core.progress.num_workers = registry.size
     if started:
         since_save = 0.0 if resume else max(0.0, wall - snapshot["wall"])
         core.started_at = now - snapshot["elapsed"] - since_save
@@ -149,19 +150,6 @@ def _record(fields: dict[str, Any], lease_expires_at: float, started: bool) -> W
     values["own_base"] = tuple(values["own_base"])
     values["lease_expires_at"] = lease_expires_at  # renewed: the outage was not its fault
     return WorkerRecord(state=state, **values)
-
-
-def _holders_by_rank(workers: Any) -> list[WorkerRecord]:
-    """For each rank, the worker that holds it now: the live one, else the departed
-    member nobody replaced (the graph is built over every rank of the run)."""
-    holders: dict[int, WorkerRecord] = {}
-    for w in sorted(workers, key=lambda x: x.worker_id):
-        if w.rank < 0 or w.replaced_by is not None:
-            continue
-        current = holders.get(w.rank)
-        if current is None or (current.state in GONE and w.state not in GONE):
-            holders[w.rank] = w
-    return [holders[rank] for rank in sorted(holders)]
 
 
 def _schema(check: SchemaCheck) -> dict[str, Any] | None:

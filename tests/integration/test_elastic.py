@@ -98,3 +98,35 @@ def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
         for name in ("w0.pt", "w2.pt", "w1b.pt"):
             state = torch.load(tmp_path / name)
             assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_a_run_grows_beyond_its_workers_up_to_max_workers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Scale-up: a 3-worker ripples-smart run with --max-workers 4 takes a fourth worker
+    mid-run: it gets rank 3, heals from a live peer, averages in the policy's groups, and
+    the run completes with four."""
+    with running_coordinator(protocol="ripples-smart", num_workers=3, max_workers=4,
+                             task="digits", iterations=1500, lease_seconds=4.0,
+                             seed=1) as server:
+        core = server.service.core  # type: ignore[union-attr]
+        workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1")
+                   for r in range(3)]
+        try:
+            _wait_for(lambda: core.started_at is not None and core.mean_iterations() > 100,
+                      "the run to train")
+            workers.append(start_worker(server.address, "--host", "node3",
+                                        "--metrics-port", "-1"))
+            _wait_for(lambda: any(w.host == "node3" and w.healed
+                                  for w in core.workers.values()), "the joiner to heal")
+            joiner = next(w for w in core.workers.values() if w.host == "node3")
+            assert joiner.rank == 3 and core.registry.size == 4
+            outputs = _finish(workers)
+        finally:
+            for p in workers:
+                if p.poll() is None:
+                    p.kill()
+        for p, out in zip(workers, outputs, strict=True):
+            assert p.returncode == 0, out[-3000:]
+        assert core.stopped and "iteration budget reached" in core.stop_reason
+        assert any(joiner.worker_id in g.members and g.heal_donor is None
+                   for g in core.recent_groups), "the joiner averaged in no group"
+        assert "healed from worker" in outputs[3], outputs[3][-3000:]

@@ -170,3 +170,34 @@ def test_an_adpsgd_replacement_heals_from_a_donor_that_only_listens() -> None:
     core.release(heal.heal_donor, heal.group_id, True, "", 2.5)
     core.release(new, heal.group_id, True, "", 2.5)
     assert core.workers[new].healed
+
+
+def test_a_run_grows_to_max_workers_with_joiners_that_heal_first() -> None:
+    """Scale-up: a worker that registers while every rank is held takes the next rank (up
+    to max_workers), starts at the live median iteration, heals, and counts in the mean."""
+    core, ids = _started(n=3, max_workers=4)
+    for wid, it in zip(ids, (30, 40, 50), strict=True):
+        core.heartbeat(wid, _progress(it), 1.0)
+    new = core.register("node9", 0, "cpu", 900, 2.0)
+    joiner = core.workers[new]
+    assert (joiner.rank, joiner.replacement, joiner.healed) == (3, True, False)
+    assert joiner.progress.iteration == 40 and core.registry.size == 4
+    assert core.mean_iterations() == pytest.approx((30 + 40 + 50 + 40) / 4)
+    assert new in core.neighbours_of(ids[0])
+    assert core.mark_ready(new, 100, 2.0, MODEL)
+    decision, _ = core.request_group(new, 40, 3.0)  # its first group heals it
+    assert decision is None or decision.group is None or decision.group.heal
+    with pytest.raises(CoordinatorError) as err:  # max_workers reached
+        core.register("node10", 0, "cpu", 901, 4.0)
+    assert err.value.code == "RESOURCE_EXHAUSTED" and "max_workers 4" in str(err.value)
+
+
+def test_a_ring_is_rebuilt_for_a_joiner_and_max_workers_is_checked() -> None:
+    core, ids = _started("ripples-random", n=4, topology="ring", max_workers=5)
+    new = core.register("node9", 0, "cpu", 900, 1.0)
+    assert len(core.neighbours_of(new)) == 2  # a ring of 5: two neighbours each
+    assert sum(new in core.neighbours_of(w) for w in ids) == 2
+    with pytest.raises(ValueError, match="max_workers must be 0 or at least"):
+        RunSettings(num_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="takes no workers beyond num_workers"):
+        RunSettings(protocol="a2cid2", num_workers=3, max_workers=4)
