@@ -138,6 +138,7 @@ class Session:
             membership=self.membership, model=model, state=state, comms=self.comms,
             store=self.store, device=self.device, stop_requested=heartbeat.stop_requested,
             stop_reason=lambda: heartbeat.stop_reason, progress=self.stats.snapshot,
+            incarnation=lambda: heartbeat.incarnation,
             metrics=self.metrics.for_protocol())
 
     def check_schema(self, schema: pb.TensorSchema) -> None:

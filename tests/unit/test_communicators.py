@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ripples.worker.dataplane.communicators import CommunicatorFactory
+from ripples.worker.dataplane.communicators import CommunicatorCache, CommunicatorFactory
 
 
 def _factory(store: dist.Store) -> CommunicatorFactory:
@@ -41,3 +41,38 @@ def test_members_that_check_in_build_a_working_communicator() -> None:
     for t in threads:
         t.join(60)
     assert all(torch.equal(comms[r], torch.full((3,), 3.0)) for r in range(2))  # type: ignore[arg-type]
+
+
+def test_dropping_a_communicator_frees_a_peer_held_in_its_collective() -> None:
+    """After a coordinator restart a worker drops its predecessor's communicators
+    (GroupGeneratorProtocol._forget_old_incarnation): a peer held in a collective of a
+    group this worker never received fails at once, not after the collective timeout."""
+    store = dist.HashStore()
+    caches = {r: CommunicatorCache(_factory(store)) for r in range(2)}
+    built = threading.Barrier(2)
+    outcome: dict[str, object] = {}
+
+    def held() -> None:
+        comm = caches[0].get("gg/run/9", 0, 2, create=True, peers_within=20.0)
+        built.wait(30)
+        t0 = time.monotonic()
+        try:
+            comm.allreduce_sum_(torch.ones(3), 60.0)  # its peer never joins
+            outcome["error"] = None
+        except (RuntimeError, TimeoutError) as err:
+            outcome["error"] = err
+        outcome["seconds"] = time.monotonic() - t0
+
+    def dropping() -> None:
+        caches[1].get("gg/run/9", 1, 2, create=True, peers_within=20.0)
+        built.wait(30)
+        time.sleep(0.5)
+        assert caches[1].drop_prefix("gg/run/") == 1
+
+    threads = [threading.Thread(target=held), threading.Thread(target=dropping)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert outcome["error"] is not None
+    assert outcome["seconds"] < 15  # not the 60 s collective timeout

@@ -215,6 +215,13 @@ class CommunicatorCache:
             except RuntimeError as err:  # a broken group may refuse a clean shutdown
                 logger.debug("shutdown of %s: %s", key, err)
 
+    def drop_prefix(self, prefix: str) -> int:
+        """Drop every cached communicator whose key starts with `prefix`; returns how many."""
+        keys = [k for k in self._comms if k.startswith(prefix)]
+        for key in keys:
+            self.drop(key)
+        return len(keys)
+
     def __len__(self) -> int:
         return len(self._comms)
 

@@ -73,6 +73,9 @@ class ProtocolContext:
     metrics: ProtocolMetrics  # where a protocol declares metrics of its own
     stop_reason: Callable[[], str] = lambda: ""
     """Why the coordinator stopped the run, as its heartbeat reply said."""
+    incarnation: Callable[[], int] = lambda: 0
+    """Which life of the coordinator answered the last heartbeat (it grows at each
+    restart from the state dir; 0 before the first answer)."""
 
     def coordinator_stop(self) -> SyncResult:
         """The verdict once `stop_requested` is set: stop, with the coordinator's reason."""

@@ -43,6 +43,7 @@ class GroupGeneratorProtocol(Protocol):
         self.max_group_wait_seconds = max_peer_wait_seconds(ctx.config)
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
         self._outage_steps = 0  # steps in a row without the coordinator
+        self._incarnation = 0  # the coordinator's life whose groups the cache holds
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
@@ -95,11 +96,28 @@ class GroupGeneratorProtocol(Protocol):
         result.preduce_durations = tuple(durations)
         return result
 
+    def _forget_old_incarnation(self) -> None:
+        """After a coordinator restart, drop every communicator its predecessor's groups
+        built, here, between two collectives. The new incarnation hands out comm ids of
+        its own (they would never be used again), and closing them frees any peer held
+        in a group the old incarnation delivered to it but never to this worker (killed
+        mid-delivery): that peer's collective fails at once instead of after the
+        collective timeout (a chaos trial saw the survivors stand 57 s)."""
+        incarnation = self.ctx.incarnation()
+        if incarnation == self._incarnation:
+            return
+        if self._incarnation:
+            dropped = self.ctx.comms.drop_prefix(f"gg/{self.ctx.config.run_id}/")
+            logger.info("the coordinator restarted (incarnation %d): dropped the %d "
+                        "communicators of its predecessor's groups", incarnation, dropped)
+        self._incarnation = incarnation
+
     def _ask(self, completed: int) -> pb.GroupReply | None:
         """The coordinator's reply to this step's request; None while it is unreachable:
         train on alone, for up to the run's outage_local_steps steps in a row, then wait
         for it here (the heartbeat ends the wait once the outage window is over)."""
         while True:
+            self._forget_old_incarnation()
             try:
                 reply = self.stream.request(completed, GROUP_POLL_SECONDS, self.ctx.progress())
             except StreamInterrupted as err:
