@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,3 +42,27 @@ def start_worker(address: str, *extra: str, env: dict[str, str] | None = None
                              "--coordinator", address, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=REPO)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 90.0) -> None:
+    """Poll `condition` until it holds; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Each process's output once it exited; all are killed if one outlives `timeout`."""
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out or "")
+    return outputs
+

@@ -5,23 +5,15 @@ coordinator averages them, the CLI writes the average; training goes on througho
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from ripples.chaos import evaluate_models
-from tests.integration.helpers import ripples_cli, running_coordinator, start_worker
+from tests.integration.helpers import ripples_cli, running_coordinator, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 
-
-def _wait_for(condition, what: str, timeout: float = 90.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce"])
@@ -33,7 +25,7 @@ def test_the_consensus_model_of_a_running_run_is_written_on_demand(
         workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1")
                    for r in range(3)]
         try:
-            _wait_for(lambda: core.started_at is not None and core.mean_iterations() > 300,
+            wait_for(lambda: core.started_at is not None and core.mean_iterations() > 300,
                       "the run to train")
             outputs = []
             for name in ("first.pt", "second.pt"):
@@ -43,7 +35,7 @@ def test_the_consensus_model_of_a_running_run_is_written_on_demand(
                 outputs.append(json.loads(done.stdout))
             at = core.mean_iterations()
             assert not core.stopped  # training went on
-            _wait_for(lambda: core.stopped, "the run to finish", timeout=180)
+            wait_for(lambda: core.stopped, "the run to finish", timeout=180)
             for p in workers:
                 p.communicate(timeout=60)
         finally:

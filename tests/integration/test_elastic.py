@@ -6,38 +6,18 @@ and the run completes its budget."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import pytest
 import torch
 
-from tests.integration.helpers import running_coordinator, start_worker
+from tests.integration.helpers import finish, running_coordinator, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 
 DEADLINE_SECONDS = 180
 
 
-def _wait_for(condition, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def _finish(procs: list[subprocess.Popen[str]]) -> list[str]:
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=DEADLINE_SECONDS)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outputs.append(out or "")
-    return outputs
 
 
 # Budgets that outlast the replacement's start-up on a loaded machine (adpsgd never
@@ -54,7 +34,7 @@ def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
                                 "--save-model", str(tmp_path / f"w{r}.pt"))
                    for r in range(3)]
         try:
-            _wait_for(lambda: core.started_at is not None and core.mean_iterations() > 100,
+            wait_for(lambda: core.started_at is not None and core.mean_iterations() > 100,
                       "the run to train")
             victim = next(w for w in core.live() if w.host == "node1")
             workers[1].send_signal(signal.SIGKILL)
@@ -65,7 +45,7 @@ def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
                                        "--save-model", str(tmp_path / "w1b.pt"))
             workers.append(replacement)
             try:
-                _wait_for(lambda: any(w.replacement for w in core.workers.values()),
+                wait_for(lambda: any(w.replacement for w in core.workers.values()),
                           "the replacement to register")
             except AssertionError:
                 replacement.kill()
@@ -78,10 +58,10 @@ def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
                 assert w.progress.iteration > iterations_at_kill[w.worker_id]
             assert joiner.rank == victim.rank
             assert core.workers[victim.worker_id].replaced_by == joiner.worker_id
-            _wait_for(lambda: joiner.healed, "the replacement to heal")
+            wait_for(lambda: joiner.healed, "the replacement to heal")
             healed_after = time.monotonic() - killed_at
             start_iteration = joiner.progress.iteration
-            outputs = _finish([workers[0], workers[2], replacement])
+            outputs = finish([workers[0], workers[2], replacement], DEADLINE_SECONDS)
         finally:
             for p in workers:
                 if p.poll() is None:
@@ -111,15 +91,15 @@ def test_a_run_grows_beyond_its_workers_up_to_max_workers(tmp_path) -> None:  # 
         workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1")
                    for r in range(3)]
         try:
-            _wait_for(lambda: core.started_at is not None and core.mean_iterations() > 100,
+            wait_for(lambda: core.started_at is not None and core.mean_iterations() > 100,
                       "the run to train")
             workers.append(start_worker(server.address, "--host", "node3",
                                         "--metrics-port", "-1"))
-            _wait_for(lambda: any(w.host == "node3" and w.healed
+            wait_for(lambda: any(w.host == "node3" and w.healed
                                   for w in core.workers.values()), "the joiner to heal")
             joiner = next(w for w in core.workers.values() if w.host == "node3")
             assert joiner.rank == 3 and core.registry.size == 4
-            outputs = _finish(workers)
+            outputs = finish(workers, DEADLINE_SECONDS)
         finally:
             for p in workers:
                 if p.poll() is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.helpers import running_coordinator, start_worker
+from tests.integration.helpers import finish, running_coordinator, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,25 +24,6 @@ DEADLINE_SECONDS = 240
 CHECKPOINT_EVERY = 40
 
 
-def _wait_for(condition, what: str, timeout: float = 90.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def _finish(procs: list[subprocess.Popen[str]]) -> list[str]:
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=DEADLINE_SECONDS)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outputs.append(out or "")
-    return outputs
 
 
 def _worker(address: str, host: str, tmp_path: Path) -> subprocess.Popen[str]:
@@ -62,7 +43,7 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
         address = server.address
         workers = [_worker(address, f"node{r}", tmp_path) for r in range(3)]
         try:
-            _wait_for(lambda: core.started_at is not None
+            wait_for(lambda: core.started_at is not None
                       and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
                       "two checkpoints")
             at_kill = max(w.progress.iteration for w in core.live())
@@ -71,11 +52,11 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
             killed_at = time.monotonic()
             if replace:
                 workers.append(_worker(address, "node1b", tmp_path))
-            _wait_for(lambda: core.restarts >= 1, "a restart round")
+            wait_for(lambda: core.restarts >= 1, "a restart round")
             # The replacement joins the first round, or (when it started after the join
             # window) opens a second one: either way the run is back to 3 workers.
             size = 3 if replace else 2
-            _wait_for(lambda: core.registry.generation >= 1 and core.started_at is not None
+            wait_for(lambda: core.registry.generation >= 1 and core.started_at is not None
                       and core.registry.size == size,
                       f"training to go on with {size} workers")
             resumed_after = time.monotonic() - killed_at
@@ -87,12 +68,12 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
                 # rank-2's directory is stale (the steps before the shrink): every rank
                 # restores the run's newest step all the same.
                 shrunk_at = max(w.progress.iteration for w in core.live())
-                _wait_for(lambda: min(w.progress.iteration for w in core.live())
+                wait_for(lambda: min(w.progress.iteration for w in core.live())
                           > shrunk_at + CHECKPOINT_EVERY, "a checkpoint of the 2 workers")
                 workers.append(_worker(address, "node1", tmp_path))
-                _wait_for(lambda: core.restarts >= 2 and core.started_at is not None
+                wait_for(lambda: core.restarts >= 2 and core.started_at is not None
                           and core.registry.size == 3, "the run to grow back to 3")
-            outputs = _finish([p for i, p in enumerate(workers) if i != 1])
+            outputs = finish([p for i, p in enumerate(workers) if i != 1], DEADLINE_SECONDS)
         except AssertionError as err:
             for p in workers:
                 p.kill()
@@ -145,16 +126,16 @@ def test_a_run_restarts_with_a_replacement_on_the_same_host(
         core = server.service.core  # type: ignore[union-attr]
         workers = [worker(server.address, f"node{i // 2}", i % 2) for i in range(4)]
         try:
-            _wait_for(lambda: core.started_at is not None
+            wait_for(lambda: core.started_at is not None
                       and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
                       "two checkpoints")
             workers[3].send_signal(signal.SIGKILL)
             workers[3].wait(10)
             workers.append(worker(server.address, "node1", 1))
-            _wait_for(lambda: core.restarts >= 1 and core.registry.generation >= 1
+            wait_for(lambda: core.restarts >= 1 and core.registry.generation >= 1
                       and core.started_at is not None and core.registry.size == 4,
                       "training to go on with 4 workers")
-            outputs = _finish([p for i, p in enumerate(workers) if i != 3])
+            outputs = finish([p for i, p in enumerate(workers) if i != 3], DEADLINE_SECONDS)
         finally:
             for p in workers:
                 if p.poll() is None:
