@@ -68,6 +68,11 @@ class CoordinatorCore:
                                    progress=self.progress, rng=random.Random(settings.seed),
                                    max_comms_per_worker=settings.max_comms_per_worker)
         self.stopper = StopAgreement(settings.checkpoint_interval)
+        self.consensus_id = 0
+        """The consensus model wanted now (the Consensus RPC; 0: none)."""
+        self.consensus_at = 0
+        """Lock-step runs: the iteration after which every worker publishes its model for
+        consensus_id (0: not agreed yet), agreed as the stop iteration is."""
         self.adoption = StateAdoption(settings.checkpoint_interval)
         self.model_schema = SchemaCheck("model")
         self.training_schema = SchemaCheck("model and optimizer state")
@@ -493,7 +498,16 @@ class CoordinatorCore:
         workers = list(self.registry.workers.values())
         stop_at = self.stopper.checkpoint(w, iteration, workers)
         self.adoption.checkpoint(w, optimizer_state_ready, workers)
+        if self.consensus_id and not self.consensus_at:
+            # The largest grant given: every worker learns it at or before reaching it.
+            live = [x for x in workers if x.state not in GONE]
+            self.consensus_at = max([x.checkpoint_grant for x in live] + [iteration + 1])
         return stop_at
+
+    def want_consensus(self, consensus_id: int) -> None:
+        """A consensus model is wanted (0: no longer): lock-step workers agree on the
+        iteration to publish at, at their next checkpoints (`checkpoint`)."""
+        self.consensus_id, self.consensus_at = consensus_id, 0
 
     @property
     def adopt_state_after(self) -> int:

@@ -496,12 +496,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             prefix = f"g{core.registry.generation}/" if core.registry.generation else ""
             keys = {w: prefix + consensus.publish_key(cid, w) for w in expected}
             self._consensus_pending = cid
+            core.want_consensus(cid)
             logger.info("consensus %d: asking workers %s for their models", cid,
                         sorted(expected))
             try:
                 missing = await self._await_published(keys, started + timeout)
             finally:
                 self._consensus_pending = 0
+                core.want_consensus(0)
             if missing:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
                     f"workers {missing} did not publish their model within {timeout:.0f} s "
@@ -583,7 +585,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             optimizer_state_ready=request.optimizer_state_ready))
         assert isinstance(stop_at, int)
         return pb.CheckpointReply(stop_at_iteration=stop_at, stop_reason=self.core.stop_reason,
-                                  adopt_state_after_iteration=self.core.adopt_state_after)
+                                  adopt_state_after_iteration=self.core.adopt_state_after,
+                                  consensus_id=self.core.consensus_id,
+                                  consensus_at_iteration=self.core.consensus_at)
 
     # ------------------------------------------------------------------ views
     async def GetRunStatus(self, request: pb.RunStatusRequest,

@@ -172,14 +172,21 @@ class StepSynchronizer:
         this worker's model, as it stands between two steps, through the rendezvous
         store, once per request (ripples/consensus.py)."""
         heartbeat, store = self.session.heartbeat, self.session.store
-        wanted = heartbeat.consensus_id if heartbeat is not None else 0
+        agreement = self.protocol.consensus_agreement()
+        if agreement is not None:  # lock-step: every worker after the same agreed step
+            wanted, at = agreement
+            if completed < at:
+                return
+        else:
+            wanted, at = (heartbeat.consensus_id if heartbeat is not None else 0), None
         if wanted == 0 or wanted == self._consensus_served or store is None:
             return
         self._consensus_served = wanted
         assert self.session.worker_id is not None
         store.set(publish_key(wanted, self.session.worker_id),
                   encode_model(completed, self.model.state_dict()))  # type: ignore[arg-type]
-        logger.info("published the model of step %d for consensus %d", completed, wanted)
+        logger.info("published the model of step %d for consensus %d%s", completed, wanted,
+                    "" if at is None else f" (the step agreed: {at})")
 
     def _check_finite(self, when: str) -> None:
         """The gate: nothing non-finite ever leaves this worker (nor a model that no longer

@@ -89,6 +89,9 @@ class AllReduceProtocol(Protocol):
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         return self.stopper.should_stop(completed, planned)
 
+    def consensus_agreement(self) -> tuple[int, int] | None:
+        return self.stopper.consensus
+
     def after_step(self, completed: int) -> SyncResult:
         seconds = self.backward_sync_seconds()
         self._window[:] = []

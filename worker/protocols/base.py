@@ -180,6 +180,13 @@ class Protocol(abc.ABC):
         among workers whose buffers match. Lock-step ones wait for an agreed iteration."""
         return ready
 
+    def consensus_agreement(self) -> tuple[int, int] | None:
+        """Lock-step protocols, whose models match at one step only: (the consensus
+        request, the step every worker publishes its model after), as the coordinator's
+        agreement says ((0, 0) before any). None (the default): each worker publishes at
+        its next step boundary once its heartbeat hears of a request."""
+        return None
+
     def on_stop(self) -> None:  # noqa: B027 (optional hook)
         """The run is over for this worker (steps after it are local): stop whatever would
         still reach the peers (allreduce: DDP's gradient sync in backward)."""

@@ -22,6 +22,8 @@ class LockstepStop:
         self.reason = ""
         self.state_ready = False
         self.adopt_after = 0
+        self.consensus = (0, 0)
+        """(consensus id, the iteration every worker publishes its model after)."""
 
     def may_adopt_state(self, completed: int, ready: bool) -> bool:
         """Whether step `completed` may add the optimizer state, before its collective:
@@ -29,12 +31,15 @@ class LockstepStop:
         self.state_ready = self.state_ready or ready
         return 0 < self.adopt_after < completed
 
+
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.stop_at == 0 and completed % self.interval == 0:
             reply = self.ctx.client.checkpoint(self.ctx.worker_id, completed,
                                                self.ctx.progress(),
                                                optimizer_state_ready=self.state_ready)
             self.adopt_after = self.adopt_after or reply.adopt_state_after_iteration
+            if reply.consensus_id and reply.consensus_at_iteration:
+                self.consensus = (reply.consensus_id, reply.consensus_at_iteration)
             if reply.stop_at_iteration:
                 self.stop_at = reply.stop_at_iteration
                 self.reason = reply.stop_reason

@@ -35,6 +35,9 @@ class StaticScheduleProtocol(Protocol):
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         return self.stopper.should_stop(completed, planned)
 
+    def consensus_agreement(self) -> tuple[int, int] | None:
+        return self.stopper.consensus
+
     def may_adopt_state(self, completed: int, ready: bool) -> bool:
         return self.stopper.may_adopt_state(completed, ready)
 

@@ -487,14 +487,18 @@ class CheckpointRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., iteration: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., optimizer_state_ready: _Optional[bool] = ...) -> None: ...
 
 class CheckpointReply(_message.Message):
-    __slots__ = ("stop_at_iteration", "stop_reason", "adopt_state_after_iteration")
+    __slots__ = ("stop_at_iteration", "stop_reason", "adopt_state_after_iteration", "consensus_id", "consensus_at_iteration")
     STOP_AT_ITERATION_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     ADOPT_STATE_AFTER_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    CONSENSUS_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSENSUS_AT_ITERATION_FIELD_NUMBER: _ClassVar[int]
     stop_at_iteration: int
     stop_reason: str
     adopt_state_after_iteration: int
-    def __init__(self, stop_at_iteration: _Optional[int] = ..., stop_reason: _Optional[str] = ..., adopt_state_after_iteration: _Optional[int] = ...) -> None: ...
+    consensus_id: int
+    consensus_at_iteration: int
+    def __init__(self, stop_at_iteration: _Optional[int] = ..., stop_reason: _Optional[str] = ..., adopt_state_after_iteration: _Optional[int] = ..., consensus_id: _Optional[int] = ..., consensus_at_iteration: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "host", "local_rank", "device", "rank", "state", "iteration", "request_count", "loss", "progress", "error", "metrics_address")
