@@ -199,10 +199,13 @@ class RunSettings:
         if self.max_workers and self.max_workers < self.num_workers:
             raise ValueError(f"max_workers must be 0 or at least num_workers "
                              f"({self.num_workers}), got {self.max_workers}")
-        if self.max_workers > self.num_workers and spec.fixed_membership:
+        if self.max_workers > self.num_workers and (spec.fixed_membership
+                                                    or self.protocol == "a2cid2"):
+            why = spec.fixed_membership or ("its momentum constants are computed for the "
+                                            "run's graph at the start")
             raise ValueError(f"{self.protocol} takes no workers beyond num_workers "
-                             f"({spec.fixed_membership}); max_workers is for ripples-random, "
-                             "ripples-smart and adpsgd")
+                             f"({why}); max_workers is for ripples-random, ripples-smart "
+                             "and adpsgd")
         if self.workers_per_node < 1:
             raise ValueError("workers_per_node must be at least 1")
         if self.iterations < 0 or self.epochs < 0:

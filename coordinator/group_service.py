@@ -94,6 +94,10 @@ class GroupService:
             return self._group_decision(w, head), deliveries  # a retried request
         if not w.healed:
             return self._heal(w, now)
+        if self.pairing is not None and not listen and self.table.head(worker_id) is not None:
+            # A2CiD2's pairs execute at once: a group waiting in its buffer is a heal
+            # group it donates to, which it meets before any new pairing.
+            return self._arrive(w, now)
         if self.pairing is not None or listen:
             return self._offer_pair(w, now) if self.pairing else self._listen(w, now)
         assert self.policy is not None
@@ -111,15 +115,21 @@ class GroupService:
                 w.round_target = head.group_id if head else None
         if self.table.head(worker_id) is None:
             return self.decide(w, Outcome.NO_GROUP, now, detail="no eligible peer"), deliveries
+        decision, more = self._arrive(w, now)
+        deliveries.update(more)
+        return decision, deliveries
+
+    def _arrive(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
+        """`w` waits at the head of its buffer: its decision once that group can execute
+        (None: it waits), and the decisions for the other members that this completes."""
         w.state = WorkerState.WAITING
-        ready = self.table.arrive(worker_id)
+        w.wait_started_at = now
+        ready = self.table.arrive(w.worker_id)
         if ready is None:
             self.num_pending_waits += 1
-            w.wait_started_at = now
-            return None, deliveries
-        w.wait_started_at = now
-        deliveries.update(self._deliver([ready], now))
-        return deliveries.pop(worker_id), deliveries
+            return None, {}
+        deliveries = self._deliver([ready], now)
+        return deliveries.pop(w.worker_id), deliveries
 
     def _heal(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
         """A replacement's requests before it healed: its heal group {donor, w}, made on
@@ -139,15 +149,14 @@ class GroupService:
             donor.donations += 1
             head = self._add_group((donor.worker_id, w.worker_id), w.worker_id, now)
             head.heal_donor = donor.worker_id
+            if self.pairing is not None and self.pairing.withdraw(donor.worker_id):
+                # An a2cid2 donor waiting for a partner takes the heal group instead.
+                found = self.table.arrive(donor.worker_id)
+                deliveries.update(self._deliver([found] if found else [], now))
             deliveries.update(self._arrive_listeners([head], now))  # a listening donor
-        w.state = WorkerState.WAITING
-        w.wait_started_at = now
-        ready = self.table.arrive(w.worker_id)
-        if ready is None:
-            self.num_pending_waits += 1
-            return None, deliveries
-        deliveries.update(self._deliver([ready], now))
-        return deliveries.pop(w.worker_id), deliveries
+        decision, more = self._arrive(w, now)
+        deliveries.update(more)
+        return decision, deliveries
 
     def _offer_pair(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
         """A2CiD2: the worker is available; pair it first-in-first-out with a neighbour."""

@@ -152,9 +152,7 @@ PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
                  runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol"),
     ProtocolSpec(name="a2cid2", summary="A2CiD2: pairwise gossip with continuous momentum",
                  role=Role(Coordination.GOSSIP, "a2cid2"), settings=(GossipSettings,),
-                 runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol",
-                 fixed_membership="a2cid2's first-in-first-out pairing takes no "
-                                  "replacements yet"),
+                 runtime=f"{_RUNTIMES}.gossip.protocol:GossipProtocol"),
     ProtocolSpec(name="hop", summary="Hop: parameters and tokens worker to worker",
                  role=Role(Coordination.PEER_TO_PEER), settings=(HopSettings,),
                  runtime=f"{_RUNTIMES}.hop.protocol:HopProtocol",

@@ -1,4 +1,4 @@
-"""A worker of a running ripples-smart or adpsgd run is SIGKILLed and a replacement is
+"""A worker of a running ripples-smart, adpsgd or a2cid2 run is SIGKILLed and a replacement is
 started with `ripples worker run`: the survivors never stop, the replacement takes the dead worker's
 rank once its lease expires, heals from a live peer, averages in the policy's groups,
 and the run completes its budget."""
@@ -23,7 +23,7 @@ DEADLINE_SECONDS = 180
 # Budgets that outlast the replacement's start-up on a loaded machine (adpsgd never
 # waits for a group, so it runs through iterations several times faster).
 @pytest.mark.parametrize(("protocol", "iterations"), [("ripples-smart", 1500),
-                                                      ("adpsgd", 8000)])
+                                                      ("adpsgd", 8000), ("a2cid2", 8000)])
 def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
         protocol: str, iterations: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
     with running_coordinator(protocol=protocol, num_workers=3, task="digits",

@@ -39,7 +39,7 @@ def test_a_full_elastic_run_asks_a_replacement_to_wait_for_a_vacancy() -> None:
     assert "once a member has left or its lease expired" in str(err.value)
 
 
-@pytest.mark.parametrize("protocol", ["allreduce", "ripples-static", "a2cid2", "hop"])
+@pytest.mark.parametrize("protocol", ["allreduce", "ripples-static", "hop"])
 def test_fixed_membership_protocols_refuse_a_replacement_saying_why(protocol: str) -> None:
     core, ids = _started(protocol, n=2, workers_per_node=1)
     with pytest.raises(CoordinatorError) as err:
@@ -200,4 +200,32 @@ def test_a_ring_is_rebuilt_for_a_joiner_and_max_workers_is_checked() -> None:
     with pytest.raises(ValueError, match="max_workers must be 0 or at least"):
         RunSettings(num_workers=3, max_workers=2)
     with pytest.raises(ValueError, match="takes no workers beyond num_workers"):
-        RunSettings(protocol="a2cid2", num_workers=3, max_workers=4)
+        RunSettings(protocol="hop", num_workers=3, max_workers=4)
+
+
+def test_an_a2cid2_replacement_heals_from_a_donor_waiting_for_a_partner() -> None:
+    """A2CiD2 pairs first in first out: a donor that waits in the queue for a partner
+    takes the heal group instead, and a donor that arrives later meets it before any new
+    pairing."""
+    core, ids = _started("a2cid2", n=3)
+    assert core.request_group(ids[0], 5, 1.0)[0] is None  # waits in the queue: no partner
+    core.leave(ids[2], None, "killed", 2.0)
+    new = core.register("node7", 0, "cpu", 999, 3.0)
+    assert core.mark_ready(new, 100, 3.0, MODEL)
+    decision, deliveries = core.request_group(new, 0, 4.0)
+    assert decision is not None and decision.group is not None
+    assert decision.group.heal_donor == ids[0] and set(decision.group.members) == {ids[0], new}
+    assert deliveries[ids[0]].group is decision.group  # the waiting donor got it too
+    core.release(ids[0], decision.group.group_id, True, "", 4.5)
+    core.release(new, decision.group.group_id, True, "", 4.5)
+    assert core.workers[new].healed
+    # A second joiner's heal group waits in the other survivor's buffer: it meets it at
+    # its next request, not a new pair.
+    core.leave(ids[0], None, "killed", 5.0)
+    other = core.register("node8", 0, "cpu", 1000, 6.0)
+    assert core.mark_ready(other, 100, 6.0, MODEL)
+    assert core.request_group(other, 0, 6.5)[0] is None
+    decision, _ = core.request_group(ids[1], 9, 7.0)
+    assert decision is not None and decision.group is not None
+    assert decision.group.heal_donor == ids[1] and other in decision.group.members
+
