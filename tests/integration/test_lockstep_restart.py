@@ -7,9 +7,11 @@ survivor's process ends before the run, and at most one checkpoint interval is l
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from tests.integration.helpers import finish, running_coordinator, start_worker,
 pytestmark = pytest.mark.slow
 
 DEADLINE_SECONDS = 240
+SCRIPTS = Path(__file__).parent / "scripts"
 CHECKPOINT_EVERY = 40
 
 
@@ -144,3 +147,52 @@ def test_a_run_restarts_with_a_replacement_on_the_same_host(
         assert all(p.returncode == 0 for i, p in enumerate(workers) if i != 3), log[-4000:]
         assert core.stopped and "iteration budget reached" in core.stop_reason, core.stop_reason
         assert re.search(r"restored step \d+", log), log[-4000:]
+
+
+def test_a_users_script_restarts_under_its_launcher(tmp_path: Path) -> None:
+    """`ripples worker run -- python train.py` with a script that restores a
+    ripples.Checkpointer: the killed host's script dies; the survivors' scripts exit 75,
+    their launchers start them again, and with a replacement host the run completes."""
+    script = ["--", sys.executable, str(SCRIPTS / "checkpointed_train.py"), "--steps", "500",
+              "--save", str(tmp_path / "final-{rank}.pt")]
+
+    def host(address: str, name: str) -> subprocess.Popen[str]:
+        return start_worker(address, "--host", name, "--metrics-port", "-1",
+                            "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                            "--checkpoint-every", str(CHECKPOINT_EVERY), *script)
+
+    with running_coordinator(protocol="allreduce", num_workers=3, lease_seconds=2.0,
+                             task="", seed=1, join_window_seconds=4.0) as server:
+        core = server.service.core  # type: ignore[union-attr]
+        hosts = [host(server.address, f"node{r}") for r in range(3)]
+        try:
+            wait_for(lambda: core.started_at is not None
+                     and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
+                     "two checkpoints")
+            # The host dies: its script (a process group of its own) and its launcher.
+            children = Path(f"/proc/{hosts[1].pid}/task/{hosts[1].pid}/children")
+            for pid in children.read_text().split():
+                os.kill(int(pid), signal.SIGKILL)
+            hosts[1].send_signal(signal.SIGKILL)
+            hosts[1].wait(10)
+            hosts.append(host(server.address, "node1b"))
+            wait_for(lambda: core.restarts >= 1 and core.started_at is not None
+                     and core.registry.size == 3, "training to go on with 3 workers")
+            outputs = finish([p for i, p in enumerate(hosts) if i != 1], DEADLINE_SECONDS)
+        except AssertionError as err:
+            for p in hosts:
+                p.kill()
+            said = "\n".join(f"--- host {i}:\n{p.communicate()[0][-2500:]}"
+                             for i, p in enumerate(hosts))
+            raise AssertionError(f"{err}; {core.stop_reason=}\n{said}") from None
+        finally:
+            for p in hosts:
+                if p.poll() is None:
+                    p.kill()
+        log = "\n".join(outputs)
+        codes = [p.returncode for i, p in enumerate(hosts) if i != 1]
+        assert codes == [0, 0, 0], f"{codes}\n{log[-6000:]}"
+        assert "restarts (restart 1)" in log  # the launchers started the scripts again
+        assert re.search(r"rank \d restored step [1-9]\d*", log), log[-4000:]
+        assert core.stopped and "iteration budget reached" in core.stop_reason
+        assert len(list(tmp_path.glob("final-*.pt"))) == 3
