@@ -358,7 +358,7 @@ class CoordinatorCore:
         if w.restarted or (w.state is WorkerState.FAILED and round_open):
             return f"restart round {self.restarts}: {self.restart_reason}"
         if w.state is WorkerState.EXPIRED and self.settings.spec.restarts and (
-                round_open or not self._restart_refusal()):
+                round_open or not self._restart_refusal(failure=False)):
             # Alive after all (a long pause cost it its lease): it restarts and registers
             # anew, joining the open round or opening one for the run to grow back.
             return (f"its lease expired ({w.error}); it registers anew"

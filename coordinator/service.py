@@ -36,6 +36,7 @@ from ripples.coordinator.schema import Schema
 from ripples.coordinator.state_store import StateStore
 from ripples.guarded import guarded_loop
 from ripples.protocols import Coordination
+from ripples.store_blobs import delete_blob, get_blob, has_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -62,6 +63,8 @@ _GROUP_STATES = {
     GroupState.EXECUTING: pb.GROUP_STATE_EXECUTING,
 }
 MAX_GROUP_WAIT_SECONDS = 30.0
+CONSENSUS_SWEEP_REQUESTS = 4
+"""How many recent consensus requests every request sweeps the store for."""
 STATE_SAVE_SECONDS = 0.5
 """How often the run's state is saved to the state dir besides membership changes."""
 
@@ -129,7 +132,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._consensus_seq = 0
         self._consensus_pending = 0
         """The consensus request the workers are asked to publish for (0: none)."""
-        self._consensus_lock: asyncio.Lock | None = None
+        self._consensus_expected: set[int] = set()
+        """The workers asked to publish for it (the heartbeat tells only these)."""
+        self._consensus_done: list[tuple[str, int]] = []
+        """(store prefix, id) of the recent requests, whose keys every request sweeps."""
         self.state = state
         """Where the run's state is saved (--state-dir), if anywhere."""
         self.incarnation = incarnation
@@ -265,7 +271,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatReply(stop=self.core.stopped, stop_reason=self.core.stop_reason,
                                  mean_iterations=self.core.mean_iterations(),
                                  incarnation=self.incarnation,
-                                 consensus_id=self._consensus_pending)
+                                 consensus_id=(self._consensus_pending
+                                               if request.worker_id in self._consensus_expected
+                                               else 0))
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
                     ) -> pb.LeaveReply:
@@ -480,41 +488,51 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The live workers' average model now (ripples/consensus.py): ask every live
         worker to publish its model at its next step boundary, wait for all (a worker
         that leaves meanwhile is dropped), average, stream the average back. One request
-        at a time; every wait is bounded by the request's timeout."""
+        at a time (another is refused at once); every wait is bounded by the request's
+        timeout; the store keeps no model copy afterwards, whatever happened."""
         core = self.core
         refusal = self._consensus_refusal()
+        if not refusal and self._consensus_expected:
+            refusal = "another consensus request is in progress; ask again when it is done"
         if refusal:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
-        if self._consensus_lock is None:
-            self._consensus_lock = asyncio.Lock()
         timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
-        async with self._consensus_lock:
-            started = self.clock()
-            self._consensus_seq += 1
-            cid = (self.incarnation << 32) + self._consensus_seq  # never reused
-            expected = {w.worker_id for w in core.live() if w.healed}
-            prefix = f"g{core.registry.generation}/" if core.registry.generation else ""
-            keys = {w: prefix + consensus.publish_key(cid, w) for w in expected}
-            self._consensus_pending = cid
-            core.want_consensus(cid)
-            logger.info("consensus %d: asking workers %s for their models", cid,
-                        sorted(expected))
-            try:
-                missing = await self._await_published(keys, started + timeout)
-            finally:
-                self._consensus_pending = 0
-                core.want_consensus(0)
+        started = self.clock()
+        self._consensus_seq += 1
+        cid = (self.incarnation << 32) + self._consensus_seq  # never reused
+        expected = {w.worker_id for w in core.live() if w.healed}
+        prefix = f"g{core.registry.generation}/" if core.registry.generation else ""
+        keys = {w: prefix + consensus.publish_key(cid, w) for w in expected}
+        self._consensus_expected = expected
+        self._consensus_pending = cid
+        core.want_consensus(cid)
+        logger.info("consensus %d: asking workers %s for their models", cid, sorted(expected))
+        blobs: list[bytes] = []
+        published: list[int] = []
+        try:
+            missing = await self._await_published(keys, started + timeout)
+            self._consensus_pending = 0
+            core.want_consensus(0)
+            if core.started_at is None and not core.stopped:
+                await context.abort(grpc.StatusCode.ABORTED, (
+                    f"a restart round ({core.restart_reason}) interrupted the request: the "
+                    "workers restart from the last checkpoint; ask again once they train"))
             if missing:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
                     f"workers {missing} did not publish their model within {timeout:.0f} s "
                     "(each does at its next step boundary); ask again, or with a longer "
                     "--timeout-seconds"))
             # Whoever published (one that left since counts with the model it had).
-            published = [w for w in sorted(keys)
-                         if await asyncio.to_thread(self.store.check, [keys[w]])]
-            blobs = [await asyncio.to_thread(self.store.get, keys[w]) for w in published]
-            for w in published:
-                await asyncio.to_thread(self.store.delete_key, keys[w])
+            for w in sorted(keys):
+                if await asyncio.to_thread(has_blob, self.store, keys[w]):
+                    blobs.append(await asyncio.to_thread(get_blob, self.store, keys[w]))
+                    published.append(w)
+        finally:
+            self._consensus_pending = 0
+            self._consensus_expected = set()
+            core.want_consensus(0)
+            self._consensus_done.append((prefix, cid))
+            await asyncio.to_thread(self._sweep_consensus_keys)
         if not published:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "no live worker published its model")
@@ -531,6 +549,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             size_bytes=len(average.data)))
         for i in range(0, len(average.data), consensus.CHUNK_BYTES):
             yield pb.ConsensusChunk(data=average.data[i:i + consensus.CHUNK_BYTES])
+
+    def _sweep_consensus_keys(self) -> None:
+        """Delete every worker's model published for the recent requests, late ones
+        included (a lock-step worker that reached the agreed step after the request
+        ended): the store keeps no model copy. Runs off the event loop."""
+        workers = list(self.core.workers)
+        for prefix, cid in self._consensus_done:
+            for w in workers:
+                delete_blob(self.store, prefix + consensus.publish_key(cid, w))
+        del self._consensus_done[:-CONSENSUS_SWEEP_REQUESTS]
 
     def _consensus_refusal(self) -> str:
         core = self.core
@@ -553,9 +581,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             live = {w.worker_id for w in self.core.live()}
             missing = []
             for w, key in keys.items():
-                if w in live and not await asyncio.to_thread(self.store.check, [key]):
+                if w in live and not await asyncio.to_thread(has_blob, self.store, key):
                     missing.append(w)
-            if not missing or self.clock() > deadline:
+            if not missing or self.clock() > deadline or self.core.started_at is None:
                 return sorted(missing)
             await asyncio.sleep(0.1)
 

@@ -23,10 +23,9 @@ from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.registry import GONE, Progress, WorkerRecord, WorkerState
 from ripples.coordinator.run_graph import RunGraph
 from ripples.coordinator.schema import Schema, SchemaCheck
+from ripples.rpc import ID_SPACE_BITS
 
 FORMAT = 1
-ID_SPACE_BITS = 40
-"""Group and comm ids of incarnation k start at k << 40 (2^40 ids per incarnation)."""
 
 _TRANSIENT = ("round_target", "wait_started_at", "listening")
 """Worker fields that belong to a pending request, not to the run."""

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import grpc
 
+ID_SPACE_BITS = 40
+"""Group and comm ids of the coordinator's incarnation k (its k-th life, restarted from
+its state dir) start at k << ID_SPACE_BITS: no id is ever handed out twice across
+restarts, and a worker tells an old incarnation's comm ids from the new one's."""
+
 # Messages are small (ids and timings); a status reply of a large run stays far below this.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 

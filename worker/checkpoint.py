@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ripples.protocols import get_protocol
+from ripples.store_blobs import delete_blob, put_blob, wait_blob
 from ripples.worker.launch_env import CheckpointInterval
 from ripples.worker.optimizer import Optimizer
 from ripples.worker.sampler import DistributedSampler
@@ -141,7 +142,8 @@ class Checkpointer:
         self._lockstep = self._protocol is not None and (
             self._protocol.stops_together
             or get_protocol(optimizer.worker.protocol).restarts)
-        if self.directory is not None and self._lockstep and self.interval.seconds:
+        stops_together = self._protocol is not None and self._protocol.stops_together
+        if self.directory is not None and stops_together and self.interval.seconds:
             raise ValueError(
                 f"{optimizer.worker.protocol} runs in lock-step: every worker must save the "
                 f"same steps, which an interval of {self.interval.seconds:g} s cannot "
@@ -391,19 +393,16 @@ class _StoreExchange:
         return [self.store.get(k).decode() for k in keys]
 
     def publish(self, name: str, data: bytes) -> None:
-        self.store.set(f"{self.prefix}/{name}", data)  # type: ignore[arg-type]  # bytes work
+        put_blob(self.store, f"{self.prefix}/{name}", data)
 
     def forget(self, name: str) -> None:
-        self.store.delete_key(f"{self.prefix}/{name}")
+        delete_blob(self.store, f"{self.prefix}/{name}")
 
     def fetch(self, name: str) -> bytes:
-        key = f"{self.prefix}/{name}"
         try:
-            self.store.wait([key], timedelta(seconds=self.timeout))
-        except dist.DistStoreError:
-            raise TimeoutError(f"restoring checkpoints: {name} did not arrive within "
-                               f"{self.timeout:.0f} s") from None
-        return self.store.get(key)
+            return wait_blob(self.store, f"{self.prefix}/{name}", self.timeout)
+        except TimeoutError as err:
+            raise TimeoutError(f"restoring checkpoints: {err}") from None
 
 
 class _CheckpointFiles(Protocol):

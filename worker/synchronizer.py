@@ -32,6 +32,7 @@ import torch
 
 from ripples.consensus import encode_model, publish_key
 from ripples.protocols import PROTOCOLS, get_protocol
+from ripples.store_blobs import put_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
 from ripples.worker.dataplane.averaged_state import AveragedState
@@ -183,8 +184,12 @@ class StepSynchronizer:
             return
         self._consensus_served = wanted
         assert self.session.worker_id is not None
-        store.set(publish_key(wanted, self.session.worker_id),
-                  encode_model(completed, self.model.state_dict()))  # type: ignore[arg-type]
+        try:
+            put_blob(store, publish_key(wanted, self.session.worker_id),
+                     encode_model(completed, self.model.state_dict()))
+        except (RuntimeError, OSError) as err:  # the request fails; training goes on
+            logger.warning("could not publish the model for consensus %d: %s", wanted, err)
+            return
         logger.info("published the model of step %d for consensus %d%s", completed, wanted,
                     "" if at is None else f" (the step agreed: {at})")
 

@@ -229,3 +229,17 @@ def test_an_a2cid2_replacement_heals_from_a_donor_waiting_for_a_partner() -> Non
     assert decision is not None and decision.group is not None
     assert decision.group.heal_donor == ids[1] and other in decision.group.members
 
+
+
+def test_scale_up_waits_while_a_member_is_late_with_its_heartbeat() -> None:
+    """A supervisor's replacement for a worker that just died must take its rank, not a
+    new one: while a member is late (half a lease without a heartbeat), a joiner waits."""
+    core, ids = _started(n=3, max_workers=4)
+    for wid in ids[:2]:
+        core.heartbeat(wid, None, 6.0)  # ids[2] last renewed at 0: 6 s > half a lease
+    with pytest.raises(CoordinatorError) as err:
+        core.register("node9", 0, "cpu", 900, 6.0)
+    assert err.value.code == "RESOURCE_EXHAUSTED" and "late with its heartbeat" in str(err.value)
+    core.expire_leases(10.5)
+    new = core.register("node9", 0, "cpu", 900, 11.0)
+    assert core.workers[new].rank == core.workers[ids[2]].rank  # it replaces, not grows

@@ -215,9 +215,9 @@ class CommunicatorCache:
             except RuntimeError as err:  # a broken group may refuse a clean shutdown
                 logger.debug("shutdown of %s: %s", key, err)
 
-    def drop_prefix(self, prefix: str) -> int:
-        """Drop every cached communicator whose key starts with `prefix`; returns how many."""
-        keys = [k for k in self._comms if k.startswith(prefix)]
+    def drop_where(self, condition: Callable[[str], bool]) -> int:
+        """Drop every cached communicator whose key meets `condition`; returns how many."""
+        keys = [k for k in self._comms if condition(k)]
         for key in keys:
             self.drop(key)
         return len(keys)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ripples.rpc import ID_SPACE_BITS
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import copy_model, preduce
@@ -107,7 +108,12 @@ class GroupGeneratorProtocol(Protocol):
         if incarnation == self._incarnation:
             return
         if self._incarnation:
-            dropped = self.ctx.comms.drop_prefix(f"gg/{self.ctx.config.run_id}/")
+            prefix, first_new = f"gg/{self.ctx.config.run_id}/", incarnation << ID_SPACE_BITS
+
+            def older(key: str) -> bool:  # not one the new incarnation built already
+                return key.startswith(prefix) and int(key[len(prefix):]) < first_new
+
+            dropped = self.ctx.comms.drop_where(older)
             logger.info("the coordinator restarted (incarnation %d): dropped the %d "
                         "communicators of its predecessor's groups", incarnation, dropped)
         self._incarnation = incarnation

@@ -40,6 +40,8 @@ class LockstepStop:
             self.adopt_after = self.adopt_after or reply.adopt_state_after_iteration
             if reply.consensus_id and reply.consensus_at_iteration:
                 self.consensus = (reply.consensus_id, reply.consensus_at_iteration)
+            elif not reply.consensus_id:  # the request is over: a late model would leak
+                self.consensus = (0, 0)
             if reply.stop_at_iteration:
                 self.stop_at = reply.stop_at_iteration
                 self.reason = reply.stop_reason
