@@ -171,6 +171,12 @@ class RunSettings:
         """How the coordinator takes part (the protocol's, resolved from its settings)."""
         return self.spec.role_of(self.settings)
 
+    @property
+    def restarts(self) -> bool:
+        """A membership change restarts every worker from the last checkpoint (a restart
+        round): the protocol restarts, and this run's role needs every worker."""
+        return self.spec.restarts and self.role.needs_every_worker
+
     def topology_edges(self) -> list[Edge]:
         """The edges of topology "file" (empty for the built-in graphs)."""
         return list(self._file_edges)

@@ -62,7 +62,7 @@ class CoordinatorCore:
                                         target_loss=settings.target_loss,
                                         live=self.registry.live,
                                         everyone=self.registry.counted,
-                                        lockstep=settings.spec.restarts)
+                                        lockstep=settings.restarts)
         self.groups = GroupService(self.role, settings.settings(GroupGeneratorSettings),
                                    registry=self.registry, graph=lambda: self.graph,
                                    progress=self.progress, rng=random.Random(settings.seed),
@@ -106,7 +106,7 @@ class CoordinatorCore:
         if not host:  # before a joiner may open a restart round
             raise CoordinatorError("INVALID_ARGUMENT", "host must not be empty")
         fixed = self.settings.spec.fixed_membership
-        if self.registry.formed and self.settings.spec.restarts:
+        if self.registry.formed and self.settings.restarts:
             refusal = self._restart_refusal(failure=False)
             if not refusal:
                 self._join_lockstep(host, local_rank, now)
@@ -285,7 +285,7 @@ class CoordinatorCore:
         """Why this run cannot restart its workers on a membership change ("" when it
         can): its protocol does not, the restarts are spent, or a member holds no
         checkpoint yet (it would start over from its initial model)."""
-        if not self.settings.spec.restarts:
+        if not self.settings.restarts:
             return f"{self.settings.protocol} does not restart its workers"
         if failure and self.failure_restarts >= self.settings.max_restarts:
             return (f"max_restarts ({self.settings.max_restarts}) spent on failures")
@@ -357,7 +357,7 @@ class CoordinatorCore:
         round_open = self.restart_began_at is not None and not self.registry.formed
         if w.restarted or (w.state is WorkerState.FAILED and round_open):
             return f"restart round {self.restarts}: {self.restart_reason}"
-        if w.state is WorkerState.EXPIRED and self.settings.spec.restarts and (
+        if w.state is WorkerState.EXPIRED and self.settings.restarts and (
                 round_open or not self._restart_refusal(failure=False)):
             # Alive after all (a long pause cost it its lease): it restarts and registers
             # anew, joining the open round or opening one for the run to grow back.
@@ -390,15 +390,22 @@ class CoordinatorCore:
             # Lock-step peers cannot go on without it: every worker restarts from the last
             # checkpoint with the new membership, or (no restarts) everyone stops at the
             # next agreed iteration rather than wait inside collectives that never complete.
-            refusal = "" if state is WorkerState.LEFT else self._restart_refusal()
-            if state is not WorkerState.LEFT and not refusal:
+            # A graceful leave (SIGTERM before a preemption, request_stop()) shrinks the
+            # run: a round without the leaver, which is no failure (max_restarts does not
+            # count it), as when torchelastic loses a node it was told about.
+            graceful = state is WorkerState.LEFT
+            refusal = ("the static schedule cannot shrink (its hosts must stay full)"
+                       if graceful and self.role.coordination is Coordination.STATIC
+                       else self._restart_refusal(failure=not graceful))
+            if not refusal:
                 # A worker that failed and said so (Leave) is alive: it restarts too.
                 alive = ((w.host, w.local_rank),) if state is WorkerState.FAILED else ()
-                self._restart(f"worker {w.worker_id} {state.value}{why}", now, alive=alive)
+                self._restart(f"worker {w.worker_id} {state.value}{why}", now,
+                              failure=not graceful, alive=alive)
                 return deliveries
             deliveries.update(self.stop(f"worker {w.worker_id} {state.value}{why}"
                                         + (f"; no restart: {refusal}" if refusal and
-                                           self.settings.spec.restarts else ""), now))
+                                           self.settings.restarts else ""), now))
         elif self.role.needs_every_worker:  # it left having finished its budget
             deliveries.update(self.stop(
                 f"iteration budget reached (worker {w.worker_id} finished its "

@@ -120,9 +120,6 @@ class ChaosConfig:
         if self.protocol not in (*elastic, *LOCKSTEP_PROTOCOLS):
             raise ValueError(f"chaos trials run {', '.join((*elastic, *LOCKSTEP_PROTOCOLS))}, "
                              f"not {self.protocol}")
-        if self.lockstep and "sigterm" in self.faults:
-            raise ValueError(f"a SIGTERM stops a {self.protocol} run on purpose (every worker "
-                             "at one agreed step): leave sigterm out of --faults")
         if self.lockstep and not self.checkpoint_every:
             raise ValueError(f"{self.protocol} restarts from checkpoints: give "
                              "--checkpoint-every")

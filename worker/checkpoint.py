@@ -186,7 +186,7 @@ class Checkpointer:
         started = time.perf_counter()
         step = self.optimizer.local_step
         path = self.directory / f"step-{step}.pt"
-        _write_atomically(path, self._state(step))
+        write_atomically(path, self._state(step))
         self._saved_step, self._last_save = step, time.monotonic()
         self._holds(step)
         for old in self._steps()[self.keep:]:
@@ -205,10 +205,10 @@ class Checkpointer:
             "rank": worker.rank,
             "num_workers": worker.num_workers,
             "protocol": worker.protocol,
-            "model": _cpu_copy(opt.model.state_dict()),
-            "optimizer": _cpu_copy(opt.state_dict()),
-            "protocol_state": _cpu_copy(protocol_state),
-            "objects": {name: _cpu_copy(obj.state_dict()) for name, obj in self.objects.items()},
+            "model": cpu_copy(opt.model.state_dict()),
+            "optimizer": cpu_copy(opt.state_dict()),
+            "protocol_state": cpu_copy(protocol_state),
+            "objects": {name: cpu_copy(obj.state_dict()) for name, obj in self.objects.items()},
             "rng": _rng_state(worker.device),
         }
 
@@ -298,10 +298,10 @@ class Checkpointer:
         worker = self.optimizer.worker
         session = worker._session
         assert session is not None and session.store is not None
-        exchange = _StoreExchange(session.store, f"ripples/checkpoint/{session.config.run_id}",
+        exchange = StoreExchange(session.store, f"ripples/checkpoint/{session.config.run_id}",
                                   worker.rank, worker.num_workers,
                                   worker.env.start_timeout_seconds)
-        return _agree_on_step(exchange, self._steps(), _RankFiles(self))  # type: ignore[no-any-return]
+        return agree_on_step(exchange, self._steps(), _RankFiles(self))  # type: ignore[no-any-return]
 
     def _check(self, path: Path, state: dict[str, Any]) -> None:
         """ValueError unless `state` is a checkpoint of this format, model and objects."""
@@ -351,7 +351,7 @@ class Checkpointer:
 
 
 class _RankFiles:
-    """This rank's checkpoint files, as _agree_on_step uses them."""
+    """This rank's checkpoint files, as agree_on_step uses them."""
 
     def __init__(self, checkpointer: Checkpointer) -> None:
         self.checkpointer = checkpointer
@@ -367,10 +367,10 @@ class _RankFiles:
         return self._path(step).read_bytes()
 
     def write(self, step: int, data: bytes) -> None:
-        _write_atomically(self._path(step), data)
+        write_atomically(self._path(step), data)
 
 
-class _StoreExchange:
+class StoreExchange:
     """Rounds in which every rank publishes a string and reads everyone's."""
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, num_workers: int,
@@ -415,7 +415,7 @@ class _CheckpointFiles(Protocol):
     def write(self, step: int, data: bytes) -> None: ...
 
 
-def _agree_on_step(exchange: _StoreExchange, steps: list[int],
+def agree_on_step(exchange: StoreExchange, steps: list[int],
                    files: _CheckpointFiles) -> Any:
     """The run's newest checkpoint step, loaded on every rank (`files.load`: None, it
     cannot; ValueError, it must not, which fails every rank), or None when no rank holds
@@ -459,17 +459,17 @@ def _agree_on_step(exchange: _StoreExchange, steps: list[int],
                        "warnings); remove the checkpoints to start afresh")
 
 
-def _cpu_copy(value: Any) -> Any:
+def cpu_copy(value: Any) -> Any:
     """`value` with every tensor copied to the CPU: the model's tensors are views into the
     averaged state's flat buffer, which torch.save would write whole for each."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
+        return {k: cpu_copy(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_cpu_copy(v) for v in value]
+        return [cpu_copy(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(_cpu_copy(v) for v in value)
+        return tuple(cpu_copy(v) for v in value)
     return value
 
 
@@ -496,7 +496,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         numpy.random.set_state(state["numpy"])
 
 
-def _write_atomically(path: Path, state: dict[str, Any] | bytes) -> None:
+def write_atomically(path: Path, state: dict[str, Any] | bytes) -> None:
     """Write `state` (or a checkpoint file's bytes) under `path` whole or not at all,
     durably: a hidden temporary file in the same directory (same file system: the rename
     is atomic), flushed and fsync'ed, renamed over `path`, then the directory fsync'ed so

@@ -216,6 +216,9 @@ class Restart:
         self.declined = False
         """The worker was asked to leave (a SIGTERM, request_stop()): it leaves instead."""
         self.action: Callable[[], None] = exit_for_restart
+        self.before_exit: list[Callable[[], None]] = []
+        """Run (each once, errors logged) before the backstop ends the process: what the
+        process must not leave behind (lap/lpp's updater processes)."""
 
     @property
     def pending(self) -> bool:
@@ -244,6 +247,11 @@ class Restart:
         if self.pending:
             logger.warning("the training thread did not end within %.0f s of the restart "
                            "order: restarting now", RESTART_GRACE_SECONDS)
+            for hook in list(self.before_exit):
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 (the restart goes on whatever it left)
+                    logger.exception("a clean-up before the restart failed")
             self.action()
 
 

@@ -166,7 +166,8 @@ def _run_protocol_runtime(worker: Worker, task: Task, spec: str, options: TaskOp
     job = TrainingJob(task_spec=spec, task_options=options, batch_size=task.batch_size,
                       stats=session.stats, local_stop=session.local_stop,
                       metrics=session.metrics, slowdown_spec=worker.env.slowdown,
-                      num_threads=worker.env.num_threads or 1)
+                      num_threads=worker.env.num_threads or 1,
+                      checkpoint=worker.env.checkpoint, restart=session.restart)
     try:
         reason = protocol.run_training(job)
     finally:

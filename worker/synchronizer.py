@@ -31,7 +31,7 @@ import grpc
 import torch
 
 from ripples.consensus import encode_model, publish_key
-from ripples.protocols import PROTOCOLS, get_protocol
+from ripples.protocols import PROTOCOLS, Coordination, get_protocol, role_of_config
 from ripples.store_blobs import put_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
@@ -213,8 +213,10 @@ class StepSynchronizer:
     def _asked_to_stop(self) -> str:
         """A signal or request_stop(): stop now, or (lock-step protocols, where a worker
         that stops alone leaves its peers in a collective) ask the coordinator to stop the
-        run and go on to the iteration every worker stops at."""
-        if not self.protocol.stops_together:
+        run and go on to the iteration every worker stops at. A lock-step worker whose run
+        shrinks on a membership change (allreduce, with a checkpoint to restart from)
+        leaves alone instead: its peers restart without it (a restart round)."""
+        if not self.protocol.stops_together or self._leaves_alone():
             return "asked to stop (a signal or request_stop)"
         if not self._stop_asked:
             self._stop_asked = True
@@ -229,6 +231,17 @@ class StepSynchronizer:
             logger.warning("%s: asked the coordinator to stop the run; every worker stops "
                            "at the same iteration", self.protocol.name)
         return ""
+
+    def _leaves_alone(self) -> bool:
+        """A lock-step worker asked to stop leaves alone (a preemption notice): its run
+        restarts its workers on a membership change and can shrink (not the static
+        schedule, whose hosts must stay full), and this worker holds a checkpoint (so do
+        its peers: they save the same steps)."""
+        config = self.session.config
+        with self.session.stats.lock:
+            held = self.session.stats.checkpoint_step
+        return (held > 0 and get_protocol(config.protocol).restarts
+                and role_of_config(config).coordination is not Coordination.STATIC)
 
     def _maybe_adopt(self, completed: int) -> None:
         """The optimizer's per-parameter state joins the averaged state once it exists for

@@ -94,7 +94,8 @@ class ProtocolSpec:
     restarts: bool = False
     """A membership change (a member fails, a worker joins) restarts every worker from the
     run's last checkpoint with the new membership (lock-step protocols whose workers
-    checkpoint; RunSettings.max_restarts)."""
+    checkpoint; RunSettings.max_restarts), in runs whose role needs every worker (lap-sgd
+    and lpp-sgd averaging over all workers; with group averaging the others go on)."""
     role_from: Callable[[SettingsLookup[Any]], Role] | None = None
     """Derives the role from the run's settings when it depends on them."""
     summarise: str = ""
@@ -163,12 +164,12 @@ PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
                  role=Role(Coordination.LOCKSTEP), settings=(LppSettings, GroupGeneratorSettings),
                  runtime=f"{_RUNTIMES}.lpp.protocol:LppProtocol", library=False,
                  role_from=_lpp_role, record_key="lpp",
-                 fixed_membership=_LPP_FIXED),
+                 fixed_membership=_LPP_FIXED, restarts=True),
     ProtocolSpec(name="lpp-sgd", summary="LPP-SGD: LAP-SGD with partial backpropagation",
                  role=Role(Coordination.LOCKSTEP), settings=(LppSettings, GroupGeneratorSettings),
                  runtime=f"{_RUNTIMES}.lpp.protocol:LppProtocol", library=False,
                  role_from=_lpp_role, record_key="lpp",
-                 fixed_membership=_LPP_FIXED),
+                 fixed_membership=_LPP_FIXED, restarts=True),
 )}
 """Protocol name -> spec, in the order help texts list them."""
 

@@ -107,16 +107,19 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
                 assert torch.allclose(tensor, models[0][name], atol=1e-5), name
 
 
-@pytest.mark.parametrize(("protocol", "settings"), [
-    ("ripples-static", {"workers_per_node": 2}),
-    ("hop", {"topology": "ring"}),
-], ids=["static", "hop"])
+@pytest.mark.parametrize(("protocol", "settings", "fault"), [
+    ("ripples-static", {"workers_per_node": 2}, signal.SIGKILL),
+    ("hop", {"topology": "ring"}, signal.SIGKILL),
+    ("hop", {"topology": "ring"}, signal.SIGTERM),
+], ids=["static", "hop", "hop-sigterm"])
 def test_a_run_restarts_with_a_replacement_on_the_same_host(
-        protocol: str, settings: dict[str, object], tmp_path: Path) -> None:
+        protocol: str, settings: dict[str, object], fault: signal.Signals,
+        tmp_path: Path) -> None:
     """ripples-static on 2 hosts of 2 workers (the round waits for the killed worker's
     replacement on its host: the schedule needs full hosts), and hop on a ring of 4 (its
-    queues and tokens start afresh at the restored step): every worker goes on from the
-    last checkpoint and the run completes."""
+    queues and tokens start afresh at the restored step), its worker killed or asked to
+    leave (SIGTERM: a graceful leave, which opens a round without it): every worker goes
+    on from the last checkpoint and the run completes."""
     def worker(address: str, host: str, local_rank: int) -> subprocess.Popen[str]:
         return start_worker(address, "--host", host, "--local-rank", str(local_rank),
                             "--metrics-port", "-1",
@@ -132,8 +135,8 @@ def test_a_run_restarts_with_a_replacement_on_the_same_host(
             wait_for(lambda: core.started_at is not None
                       and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
                       "two checkpoints")
-            workers[3].send_signal(signal.SIGKILL)
-            workers[3].wait(10)
+            workers[3].send_signal(fault)
+            assert workers[3].wait(30) == (0 if fault == signal.SIGTERM else -signal.SIGKILL)
             workers.append(worker(server.address, "node1", 1))
             wait_for(lambda: core.restarts >= 1 and core.registry.generation >= 1
                       and core.started_at is not None and core.registry.size == 4,
@@ -196,3 +199,64 @@ def test_a_users_script_restarts_under_its_launcher(tmp_path: Path) -> None:
         assert re.search(r"rank \d restored step [1-9]\d*", log), log[-4000:]
         assert core.stopped and "iteration budget reached" in core.stop_reason
         assert len(list(tmp_path.glob("final-*.pt"))) == 3
+
+
+@pytest.mark.parametrize("protocol", ["lap-sgd", "lpp-sgd"])
+def test_an_lpp_run_averaging_over_all_workers_restarts_from_its_round_checkpoints(
+        protocol: str, tmp_path: Path) -> None:
+    """lap-sgd/lpp-sgd averaging over all workers (lock-step rounds), 3 workers x 2
+    updaters: a worker is SIGKILLed (its updaters see themselves orphaned and end); the
+    survivors restart in place with a replacement and every worker restores the newest
+    round all of them saved (the counter and the updaters' counts go on from it); the
+    run completes its budget and no updater process outlives its worker."""
+    every = 400
+    with running_coordinator(protocol=protocol, num_workers=3, task="digits",
+                             iterations=6000, lease_seconds=2.0, seed=1, updaters=2,
+                             join_window_seconds=4.0) as server:
+        core = server.service.core  # type: ignore[union-attr]
+        workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1",
+                                "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                                "--checkpoint-every", str(every),
+                                "--save-model", str(tmp_path / f"node{r}.pt"))
+                   for r in range(3)]
+        try:
+            wait_for(lambda: core.started_at is not None
+                     and min(w.progress.checkpoint_step for w in core.live()) > 0,
+                     "a round checkpoint on every worker")
+            at_kill = max(w.progress.iteration for w in core.live())
+            updaters = Path(f"/proc/{workers[1].pid}/task/{workers[1].pid}/children")
+            orphans = [int(pid) for pid in updaters.read_text().split()]
+            workers[1].send_signal(signal.SIGKILL)
+            workers[1].wait(10)
+            killed_at = time.monotonic()
+            workers.append(start_worker(server.address, "--host", "node1b", "--metrics-port",
+                                        "-1", "--checkpoint-dir", str(tmp_path / "checkpoints"),
+                                        "--checkpoint-every", str(every),
+                                        "--save-model", str(tmp_path / "node1b.pt")))
+            wait_for(lambda: core.restarts >= 1 and core.registry.generation >= 1
+                     and core.started_at is not None and core.registry.size == 3,
+                     "training to go on with 3 workers")
+            resumed_after = time.monotonic() - killed_at
+            wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in orphans),
+                     "the killed worker's updaters to end", timeout=10)
+            outputs = finish([p for i, p in enumerate(workers) if i != 1], DEADLINE_SECONDS)
+        except AssertionError as err:
+            for p in workers:
+                p.kill()
+            said = "\n".join(f"--- worker {i}:\n{p.communicate()[0][-3000:]}"
+                             for i, p in enumerate(workers))
+            raise AssertionError(f"{err}; {core.stop_reason=}\n{said}") from None
+        finally:
+            for p in workers:
+                if p.poll() is None:
+                    p.kill()
+        log = "\n".join(outputs)
+        assert all(p.returncode == 0 for i, p in enumerate(workers) if i != 1), log[-4000:]
+        assert core.stopped and "iteration budget reached" in core.stop_reason, core.stop_reason
+        restored = [int(n) for n in re.findall(r"restored round \d+ \((\d+) updates\)", log)]
+        assert len(restored) >= 3, log[-4000:]  # every member of the round restored
+        print(f"\n{protocol}: training went on {resumed_after:.1f} s after the kill; "
+              f"{at_kill} updates at the kill, {min(restored)}-{max(restored)} restored")
+        for name in ["node0", "node2", "node1b"]:
+            model = torch.load(tmp_path / f"{name}.pt")
+            assert all(torch.isfinite(t).all() for t in model.values()), name

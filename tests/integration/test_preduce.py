@@ -147,7 +147,7 @@ def _delta_worker(rank: int, port: int, out: mp.Queue) -> None:
     update = torch.arange(5, dtype=torch.float32) * (rank + 1)
     averager = DeltaAverager(live)
     wishes = averager.average(_UpdaterWritesDuringTheExchange(comm, live, update), 30,
-                              control=float(rank))
+                              controls=(float(rank), 2.0))
     out.put((rank, live.clone(), wishes))
 
 
@@ -170,6 +170,6 @@ def test_the_delta_rule_keeps_updates_made_during_an_averaging_round() -> None:
         update = torch.arange(5, dtype=torch.float32) * (rank + 1)
         # The average of the snapshots, plus what the updater wrote meanwhile: kept.
         torch.testing.assert_close(live, mean_of_snapshots + update)
-        assert wishes == 1.0  # the control values are summed (0 + 1)
+        assert wishes == (1.0, 4.0)  # each control value is summed (0 + 1, 2 + 2)
     # Overwriting with the average (plain model averaging) would have lost the updates.
     assert not torch.equal(results[1][0], mean_of_snapshots)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ripples
 from ripples.worker import checkpoint as checkpoint_module
 from ripples.worker.api import current_worker
-from ripples.worker.checkpoint import _agree_on_step, _StoreExchange
+from ripples.worker.checkpoint import agree_on_step, StoreExchange
 from ripples.worker.launch_env import CheckpointInterval, CheckpointOptions, LaunchEnv
 from ripples.worker.process_launcher import launch_environment, runner_argv
 from ripples.worker.protocols.gossip.state import GossipState, MomentumParameters
@@ -328,9 +328,9 @@ def _agree(held: dict[int, list[int]], unloadable: set[tuple[int, int]] = frozen
     errors: dict[int, str] = {}
 
     def rank(r: int) -> None:
-        exchange = _StoreExchange(store, "run", r, len(held), 10.0)
+        exchange = StoreExchange(store, "run", r, len(held), 10.0)
         try:
-            results[r] = _agree_on_step(exchange, held[r], _Files(r, held[r], unloadable))
+            results[r] = agree_on_step(exchange, held[r], _Files(r, held[r], unloadable))
         except RuntimeError as err:
             errors[r] = str(err)
 

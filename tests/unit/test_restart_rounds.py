@@ -127,6 +127,31 @@ def test_restarts_stop_once_max_restarts_are_spent() -> None:
     assert core.stopped and "max_restarts (1) spent" in core.stop_reason
 
 
+def test_a_graceful_leave_shrinks_the_run_without_counting_as_a_failure() -> None:
+    # A SIGTERM before a preemption: the leaver is not expected back; the others restart
+    # and form a round of 2 after the join window. max_restarts (0) does not count it.
+    core, ids = _started(min_workers=2, max_restarts=0)
+    core.leave(ids[1], None, "", 5.0, reason="asked to stop (a signal or request_stop)")
+    assert core.restarts == 1 and core.failure_restarts == 0 and not core.stopped
+    assert core.expected_back == {("node0", 0), ("node2", 0)}
+    assert not core.rejoins(ids[1]) and core.rejoins(ids[0]).startswith("restart round 1")
+    new = _register(core, ["node0", "node2"], 7.0)
+    core.expire_leases(5.0 + WINDOW)
+    assert core.membership_formed and core.registry.size == 2
+    assert sorted(core.workers[w].rank for w in new) == [0, 1]
+
+
+def test_a_graceful_leave_stops_a_static_schedule_run() -> None:
+    settings = RunSettings(protocol="ripples-static", num_workers=4, workers_per_node=2,
+                           iterations=100, join_window_seconds=WINDOW)
+    core = CoordinatorCore(settings, now=0.0)
+    ids = [core.register(f"node{r // 2}", r % 2, "cpu", 100 + r, 0.0) for r in range(4)]
+    _ready(core, ids, 0.0)
+    core.leave(ids[0], None, "", 5.0, reason="asked to stop")
+    assert core.stopped and core.restarts == 0
+    assert "no restart: the static schedule cannot shrink" in core.stop_reason
+
+
 def test_a_round_nobody_comes_back_to_stops_the_run() -> None:
     core, ids = _started()
     core.leave(ids[0], None, "killed", 5.0)

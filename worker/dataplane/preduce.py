@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ripples.worker.dataplane.averaged_state import AveragedState
@@ -68,16 +70,20 @@ class DeltaAverager:
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
         self._snapshot = torch.empty_like(flat)
-        self._staged = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
+        self._staged = torch.empty(flat.numel(), dtype=flat.dtype, device=flat.device)
 
     def average(self, comm: Communicator, timeout_seconds: float,
-                control: float = 0.0) -> float:
-        """One round; returns the sum of the members' `control` values."""
-        n = self.flat.numel()
+                controls: Sequence[float] = ()) -> tuple[float, ...]:
+        """One round; returns the sums of the members' `controls` values (each member
+        gives as many, in the same order)."""
+        n, k = self.flat.numel(), len(controls)
+        if self._staged.numel() != n + k:
+            self._staged = torch.empty(n + k, dtype=self.flat.dtype, device=self.flat.device)
         with torch.no_grad():
             self._snapshot.copy_(self.flat)
             torch.mul(self._snapshot, 1.0 / comm.size, out=self._staged[:n])
-            self._staged[n] = control
+            if k:
+                self._staged[n:].copy_(torch.tensor(controls, dtype=self.flat.dtype))
             try:
                 comm.allreduce_sum_(self._staged, timeout_seconds)
             except BaseException:
@@ -87,4 +93,4 @@ class DeltaAverager:
                 raise
             delta = self._staged[:n].sub_(self._snapshot)
             self.flat.add_(delta)
-        return float(self._staged[n])
+        return tuple(float(v) for v in self._staged[n:].tolist())

@@ -16,17 +16,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.client import CoordinatorClient
+from ripples.worker.client import CoordinatorClient, Restart
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator, CommunicatorCache
 from ripples.worker.group_stream import GroupStream, StreamInterrupted
+from ripples.worker.launch_env import CheckpointOptions
 from ripples.worker.metrics import MetricSpec, ProtocolMetrics
 
 if TYPE_CHECKING:
@@ -116,6 +117,10 @@ class TrainingJob:
     slowdown_spec: str = ""
     """FACTOR[@PROBABILITY] or empty."""
     num_threads: int = 1
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    """The launch's --checkpoint-dir, --checkpoint-every, --keep-checkpoints."""
+    restart: Restart | None = None
+    """This process's restart order (a restart round of a lock-step run), if any."""
 
 
 def max_peer_wait_seconds(config: pb.RunConfig) -> float:

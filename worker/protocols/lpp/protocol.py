@@ -13,7 +13,10 @@ all-reduce over all workers. Algorithm 1 as printed lets workers disagree on how
 rounds to run (each decides from its own counter) and so hang; here every round also
 sums one control value, a worker's wish to stop (its budget is spent, the coordinator
 stopped the run, a signal, a failed updater), and every worker stops after the first
-round in which someone wished to: all make the same number of calls.
+round in which someone wished to: all make the same number of calls. A second control
+value, a wish to checkpoint, makes every worker save after the same round
+(worker/protocols/lpp/checkpoints.py), which a restart round restores: a member that fails
+or joins restarts every worker from the last such round, as for allreduce.
 Averaging `ripples-random` / `ripples-smart`: each round is a request to the Group
 Generator and a P-Reduce in the group it returns (the delta rule again); a worker that
 is done simply leaves.
@@ -33,10 +36,13 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from ripples.protocols.lpp import LppSettings
+from ripples.worker.checkpoint import StoreExchange
+from ripples.worker.client import RestartRequested
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import DeltaAverager
 from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult, TrainingJob
 from ripples.worker.protocols.group_generator import GroupGeneratorProtocol
+from ripples.worker.protocols.lpp.checkpoints import LppCheckpoints, Restored
 from ripples.worker.protocols.lpp.rules import partition_blocks
 from ripples.worker.protocols.lpp.updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
 from ripples.worker.stats import WorkerStats
@@ -106,6 +112,7 @@ class LppProtocol(Protocol):
         self.leaving = ""
         """Why this worker wants to stop (empty: it does not)."""
         self._error = ""
+        self._checkpoint_due = False
         self._batch_size = 0
         self._reported_at = 0.0
         self._rounds = 0
@@ -113,6 +120,9 @@ class LppProtocol(Protocol):
         self._full_until = 0
         self._processes: list[BaseProcess] = []
         self._mp = torch_mp.get_context("spawn")
+        self.checkpoints: LppCheckpoints | None = None
+        """Averaging over all workers: the round checkpoints (run_training makes them)."""
+        self._restored: Restored | None = None
 
     # ------------------------------------------------------------ one averaging round
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
@@ -126,8 +136,11 @@ class LppProtocol(Protocol):
             return self.groups.after_step(completed)
         assert self.comm is not None
         t0 = time.perf_counter()
-        wishes = self.averager.average(self.comm, self.timeout, 1.0 if self.leaving else 0.0)
+        wants_checkpoint = self.checkpoints is not None and self.checkpoints.wish(completed)
+        wishes, saves = self.averager.average(
+            self.comm, self.timeout, (1.0 if self.leaving else 0.0, float(wants_checkpoint)))
         seconds = time.perf_counter() - t0
+        self._checkpoint_due = saves > 0
         result = SyncResult(preduce_seconds=seconds, num_groups=1,
                             group_sizes=(self.comm.size,), preduce_durations=(seconds,),
                             preduce_bytes=self.averager.flat.numel()
@@ -152,14 +165,21 @@ class LppProtocol(Protocol):
             raise ValueError("lap-sgd and lpp-sgd need a budget of iterations or epochs (T "
                              "sets the full-model phase and the synchronisation scheme)")
         self._batch_size = job.batch_size
+        self._restore(job)
         shared = self._shared_state()
         reason = ""
+        restart = job.restart
+        kill = self._kill_updaters
+        if restart is not None:  # the backstop of a restart order ends them first
+            restart.before_exit.append(kill)
         try:
             self._start_updaters(job, budget, shared)
             reason = self._start_together(shared)
-            s_pre = 0
+            s_pre = int(shared.counter.value)
             reported_done, reported_compute = 0, 0.0
             while not reason:
+                if restart is not None and restart.pending:  # a restart round
+                    raise RestartRequested(restart.reason)
                 s = int(shared.counter.value)
                 self._check_leaving(job, shared, budget)
                 if not self.leaving and s - s_pre < cfg.sync_frequency(s, budget):
@@ -176,6 +196,8 @@ class LppProtocol(Protocol):
                 if result.num_groups > result.num_failed_groups:
                     shared.averaged_at.value = s
                 self._rounds += result.num_groups - result.num_failed_groups
+                if self._checkpoint_due:
+                    self._save(shared, stats)
                 loss = stats.add_sync(result)  # compute: the updaters' counts, in _report
                 if job.metrics is not None:
                     job.metrics.observe_iteration(compute_seconds=compute - reported_compute,
@@ -186,22 +208,61 @@ class LppProtocol(Protocol):
                     reason = result.stop_reason
                     break
         finally:
+            if restart is not None:
+                restart.before_exit.remove(kill)
             self._stop_updaters(shared)
             self._report(shared, stats)
         if self._error:
             raise RuntimeError(self._error)
         return reason
 
+    def _restore(self, job: TrainingJob) -> None:
+        """Averaging over all workers: make the round checkpoints, and restore the
+        newest round every rank holds (after a restart round, or `ripples run --resume`)."""
+        ctx = self.ctx
+        if self.comm is None:
+            if job.checkpoint.checkpoint_dir:
+                logger.warning("lap/lpp-sgd with group averaging keeps no checkpoints (its "
+                               "workers restart only when averaging over all workers)")
+            return
+        self.checkpoints = LppCheckpoints(job.checkpoint, ctx.model, rank=ctx.rank,
+                                          num_workers=ctx.num_workers,
+                                          protocol=ctx.config.protocol)
+        if not self.checkpoints.enabled:
+            return
+        exchange = StoreExchange(ctx.store, f"ripples/checkpoint/{ctx.config.run_id}",
+                                 ctx.rank, ctx.num_workers, START_TIMEOUT_SECONDS)
+        self._restored = self.checkpoints.restore(exchange, self.settings.updaters)
+        if self._restored is not None:
+            self._rounds = self._restored.round
+            self._hold(job.stats, self._restored.counter)
+
+    @staticmethod
+    def _hold(stats: WorkerStats, updates: int) -> None:
+        """Tell the coordinator (next heartbeat) that this worker holds a checkpoint: a
+        restart round needs every member to hold one."""
+        with stats.lock:
+            stats.checkpoint_step = max(1, updates)
+
+    def _save(self, shared: SharedState, stats: WorkerStats) -> None:
+        assert self.checkpoints is not None
+        updates = list(shared.done)
+        self.checkpoints.save(self._rounds, updates)
+        self._hold(stats, sum(updates))
+
     def _shared_state(self) -> SharedState:
         mp, u = self._mp, self.settings.updaters
+        restored = self._restored
+        start = restored.counter if restored is not None else 0
+        done = list(restored.updates) if restored is not None else [0] * u
         return SharedState(
             flat=self.averager.flat, buffers=self.buffers,
-            counter=mp.Value("q", 0), done=mp.Array("q", u, lock=False),
+            counter=mp.Value("q", start), done=mp.Array("q", done, lock=False),
             compute=mp.Array("d", u, lock=False),
             losses=mp.Array("d", [math.nan] * LOSS_SLOTS, lock=False),
             ready=mp.Array("b", u, lock=False), go=mp.Event(), stop=mp.Event(),
-            averaged_at=mp.Value("q", 0), max_lead=MAX_LEAD_ROUNDS * u * self.settings.sync_period,
-            errors=mp.Queue())
+            averaged_at=mp.Value("q", start),
+            max_lead=MAX_LEAD_ROUNDS * u * self.settings.sync_period, errors=mp.Queue())
 
     def _start_updaters(self, job: TrainingJob, budget: int, shared: SharedState) -> None:
         u, cfg = self.settings.updaters, self.ctx.config
@@ -211,7 +272,8 @@ class LppProtocol(Protocol):
                 index=index, task=job.task_spec, options=job.task_options, rank=self.ctx.rank,
                 num_workers=self.ctx.num_workers, seed=cfg.seed, budget=budget,
                 full_until=self._full_until, blocks=self.blocks, parent_pid=os.getpid(),
-                slowdown=job.slowdown_spec, num_threads=job.num_threads)
+                slowdown=job.slowdown_spec, num_threads=job.num_threads,
+                start=int(shared.counter.value))
             proc = self._mp.Process(target=updater_main, args=(updater, shared), daemon=True,
                               name=f"ripples-updater-{self.ctx.rank}-{index}")
             proc.start()
@@ -245,8 +307,8 @@ class LppProtocol(Protocol):
                                    f"{START_TIMEOUT_SECONDS:.0f} s: {err}") from err
         else:
             stopping = 1.0 if self.ctx.stop_requested.is_set() else 0.0
-            wishes = self.averager.average(self.comm, max(self.timeout, START_TIMEOUT_SECONDS),
-                                           stopping)
+            (wishes,) = self.averager.average(
+                self.comm, max(self.timeout, START_TIMEOUT_SECONDS), (stopping,))
             if wishes > 0:  # stopped before it began: every worker saw it in this round
                 return self.ctx.coordinator_stop().stop_reason
         shared.go.set()
@@ -311,6 +373,14 @@ class LppProtocol(Protocol):
                 proc.terminate()
                 proc.join(5.0)
         self._collect_errors(shared)
+
+    def _kill_updaters(self) -> None:
+        """The process is about to end (a restart order's backstop): end the updaters at
+        once, so that none outlives it (an exec'ed worker keeps its pid: they would not
+        see themselves orphaned)."""
+        for proc in self._processes:
+            if proc.is_alive():
+                proc.kill()
 
     def record(self) -> dict[str, object]:
         return {"updaters": self.settings.updaters, "updates_per_updater": self._updates,

@@ -83,6 +83,9 @@ class UpdaterJob:
     """The worker's process: an updater whose parent is gone stops."""
     slowdown: str = ""
     num_threads: int = 1
+    start: int = 0
+    """The counter's first value (restored from a checkpoint: its data order is drawn
+    afresh rather than repeat the order of the run's start)."""
 
 
 class ShardBatches:
@@ -92,14 +95,15 @@ class ShardBatches:
     pass; a last partial batch is dropped."""
 
     def __init__(self, dataset: Dataset[Any], rank: int, num_workers: int, batch_size: int,
-                 seed: int, stream: int) -> None:
+                 seed: int, stream: int, start: int = 0) -> None:
         self.dataset = dataset
         self.shard = torch.tensor(list(DistributedSampler(dataset, num_replicas=num_workers,
                                                           rank=rank, seed=seed)))
         if len(self.shard) == 0:
             raise ValueError(f"{num_workers} workers leave rank {rank} no training data")
         self.batch_size = min(batch_size, len(self.shard))
-        self._generator = torch.Generator().manual_seed(seed * 7919 + rank + 1 + stream * 104729)
+        self._generator = torch.Generator().manual_seed(
+            seed * 7919 + rank + 1 + stream * 104729 + start * 15485863)
         self._order = self._shuffled()
         self._pos = 0
 
@@ -171,7 +175,7 @@ def run_updates(job: UpdaterJob, shared: SharedState) -> None:
     own_block = params[first:end]
     dataset = task.train_data()
     batches = ShardBatches(dataset, job.rank, job.num_workers, task.batch_size, job.seed,
-                           stream=job.index + 1)
+                           stream=job.index + 1, start=job.start)
     selection = BlockSelection(job.index + 1, job.full_until)
     spec = (SlowdownSpec.parse(job.slowdown, seed=job.seed * 1000 + job.rank * 64 + job.index)
             if job.slowdown else SlowdownSpec())

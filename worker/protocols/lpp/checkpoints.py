@@ -1,0 +1,179 @@
+"""Checkpoints of lap-sgd / lpp-sgd workers averaging over all workers, and their restore
+after a restart round.
+
+The updaters of a worker train one shared model Hogwild, so the worker's training state
+is that model (its parameters and buffers, one copy in shared memory), the updaters'
+counts of updates made, and the count of averaging rounds. The averaging process
+checkpoints it, not the updaters:
+
+- **When.** Averaging over all workers is lock-step: every worker runs the same rounds.
+  Each round's all-reduce carries one more control value, a worker's wish to checkpoint
+  (its `--checkpoint-every` updates, or seconds, passed since its last save); after a
+  round in which anybody wished, every worker saves, so all hold the same rounds. The
+  file is named by its round: DIR/rank-R/round-N.pt.
+- **What.** The model (a state_dict, loadable as the worker's model), the updaters'
+  counts, the round, the rank. Not the updaters' own optimizer state (their momentum):
+  it lives in U processes that never wait, and starts from zero after a restore, as at
+  the start of the run.
+- **Restore.** As for the library's lock-step checkpoints (worker/checkpoint.py:
+  agree_on_step): every rank agrees through the run's rendezvous store on the newest
+  round that every rank holds and loads; a rank that lacks it receives the file of the
+  lowest rank that holds it. The model goes back into the shared tensors, the counter
+  and the updaters' counts go on from the file's (so the full-model phase and the
+  synchronisation period go on where they were), and the round count too (so the next
+  checkpoints are newer).
+
+The write is atomic (worker/checkpoint.py: write_atomically); the newest `keep` files
+are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ripples.worker.checkpoint import StoreExchange, agree_on_step, cpu_copy, write_atomically
+from ripples.worker.launch_env import CheckpointOptions
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "ripples-lpp-1"
+"""The layout of an lpp checkpoint's dictionary; another is refused."""
+_NAME = re.compile(r"round-(\d+)\.pt")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore put back: the round, and the updaters' counts of updates."""
+
+    round: int
+    updates: tuple[int, ...]
+
+    @property
+    def counter(self) -> int:
+        return sum(self.updates)
+
+
+class LppCheckpoints:
+    """One worker's round checkpoints (`options.checkpoint_dir` off: does nothing).
+
+    Args:
+        options: The launch's --checkpoint-dir, --checkpoint-every, --keep-checkpoints.
+        model: The worker's model (its parameters and buffers are the shared ones).
+        rank, num_workers, protocol: This worker in the run.
+    """
+
+    def __init__(self, options: CheckpointOptions, model: torch.nn.Module, *, rank: int,
+                 num_workers: int, protocol: str) -> None:
+        self.interval = options.interval
+        self.keep = options.keep_checkpoints
+        self.directory = (Path(options.checkpoint_dir) / f"rank-{rank}"
+                          if options.checkpoint_dir else None)
+        self.model = model
+        self.rank, self.num_workers, self.protocol = rank, num_workers, protocol
+        self._saved_updates = 0
+        self._saved_at = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+    def wish(self, updates: int) -> bool:
+        """Whether this worker wants a checkpoint after the coming round."""
+        if self.directory is None:
+            return False
+        if self.interval.steps:
+            return updates - self._saved_updates >= self.interval.steps
+        return bool(self.interval.seconds) and (
+            time.monotonic() - self._saved_at >= self.interval.seconds)
+
+    def save(self, round_: int, updates: list[int]) -> Path | None:
+        """Save the model as it stands after averaging round `round_` (the updaters go on
+        meanwhile: the copy is one more Hogwild read of the shared model)."""
+        if self.directory is None:
+            return None
+        started = time.perf_counter()
+        path = self.directory / f"round-{round_}.pt"
+        write_atomically(path, {
+            "format": FORMAT, "round": round_, "updates": list(updates),
+            "rank": self.rank, "num_workers": self.num_workers, "protocol": self.protocol,
+            "saved_at": time.time(), "model": cpu_copy(self.model.state_dict())})
+        self._saved_updates, self._saved_at = sum(updates), time.monotonic()
+        for old in self._rounds()[self.keep:]:
+            (self.directory / f"round-{old}.pt").unlink(missing_ok=True)
+        logger.info("checkpoint of round %d (%d updates): %s (%.2f s)", round_, sum(updates),
+                    path, time.perf_counter() - started)
+        return path
+
+    def restore(self, exchange: StoreExchange, updaters: int) -> Restored | None:
+        """Agree with every rank on the newest round all hold and load, and put it back
+        into the model; None when no rank holds any."""
+        if self.directory is None:
+            return None
+        for partial in self.directory.glob(".round-*.pt.partial"):  # a killed writer's
+            partial.unlink(missing_ok=True)
+        found = agree_on_step(exchange, self._rounds(), _RoundFiles(self))
+        if found is None:
+            return None
+        path, state = found
+        self.model.load_state_dict(state["model"])  # in place: into the shared tensors
+        counts = [int(c) for c in state["updates"]]
+        if len(counts) != updaters:  # another number of updaters: spread the total
+            total = sum(counts)
+            counts = [total // updaters + (i < total % updaters) for i in range(updaters)]
+        self._saved_updates, self._saved_at = sum(counts), time.monotonic()
+        logger.info("restored round %d (%d updates) from %s", state["round"], sum(counts), path)
+        return Restored(round=int(state["round"]), updates=tuple(counts))
+
+    def _rounds(self) -> list[int]:
+        """The rounds of this worker's complete checkpoints, newest first."""
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        matches = (_NAME.fullmatch(p.name) for p in self.directory.iterdir())
+        return sorted((int(m.group(1)) for m in matches if m), reverse=True)
+
+    def load(self, round_: int) -> tuple[Path, dict[str, Any]] | None:
+        """The checkpoint of `round_`, checked against the model; None (with a warning)
+        if it cannot be read; ValueError if it is another model's."""
+        assert self.directory is not None
+        path = self.directory / f"round-{round_}.pt"
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or state.get("format") != FORMAT:
+                raise ValueError(f"not a {FORMAT} checkpoint")
+        except Exception as err:  # noqa: BLE001 (any unreadable file: fall back)
+            logger.warning("checkpoint %s cannot be loaded (%s: %s); trying the one before",
+                           path, type(err).__name__, err)
+            return None
+        mine = self.model.state_dict()
+        theirs = state["model"]
+        if set(mine) != set(theirs) or any(tuple(theirs[k].shape) != tuple(v.shape)
+                                           for k, v in mine.items()):
+            raise ValueError(f"{path} is a checkpoint of another model")
+        return path, state
+
+
+class _RoundFiles:
+    """This rank's round files, as agree_on_step uses them."""
+
+    def __init__(self, checkpoints: LppCheckpoints) -> None:
+        self.checkpoints = checkpoints
+
+    def _path(self, round_: int) -> Path:
+        assert self.checkpoints.directory is not None
+        return self.checkpoints.directory / f"round-{round_}.pt"
+
+    def load(self, round_: int) -> tuple[Path, dict[str, Any]] | None:
+        return self.checkpoints.load(round_)
+
+    def read(self, round_: int) -> bytes:
+        return self._path(round_).read_bytes()
+
+    def write(self, round_: int, data: bytes) -> None:
+        write_atomically(self._path(round_), data)
