@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 LISTENING = re.compile(r"ripples coordinator listening on (\S+) ")
 FINISHED = re.compile(r"worker \d+ finished: (.*)$")
+REGISTERED = re.compile(r"registered as worker \d+")
+"""A worker's line once the coordinator took it in."""
 HEALED = re.compile(r"healed from worker (\d+) in ([\d.]+) s \(([\d.]+) s after asking\)")
 RESTORED = re.compile(r"restored step (\d+) from ")
 """A lock-step worker's line once it restored the run's checkpoint after a restart round
@@ -68,6 +70,8 @@ FAULT_WINDOW = (0.05, 0.5)
 replacements have time to start, heal and train before the run ends."""
 GIVE_UP_PROGRESS = 0.8
 """A planned fault that found no victim before this fraction of the budget is skipped."""
+HEAL_GOAL_SECONDS = 10.0
+"""The goal: a replacement heals within this long of starting, after its imports."""
 LONG_STALL_SECONDS = 10.0
 """Summaries count the trials whose longest stall exceeded this (several leases: more
 than waiting for a dead member's lease to expire)."""
@@ -172,6 +176,12 @@ class Proc:
                 return when, m
         return None
 
+    def first_line_at(self) -> float | None:
+        """When its first output line arrived: a worker prints none before its imports
+        are done (its first line is its registration, or its wait for a vacancy)."""
+        with self._lock:
+            return self._lines[0][0] if self._lines else None
+
     def tail(self, lines: int = 15) -> str:
         with self._lock:
             return "\n".join(line for _, line in self._lines[-lines:])
@@ -231,6 +241,11 @@ class FaultRecord:
     replacement_at_seconds: float | None = None
     heal_seconds: float | None = None
     """From the replacement's process start to its "healed from worker" line."""
+    heal_after_imports_seconds: float | None = None
+    """From the replacement's first output line (its imports done) to its heal line: it
+    includes a wait for a vacancy (the victim's lease) when it started before one."""
+    heal_after_registration_seconds: float | None = None
+    """From the replacement's registration to its heal line."""
     fault_to_heal_seconds: float | None = None
     heal_donor: int | None = None
 
@@ -663,6 +678,12 @@ class Trial:
             if joiner is not None and healed is not None:
                 when, m = healed
                 f.heal_seconds = when - joiner.started_at
+                first = joiner.first_line_at()
+                registered = joiner.find(REGISTERED)
+                if first is not None:
+                    f.heal_after_imports_seconds = when - first
+                if registered is not None:
+                    f.heal_after_registration_seconds = when - registered[0]
                 f.fault_to_heal_seconds = when - self.t0 - f.at_seconds
                 f.heal_donor = -1 if self.config.lockstep else int(m.group(1))
         r.heals = sum(f.heal_seconds is not None for f in r.faults)
@@ -811,6 +832,8 @@ def _spread(values: list[float]) -> dict[str, float] | None:
 
 def summarise(results: list[TrialResult]) -> dict[str, Any]:
     faults = [f for r in results for f in r.faults]
+    after_imports = [f.heal_after_imports_seconds for f in faults
+                     if f.heal_after_imports_seconds is not None]
     kinds: dict[str, int] = {}
     for f in faults:
         kinds[f.kind] = kinds.get(f.kind, 0) + 1
@@ -828,6 +851,11 @@ def summarise(results: list[TrialResult]) -> dict[str, Any]:
         "heal_seconds": _spread([f.heal_seconds for f in faults if f.heal_seconds is not None]),
         "fault_to_heal_seconds": _spread([f.fault_to_heal_seconds for f in faults
                                           if f.fault_to_heal_seconds is not None]),
+        "heal_after_imports_seconds": _spread(after_imports),
+        "heal_after_registration_seconds": _spread(
+            [f.heal_after_registration_seconds for f in faults
+             if f.heal_after_registration_seconds is not None]),
+        "heals_within_goal": sum(v <= HEAL_GOAL_SECONDS for v in after_imports),
         "longest_stall_seconds": _spread([r.longest_stall_seconds for r in results]),
         "long_stall_seeds": [r.seed for r in results
                              if r.longest_stall_seconds > LONG_STALL_SECONDS],
@@ -864,7 +892,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['partial_checkpoint_files']} partial files of killed writers",
         f"  seconds min / median / max: trial {spread('trial_seconds')}, training "
         f"{spread('training_seconds')}, replacement start to heal {spread('heal_seconds')}, "
-        f"fault to heal {spread('fault_to_heal_seconds')}, survivors' longest stall "
+        f"fault to heal {spread('fault_to_heal_seconds')}, imports done to heal "
+        f"{spread('heal_after_imports_seconds')} ({summary['heals_within_goal']} within "
+        f"{HEAL_GOAL_SECONDS:.0f} s), registered to heal "
+        f"{spread('heal_after_registration_seconds')}, survivors' longest stall "
         f"{spread('longest_stall_seconds')}"
         + (f"; stalls over {LONG_STALL_SECONDS:.0f} s in seeds {summary['long_stall_seeds']}"
            if summary["long_stall_seeds"] else ""),

@@ -13,6 +13,7 @@ import pytest
 from ripples.chaos import (
     FAULT_KINDS,
     ChaosConfig,
+    FaultRecord,
     TrialResult,
     add_arguments,
     format_summary,
@@ -53,6 +54,20 @@ def test_the_summary_counts_failures_hangs_and_lost_runs() -> None:
     assert "HANG" in results[1].line()
 
 
+def test_the_summary_counts_the_heals_within_the_goal_after_imports() -> None:
+    def fault(after_imports: float) -> FaultRecord:
+        return FaultRecord(kind="sigkill", victim="w1", rank=1, at_seconds=5.0, progress=0.2,
+                           victim_state="computing", replacement="r1",
+                           heal_seconds=after_imports + 3.0,
+                           heal_after_imports_seconds=after_imports,
+                           heal_after_registration_seconds=after_imports - 1.0)
+    summary = summarise([TrialResult(index=0, seed=1, ok=True,
+                                     faults=[fault(4.0), fault(9.5), fault(12.0)])])
+    assert summary["heals_within_goal"] == 2
+    assert summary["heal_after_imports_seconds"]["median"] == 9.5
+    assert "imports done to heal 4.0 / 9.5 / 12.0 (2 within 10 s)" in format_summary(summary)
+
+
 def test_the_cli_has_a_chaos_command() -> None:
     args = build_parser().parse_args(["chaos", "--trials", "3", "--seed", "9", "--json"])
     assert (args.trials, args.seed, args.json) == (3, 9, True)
@@ -86,6 +101,9 @@ def test_two_seeded_chaos_trials_lose_nothing(tmp_path) -> None:  # type: ignore
         assert faults and faults[0]["kind"] == "sigkill"
         for f in faults:  # each worker fault was followed by a replacement
             assert f["replacement"] or f["kind"] == "coordinator", f
+            if f["heal_seconds"] is not None:  # process start <= imports done <= registered
+                assert (f["heal_after_registration_seconds"] <= f["heal_after_imports_seconds"]
+                        <= f["heal_seconds"]), f
         assert r["checkpoints"] > 0 and r["corrupt_checkpoints"] == 0
     print(format_summary(summary))
 

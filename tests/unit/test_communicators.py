@@ -43,6 +43,36 @@ def test_members_that_check_in_build_a_working_communicator() -> None:
     assert all(torch.equal(comms[r], torch.full((3,), 3.0)) for r in range(2))  # type: ignore[arg-type]
 
 
+def test_a_member_dead_after_its_check_in_fails_the_rendezvous_within_the_bound() -> None:
+    """Chaos trial 1069: a member checked in, then died before it published its gloo
+    address; its peers' rendezvous gives up after `peers_within`, not the 60 s collective
+    timeout. A member that is merely late for a collective (beyond `peers_within`) is
+    still waited for: the collectives keep the collective timeout."""
+    store = dist.HashStore()
+    dist.PrefixStore("comm/gg/run/10/", store).set("here/1", "1")  # checked in, then died
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timeout"):
+        _factory(store).build("gg/run/10", 0, 2, peers_within=1.0)
+    assert time.monotonic() - t0 < 15
+
+    sums: dict[int, torch.Tensor] = {}
+
+    def member(rank: int) -> None:
+        comm = _factory(store).build("gg/run/11", rank, 2, peers_within=1.0)
+        if rank == 1:
+            time.sleep(3.0)  # late for the collective by three rendezvous bounds
+        tensor = torch.full((2,), float(rank + 1))
+        comm.allreduce_sum_(tensor, 60.0)
+        sums[rank] = tensor
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(torch.equal(sums[r], torch.full((2,), 3.0)) for r in range(2)), sums
+
+
 def test_dropping_a_communicator_frees_a_peer_held_in_its_collective() -> None:
     """After a coordinator restart a worker drops its predecessor's communicators
     (GroupGeneratorProtocol._forget_old_incarnation): a peer held in a collective of a

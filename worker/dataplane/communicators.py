@@ -113,7 +113,10 @@ class CommunicatorFactory:
         them the group together), so each one checks in on the store and gives up
         (TimeoutError) when a member has not checked in within that many seconds: it
         died after the coordinator delivered the group. Without it, the backend's
-        rendezvous would wait the whole collective timeout for a dead member."""
+        rendezvous would wait the whole collective timeout for a dead member. The gloo
+        rendezvous that follows is bounded by it too (a member killed after its check-in,
+        before it published its address, held its peers for the whole collective timeout:
+        a 61 s stall in chaos trial 1069); the collectives keep the collective timeout."""
         try:
             return self._build(key, rank, size, peers_within)
         except (RuntimeError, dist.DistStoreError) as err:
@@ -149,10 +152,18 @@ class CommunicatorFactory:
         if self.device.type == "cuda":
             backend = self._build_nccl(prefix_store, rank, size)
         else:
-            backend = self._build_gloo(prefix_store, rank, size)
+            rendezvous = (datetime.timedelta(seconds=peers_within) if peers_within is not None
+                          else self.timeout)
+            backend = self._build_gloo(prefix_store, rank, size, min(rendezvous, self.timeout))
         return Communicator(key=key, rank=rank, size=size, backend=backend)
 
-    def _build_gloo(self, store: dist.Store, rank: int, size: int) -> GroupBackend:
+    def _build_gloo(self, store: dist.Store, rank: int, size: int,
+                    rendezvous: datetime.timedelta) -> GroupBackend:
+        """A gloo group whose rendezvous (the members' addresses on the store) gives up
+        after `rendezvous`, and whose collectives after the collective timeout: gloo
+        takes one timeout for both at construction, so the group is built with the
+        first and given the second afterwards (measured: a collective then waits the
+        second for a late member; without the change it failed after the first)."""
         # One eagerly-connected device per process, shared by all groups: ~1.7 ms to
         # create a group and far fewer file descriptors than a device per group.
         if self._gloo_device is None:
@@ -160,8 +171,10 @@ class CommunicatorFactory:
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [self._gloo_device]
         opts._threads = GLOO_THREADS_PER_GROUP
-        opts._timeout = self.timeout
-        return dist.ProcessGroupGloo(store, rank, size, opts)
+        opts._timeout = rendezvous
+        backend = dist.ProcessGroupGloo(store, rank, size, opts)
+        backend._set_default_timeout(self.timeout)
+        return backend
 
     def _build_nccl(self, store: dist.Store, rank: int, size: int) -> GroupBackend:
         # Built directly for the members (never split from a global communicator, which
