@@ -24,9 +24,13 @@ from ripples.coordinator.state_store import StateStore
 from ripples.http_server import HttpEndpoint, bind
 from ripples.loop_thread import LoopThreadService, serve_until_signal
 from ripples.rpc import SERVER_OPTIONS
+from ripples.security import ServerSecurity
+from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+COORDINATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
 @dataclass(kw_only=True)
@@ -54,6 +58,33 @@ class ServerConfig:
     resume_workers: bool = False
     """With a state dir that holds a run: its workers are gone too (a total failure); a
     new set registers and continues their ranks (`ripples run --resume`)."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    """TLS and tokens of the gRPC service (ripples/security.py; default: neither)."""
+
+
+class Health:
+    """gRPC health checking (grpc.health.v1): SERVING for the whole server ("") and for
+    the coordinator's service while it serves, NOT_SERVING once it stops. Probes
+    (Kubernetes' grpc probe, grpc_health_probe) need no token (ripples/security.py)."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        from grpc_health.v1 import health, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+
+        self._servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        self.services = ("", COORDINATOR_SERVICE)
+        # Server reflection: `grpcurl` lists and calls the API (with the token).
+        reflection.enable_server_reflection(
+            (COORDINATOR_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    async def set_serving(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in self.services:
+            await self._servicer.set(name, status)
 
 
 def _advertised(config: ServerConfig) -> str:
@@ -104,11 +135,15 @@ class CoordinatorServer(LoopThreadService):
             self.service.metrics_targets = {int(k): v for k, v in
                                             saved.get("metrics_targets", {}).items()}
             self.service._note_run_state()
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS,
+                                 interceptors=cfg.security.interceptors())
         pb_grpc.add_CoordinatorServicer_to_server(self.service, server)
+        health = Health(server)
         address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
+        credentials = cfg.security.credentials()
         try:
-            self.port = server.add_insecure_port(address)
+            self.port = (server.add_secure_port(address, credentials) if credentials
+                         else server.add_insecure_port(address))
         except RuntimeError as err:
             raise OSError(f"cannot listen on {address}: {err}; is the port in use?") from err
         metrics_socket = bind(cfg.host, cfg.metrics_port, what="metrics",
@@ -120,12 +155,14 @@ class CoordinatorServer(LoopThreadService):
         self.service.metrics_address = f"{_advertised(cfg)}:{http.port}"
         await http.start()
         self.service.start_background()
-        logger.info("coordinator listening on %s:%d (store %d, metrics %d), protocol %s, "
-                    "%d workers", cfg.host, self.port, self.store_port, self.metrics_port,
-                    cfg.run.protocol, cfg.run.num_workers)
+        await health.set_serving(True)
+        logger.info("coordinator listening on %s:%d (%s; store %d, metrics %d), protocol %s, "
+                    "%d workers", cfg.host, self.port, cfg.security.describe(),
+                    self.store_port, self.metrics_port, cfg.run.protocol, cfg.run.num_workers)
         try:
             await self._until_stopped()
         finally:
+            await health.set_serving(False)
             await self.service.close()
             await http.stop()
             await server.stop(grace=1.0)

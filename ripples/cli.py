@@ -113,8 +113,61 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 130 if summary.get("stop_reason") == INTERRUPTED else 0
 
 
+def _add_client_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a command reaches a coordinator that has TLS or a token (docs/security.md);
+    the processes it starts inherit them (as RIPPLES_* variables)."""
+    from ripples.security import (
+        ENV_TLS_CA,
+        ENV_TLS_CLIENT_CERT,
+        ENV_TLS_CLIENT_KEY,
+        ENV_TOKEN,
+        ENV_TOKEN_FILE,
+    )
+
+    group = parser.add_argument_group("security (docs/security.md)")
+    group.add_argument("--token-file", default="", metavar="FILE",
+                       help=f"the run's token (default: the file ${ENV_TOKEN_FILE} names, "
+                            f"else ${ENV_TOKEN})")
+    group.add_argument("--tls-ca", default="", metavar="FILE",
+                       help="connect with TLS, checking the coordinator's certificate "
+                            f"against this CA (PEM; default: ${ENV_TLS_CA})")
+    group.add_argument("--tls-client-cert", default="", metavar="FILE",
+                       help="mutual TLS: this client's certificate (PEM; default: "
+                            f"${ENV_TLS_CLIENT_CERT})")
+    group.add_argument("--tls-client-key", default="", metavar="FILE",
+                       help=f"mutual TLS: its key (PEM; default: ${ENV_TLS_CLIENT_KEY})")
+
+
+def _add_server_security_arguments(parser: argparse.ArgumentParser) -> None:
+    from ripples.security import ENV_TOKEN, ENV_TOKEN_FILE
+
+    group = parser.add_argument_group("security (docs/security.md)")
+    group.add_argument("--token-file", default="", metavar="FILE",
+                       help="require this token on every call (default: the file "
+                            f"${ENV_TOKEN_FILE} names, else ${ENV_TOKEN}; neither: no token)")
+    group.add_argument("--read-token-file", default="", metavar="FILE",
+                       help="also accept this read-only token, for the run's status and "
+                            "consensus model only (dashboards)")
+    group.add_argument("--tls-cert", default="", metavar="FILE",
+                       help="serve gRPC over TLS with this certificate chain (PEM)")
+    group.add_argument("--tls-key", default="", metavar="FILE", help="its private key (PEM)")
+    group.add_argument("--tls-client-ca", default="", metavar="FILE",
+                       help="mutual TLS: clients must show a certificate signed by this CA")
+
+
+def _client_security(args: argparse.Namespace) -> None:
+    """Export a command's client security flags to the environment (for the clients it
+    makes and the processes it starts) and check them; ValueError saying what is wrong."""
+    from ripples.security import ClientSecurity, export_client_flags
+
+    export_client_flags(args.token_file, args.tls_ca, args.tls_client_cert,
+                        args.tls_client_key)
+    ClientSecurity.from_env()
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from ripples.coordinator.server import ServerConfig, serve
+    from ripples.security import ServerSecurity
 
     _setup_logging(not args.quiet)
     if args.script:
@@ -123,10 +176,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         run = _run_settings(args)
+        security = ServerSecurity.build(
+            token_file=args.token_file, read_token_file=args.read_token_file,
+            cert_file=args.tls_cert, key_file=args.tls_key,
+            client_ca_file=args.tls_client_ca)
         config = ServerConfig(host=args.host, port=args.port, store_port=args.store_port,
                               metrics_port=args.metrics_port,
                               advertise_host=args.advertise_host, run=run,
-                              exit_when_done=args.exit_when_done, state_dir=args.state_dir)
+                              exit_when_done=args.exit_when_done, state_dir=args.state_dir,
+                              security=security)
         return serve(config)
     except (ValueError, OSError) as err:
         print(f"ripples coordinator serve: error: {err}", file=sys.stderr)
@@ -281,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--exit-when-done", action="store_true",
                        help="exit once the run stopped and every worker left")
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
+    _add_server_security_arguments(serve)
     _add_run_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
@@ -292,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_arguments(wrun, WorkerConfig, defaults={
         "coordinator": os.environ.get(ENV_COORDINATOR, "")})
     wrun.add_argument("--quiet", action="store_true", help="log warnings only")
+    _add_client_security_arguments(wrun)
     wrun.set_defaults(func=_cmd_worker)
 
     dash = sub.add_parser("dashboard", help="the live web dashboard")
@@ -300,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_arguments(dserve, DashboardConfig, defaults={
         "coordinator": os.environ.get(ENV_COORDINATOR, "")})
     dserve.add_argument("--quiet", action="store_true", help="log warnings only")
+    _add_client_security_arguments(dserve)
     dserve.set_defaults(func=_cmd_dashboard)
 
     # Listed for --help; main() hands `ripples bench ...` to the harness's own parser.
@@ -321,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how long the workers have to publish their models, each at its "
                            "next step boundary (default: 60)")
     ckpt.add_argument("--json", action="store_true", help="print what was averaged as JSON")
+    _add_client_security_arguments(ckpt)
     ckpt.set_defaults(func=_cmd_checkpoint)
 
     chaos_parser = sub.add_parser("chaos", help="seeded chaos trials: kill, stop and replace "
@@ -352,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     if script and args.func not in (_cmd_run, _cmd_worker, _cmd_serve):
         build_parser().error(f"`ripples {argv[0]}` takes no script after --")
     args.script = script
+    if hasattr(args, "tls_ca"):  # a command that talks to a coordinator as a client
+        try:
+            _client_security(args)
+        except ValueError as err:
+            print(f"ripples {argv[0]}: error: {err}", file=sys.stderr)
+            return 2
     code: int = args.func(args)
     return code
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import grpc
 
+from ripples.security import ClientSecurity
+
 ID_SPACE_BITS = 40
 """Group and comm ids of the coordinator's incarnation k (its k-th life, restarted from
 its state dir) start at k << ID_SPACE_BITS: no id is ever handed out twice across
@@ -44,14 +46,18 @@ SERVER_OPTIONS: list[tuple[str, int | str]] = [
 ]
 
 
-def insecure_channel(target: str) -> grpc.Channel:
-    """A blocking channel to the coordinator at HOST:PORT."""
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+def coordinator_channel(target: str, security: ClientSecurity | None = None) -> grpc.Channel:
+    """A blocking channel to the coordinator at HOST:PORT, with TLS and the token of
+    `security` (default: the environment's, ripples/security.py)."""
+    security = security if security is not None else ClientSecurity.from_env()
+    return security.channel(target, CHANNEL_OPTIONS)
 
 
-def aio_channel(target: str) -> grpc.aio.Channel:
-    """An asyncio channel to the coordinator at HOST:PORT (dashboard)."""
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+def aio_channel(target: str, security: ClientSecurity | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to the coordinator at HOST:PORT (dashboard), secured as
+    coordinator_channel's."""
+    security = security if security is not None else ClientSecurity.from_env()
+    return security.aio_channel(target, CHANNEL_OPTIONS)
 
 
 def parse_target(target: str) -> tuple[str, int]:
@@ -60,6 +66,12 @@ def parse_target(target: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT for the coordinator address, got {target!r}")
     return host.strip("[]"), int(port)
+
+
+def tls_refused(detail: object) -> bool:
+    """Whether a failed call's detail is a TLS handshake failure: a setting to fix (the
+    CA, the certificate's names, TLS on one side only), never worth retrying."""
+    return "handshake failed" in str(detail).lower()
 
 
 class CoordinatorCallError(RuntimeError):
@@ -76,7 +88,13 @@ def describe_rpc_error(err: grpc.RpcError, target: str) -> str:
     code = err.code() if is_call else None  # type: ignore[attr-defined]
     detail = err.details() if is_call else str(err)  # type: ignore[attr-defined]
     if code == grpc.StatusCode.UNAVAILABLE:
-        return f"coordinator at {target} is unreachable ({detail}); is it running?"
+        if tls_refused(detail):
+            return (f"coordinator at {target}: the TLS handshake failed ({detail}); check "
+                    "--tls-ca (the CA that signed the coordinator's certificate, which must "
+                    "name the address dialled) and that the coordinator serves TLS")
+        hint = (" (a coordinator serving TLS closes plaintext connections: give --tls-ca)"
+                if "socket closed" in str(detail).lower() else "")
+        return f"coordinator at {target} is unreachable ({detail}); is it running?{hint}"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"coordinator at {target} did not answer in time ({detail})"
     name = code.name if code is not None else "ERROR"

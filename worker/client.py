@@ -13,7 +13,13 @@ from collections.abc import Callable
 
 import grpc
 
-from ripples.rpc import CoordinatorCallError, describe_rpc_error, insecure_channel
+from ripples.rpc import (
+    CoordinatorCallError,
+    coordinator_channel,
+    describe_rpc_error,
+    tls_refused,
+)
+from ripples.security import ClientSecurity
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.group_stream import GroupStream
@@ -33,13 +39,15 @@ def backoff_pause(attempt: int, rng: random.Random) -> float:
 class CoordinatorClient:
     """Blocking client; safe to share between the training and heartbeat threads."""
 
-    def __init__(self, target: str, *, rpc_timeout_seconds: float = 10.0) -> None:
+    def __init__(self, target: str, *, rpc_timeout_seconds: float = 10.0,
+                 security: ClientSecurity | None = None) -> None:
+        """`security`: TLS and token (default: the environment's, ripples/security.py)."""
         self.target = target
         self.rpc_timeout = rpc_timeout_seconds
         self.outage_seconds = 0.0
         """How long calls retry an unreachable coordinator (the run's
         coordinator_outage_seconds, set once registered; 0: no retry)."""
-        self._channel = insecure_channel(target)
+        self._channel = coordinator_channel(target, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._rng = random.Random()
 
@@ -69,6 +77,7 @@ class CoordinatorClient:
                 now = time.monotonic()
                 failed_since = now if failed_since is None else failed_since
                 if (not retry or code != grpc.StatusCode.UNAVAILABLE
+                        or tls_refused(str(error))
                         or now - failed_since + 0.2 > self.outage_seconds):
                     raise error from err
                 if attempt == 0:
