@@ -24,7 +24,7 @@ from ripples.coordinator.state_store import StateStore
 from ripples.http_server import HttpEndpoint, bind
 from ripples.loop_thread import LoopThreadService, serve_until_signal
 from ripples.rpc import SERVER_OPTIONS
-from ripples.security import ServerSecurity
+from ripples.security import HttpTokenGate, ServerSecurity
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -149,7 +149,8 @@ class CoordinatorServer(LoopThreadService):
         metrics_socket = bind(cfg.host, cfg.metrics_port, what="metrics",
                               option="--metrics-port")
         await server.start()
-        http = HttpEndpoint(build_app(self.service.metrics.registry, self.service.discovery),
+        app = build_app(self.service.metrics.registry, self.service.discovery)
+        http = HttpEndpoint(HttpTokenGate(app, (cfg.security.token, cfg.security.read_token)),
                             metrics_socket, what="metrics endpoint")
         self.metrics_port = http.port
         self.service.metrics_address = f"{_advertised(cfg)}:{http.port}"

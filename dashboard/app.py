@@ -25,16 +25,24 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import Annotated, Any
+from urllib.parse import parse_qs
 
 import grpc
 from fastapi import FastAPI, HTTPException, Path, Query, Request
-from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from fastapi.staticfiles import StaticFiles
 
 from ripples.dashboard.models import LossPoint, Snapshot, WorkerView
 from ripples.dashboard.view import RunView, disconnected
 from ripples.guarded import guarded_loop
 from ripples.rpc import aio_channel, describe_rpc_error, parse_target
+from ripples.security import COOKIE, ClientSecurity, HttpTokenGate, http_token_accepted
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -128,6 +136,17 @@ class StatusPoller:
         return True
 
 
+_LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Ripples dashboard: sign in</title>
+<link rel="stylesheet" href="/static/style.css"></head>
+<body><main><h1>Ripples dashboard</h1>
+<p>This dashboard asks for the run's token (or its read-only token).</p>{message}
+<form method="post" action="/login"><label>Token <input name="token" type="password"
+autocomplete="current-password" required autofocus></label> <button>Sign in</button></form>
+</main></body></html>
+"""
+
+
 def create_app(config: DashboardConfig) -> FastAPI:
     poller = StatusPoller(config)
 
@@ -143,6 +162,11 @@ def create_app(config: DashboardConfig) -> FastAPI:
                   description="Live view of a Ripples training run, read from its coordinator "
                               f"({config.coordinator}).", lifespan=lifespan)
     app.state.poller = poller
+    # The token it reaches the coordinator with (may be a read-only one) is the one a
+    # viewer must show: a bearer header, or the cookie the login form sets.
+    token = ClientSecurity.from_env().token
+    app.add_middleware(HttpTokenGate, tokens=(token,), login_page=True,
+                       open_prefixes=("/static/",))
     static = resources.files("ripples.dashboard").joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
     index_html = static.joinpath("index.html").read_text()  # read once, not per request
@@ -150,6 +174,23 @@ def create_app(config: DashboardConfig) -> FastAPI:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> str:
         return index_html
+
+    @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
+    async def login_form() -> Response:
+        if not token:
+            return RedirectResponse("/", status_code=303)
+        return HTMLResponse(_LOGIN_PAGE.format(message=""))
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        given = parse_qs((await request.body()).decode("utf-8", "replace")).get("token", [""])
+        if token and http_token_accepted((token,), "", given[0].strip()):
+            done = RedirectResponse("/", status_code=303)
+            done.set_cookie(COOKIE, token, httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https")
+            return done
+        return HTMLResponse(_LOGIN_PAGE.format(message="<p role=alert>Wrong token.</p>"),
+                            status_code=401)
 
     @app.get("/healthz", response_class=PlainTextResponse, include_in_schema=False)
     async def healthz() -> str:

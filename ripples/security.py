@@ -378,3 +378,92 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(refuse_unary, **kinds)
     return grpc.stream_stream_rpc_method_handler(refuse_stream, **kinds)
+
+
+# ---------------------------------------------------------------------------- HTTP
+COOKIE = "ripples_token"
+"""The dashboard's login cookie (HttpOnly, SameSite=Strict): a browser cannot send a
+bearer header by itself."""
+HTTP_OPEN_PATHS = frozenset({"/healthz", "/login"})
+"""Paths served without a token (liveness probes, the dashboard's login form)."""
+
+
+def http_token_accepted(tokens: tuple[str, ...], authorization: str, cookie: str) -> bool:
+    """Whether a request's `Authorization: Bearer` header, or its login cookie, holds one
+    of `tokens` (compared in constant time)."""
+    presented = []
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        presented.append(value.strip())
+    if cookie:
+        presented.append(cookie)
+    return any(hmac.compare_digest(p.encode(), t.encode()) for p in presented for t in tokens)
+
+
+def _cookie_value(header: str) -> str:
+    for part in header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == COOKIE:
+            return value
+    return ""
+
+
+class HttpTokenGate:
+    """ASGI middleware: every HTTP request but HTTP_OPEN_PATHS needs one of `tokens`
+    (a bearer header, as Prometheus sends with `authorization.credentials_file`, or the
+    dashboard's login cookie). Refused: 401 with `WWW-Authenticate: Bearer` and what to
+    send; a browser asking for a page (`login_page`) is sent to /login instead. Without
+    tokens it lets everything through."""
+
+    def __init__(self, app: Any, tokens: tuple[str, ...], *, login_page: bool = False,
+                 open_prefixes: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.tokens = tuple(t for t in tokens if t)
+        self.login_page = login_page
+        self.open_prefixes = open_prefixes
+        """Paths under these serve without a token too (the dashboard's vendored script
+        and style, which the login page needs)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if (scope["type"] != "http" or not self.tokens or path in HTTP_OPEN_PATHS
+                or (self.open_prefixes and path.startswith(self.open_prefixes))):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", ())}
+        if http_token_accepted(self.tokens, headers.get("authorization", ""),
+                               _cookie_value(headers.get("cookie", ""))):
+            await self.app(scope, receive, send)
+            return
+        if self.login_page and "text/html" in headers.get("accept", ""):
+            await send({"type": "http.response.start", "status": 303,
+                        "headers": [(b"location", b"/login")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        body = (b"this endpoint requires the run's token: send 'Authorization: Bearer "
+                b"<token>' (Prometheus: authorization.credentials_file in the scrape "
+                b"config)\n")
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"www-authenticate", b'Bearer realm="ripples"')]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def wsgi_token_gate(app: Callable[..., Any], tokens: tuple[str, ...]) -> Callable[..., Any]:
+    """The same gate for a WSGI app (a worker's Prometheus endpoint)."""
+    accepted = tuple(t for t in tokens if t)
+    if not accepted:
+        return app
+
+    def gated(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if environ.get("PATH_INFO", "") in HTTP_OPEN_PATHS or http_token_accepted(
+                accepted, environ.get("HTTP_AUTHORIZATION", ""),
+                _cookie_value(environ.get("HTTP_COOKIE", ""))):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                             ("WWW-Authenticate", 'Bearer realm="ripples"')])
+        return [b"this endpoint requires the run's token: send 'Authorization: Bearer "
+                b"<token>'\n"]
+
+    return gated

@@ -47,7 +47,8 @@ class CoordinatorClient:
         self.outage_seconds = 0.0
         """How long calls retry an unreachable coordinator (the run's
         coordinator_outage_seconds, set once registered; 0: no retry)."""
-        self._channel = coordinator_channel(target, security)
+        self.security = security if security is not None else ClientSecurity.from_env()
+        self._channel = coordinator_channel(target, self.security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._rng = random.Random()
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
+import socketserver
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,10 +23,12 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ripples.security import wsgi_token_gate
 
 if TYPE_CHECKING:
     from ripples.worker.protocols.base import SyncResult
@@ -33,6 +37,19 @@ if TYPE_CHECKING:
 disable_created_metrics()
 
 logger = logging.getLogger(__name__)
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    """One thread per scrape (as prometheus_client's own server), none left at exit."""
+
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    """No line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+        pass
+
 
 LABELS = ("worker", "host", "protocol")
 # One iteration takes milliseconds on a GPU and up to seconds for a CPU straggler.
@@ -118,13 +135,18 @@ class WorkerMetrics:
         """Where the run's protocol declares its own metrics (after attach())."""
         return ProtocolMetrics(self.registry, self.labels)
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint (port 0: a free one); returns the port."""
+    def serve(self, host: str, port: int, tokens: tuple[str, ...] = ()) -> int:
+        """Start the HTTP endpoint (port 0: a free one), which asks for one of `tokens`
+        when given (the run's: ripples/security.py); returns the port."""
+        app = wsgi_token_gate(make_wsgi_app(self.registry), tokens)
         try:
-            server, thread = start_http_server(port, addr=host, registry=self.registry)
+            server = make_server(host, port, app, _ThreadingServer, handler_class=_Quiet)
         except OSError as err:
             raise OSError(f"cannot serve metrics on {host}:{port}: {err}; "
                           "pick another --metrics-port (0: any free port)") from err
+        thread = threading.Thread(target=server.serve_forever, name="ripples-metrics",
+                                  daemon=True)
+        thread.start()
         self._server, self._thread = server, thread
         self.port = int(server.server_port)
         return self.port

@@ -82,7 +82,9 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.client.wait_until_reachable(env.connect_timeout_seconds)
-        metrics_port = (self.metrics.serve(env.metrics_bind, env.metrics_port)
+        # The run's token guards the worker's metrics too (Prometheus sends it).
+        metrics_port = (self.metrics.serve(env.metrics_bind, env.metrics_port,
+                                           tokens=(self.client.security.token,))
                         if env.metrics_port >= 0 else 0)
         reg = self.client.register(env.host, env.local_rank, str(self.device), os.getpid(),
                                    metrics_port=metrics_port, metrics_host=env.metrics_host,

@@ -107,10 +107,19 @@ def _config(sd_url: str) -> dict:
 
 
 @contextmanager
-def running_prometheus(tmp_path: Path, sd_url: str) -> Iterator[Prometheus]:
+def running_prometheus(tmp_path: Path, sd_url: str,
+                       token_file: Path | None = None) -> Iterator[Prometheus]:
+    """Prometheus on deploy's config; with `token_file`, its discovery and its scrapes
+    send that token (`authorization.credentials_file`, docs/security.md)."""
     assert PROMETHEUS is not None
     config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(_config(sd_url)))
+    settings = _config(sd_url)
+    if token_file is not None:
+        (job,) = settings["scrape_configs"]
+        bearer = {"type": "Bearer", "credentials_file": str(token_file)}
+        job["authorization"] = bearer
+        job["http_sd_configs"][0]["authorization"] = bearer
+    config.write_text(yaml.safe_dump(settings))
     address = f"127.0.0.1:{_free_port()}"
     log = tmp_path / "prometheus.log"
     with open(log, "w") as log_file:
@@ -258,3 +267,44 @@ def _variable_sources(dashboard: dict) -> list[tuple[str, str]]:
         metric, label = (part.strip() for part in inner.split(","))
         sources.append((metric, label))
     return sources
+
+
+def test_prometheus_scrapes_a_run_that_requires_a_token(tmp_path: Path) -> None:
+    """A coordinator with a token guards /sd and /metrics, and its workers guard theirs
+    with the same token: Prometheus, given the token file, discovers and scrapes them all."""
+    from ripples.coordinator.config import RunSettings
+    from ripples.coordinator.server import CoordinatorServer, ServerConfig
+    from ripples.security import ClientSecurity, ServerSecurity
+
+    token = "5e1f0c2b7a9d4e3f8a6b1c0d2e4f6a8b"
+    token_file = tmp_path / "prometheus.token"
+    token_file.write_text(token + "\n")
+    server = CoordinatorServer(ServerConfig(
+        host="127.0.0.1", port=0, security=ServerSecurity(token=token),
+        run=RunSettings.build(task="digits", num_workers=len(WORKERS), workers_per_node=2,
+                              iterations=1_000_000)))
+    server.start()
+    workers = [start_worker(server.address, "--host", host, "--local-rank", str(rank),
+                            "--metrics-bind", "127.0.0.1", "--quiet",
+                            env={"RIPPLES_TOKEN_FILE": str(token_file)})
+               for host, rank in WORKERS]
+    client = CoordinatorClient(server.address, security=ClientSecurity(token=token))
+    try:
+        with running_prometheus(tmp_path, f"http://{server.metrics_address}/sd",
+                                token_file) as prom:
+            def all_up() -> bool:
+                up = prom.query("up")
+                return (len(up) == len(WORKERS) + 1
+                        and all(r["value"][1] == "1" for r in up))
+
+            _wait_for("every target up", all_up, 90, prom.log_tail)
+            _wait_for("worker iterations scraped",
+                      lambda: len(prom.query("ripples_worker_iterations_total")) == len(WORKERS),
+                      60, prom.log_tail)
+        client.stop_run("end-to-end test done")
+    finally:
+        client.close()
+        outputs = _stop_workers(workers)
+        server.stop()
+    codes = [w.returncode for w in workers]
+    assert codes == [0] * len(workers), "\n---\n".join(o[-2000:] for o in outputs)

@@ -12,6 +12,8 @@ import logging
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from ripples.security import ClientSecurity, ServerSecurity, read_secret
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.client import CoordinatorClient
+from ripples.worker.metrics import WorkerMetrics
 from tests.integration.helpers import REPO, finish
 
 TOKEN = "f3a9c1d2e4b5a6978877665544332211"
@@ -337,3 +340,44 @@ def test_a_run_over_tls_with_a_token_from_the_cli(pki: Pki, tmp_path: Path) -> N
         for p in [*workers, coordinator]:
             if p.poll() is None:
                 p.kill()
+
+
+# ---------------------------------------------------------------------------- HTTP
+def _get(url: str, token: str = "") -> tuple[int, str, dict[str, str]]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"}
+                                     if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read().decode(), dict(answer.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(), dict(err.headers)
+
+
+def test_the_coordinators_metrics_and_discovery_need_a_token(
+        secured: CoordinatorServer) -> None:
+    base = f"http://127.0.0.1:{secured.metrics_port}"
+    for path in ("/metrics", "/sd"):
+        code, body, headers = _get(base + path)
+        assert code == 401 and "requires the run's token" in body
+        assert headers["www-authenticate"].startswith("Bearer")
+        assert _get(base + path, "wrong")[0] == 401
+        assert _get(base + path, TOKEN)[0] == 200
+        assert _get(base + path, READ_TOKEN)[0] == 200  # Prometheus may hold the read one
+    assert _get(base + "/healthz")[0] == 200  # liveness probes carry no token
+    assert "ripples_coordinator" in _get(base + "/metrics", TOKEN)[1]
+
+
+def test_a_workers_metrics_endpoint_needs_the_runs_token() -> None:
+    metrics = WorkerMetrics()
+    port = metrics.serve("127.0.0.1", 0, tokens=(TOKEN,))
+    try:
+        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 401
+        assert _get(f"http://127.0.0.1:{port}/metrics", TOKEN)[0] == 200
+    finally:
+        metrics.close()
+    open_metrics = WorkerMetrics()
+    port = open_metrics.serve("127.0.0.1", 0)
+    try:
+        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 200  # no token: open
+    finally:
+        open_metrics.close()
