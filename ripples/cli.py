@@ -22,6 +22,14 @@ from pathlib import Path
 
 from ripples import chaos, schedule_command
 from ripples.config_cli import add_dataclass_arguments, dataclass_from_args
+from ripples.config_file import (
+    ConfigError,
+    command_path,
+    config_option,
+    effective,
+    leaf_parsers,
+)
+from ripples.config_file import apply as apply_config
 
 ENV_COORDINATOR = "RIPPLES_COORDINATOR"
 # Fields of RunSettings that the CLI sets under other names or not at all.
@@ -389,7 +397,66 @@ def build_parser() -> argparse.ArgumentParser:
                                   "workers of real runs, check nothing is lost")
     chaos.add_arguments(chaos_parser)
     chaos_parser.set_defaults(func=chaos.run_command)
+
+    config = sub.add_parser("config", help="configuration files (--config FILE.toml)")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show", help="print the effective options of a command line and where each came "
+        "from (flag, environment, file, default)",
+        usage="ripples config show [--json] COMMAND [options]")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.add_argument("line", nargs=argparse.REMAINDER,
+                      help="the command line to resolve, e.g. worker run --config f.toml")
+    show.set_defaults(func=_cmd_config_show)
+
+    for path, leaf in leaf_parsers(parser).items():
+        if path[0] != "config":
+            leaf.add_argument("--config", default="", metavar="FILE.toml",
+                              help=f"read options from the [{'.'.join(path)}] table of this "
+                                   "TOML file (flags and RIPPLES_* variables win; `ripples "
+                                   "config show` prints the result)")
     return parser
+
+
+def _resolve(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace,
+                                       tuple[str, ...], dict[str, str]]:
+    """Parse a command line with its config file and environment: (the command's
+    parser, its options, the command's path, each option's source). ConfigError when
+    the file or a variable is wrong."""
+    parser = build_parser()
+    leaves = leaf_parsers(parser)
+    command = command_path(argv, leaves)
+    sources: dict[str, str] = {}
+    if command and command[0] != "config":
+        sources = apply_config(leaves[command], command, argv, config_option(argv), leaves)
+    return parser, parser.parse_args(argv), command, sources
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    line = [a for a in args.line if a != "--"]
+    command = command_path(line, leaf_parsers(build_parser()))
+    if not command or command[0] == "config":
+        print("ripples config show: error: give a command line, e.g. `ripples config show "
+              "worker run --config ripples.toml`", file=sys.stderr)
+        return 2
+    try:
+        _, resolved, command, sources = _resolve(line)
+    except ConfigError as err:
+        print(f"ripples config show: error: {err}", file=sys.stderr)
+        return 2
+    leaf = leaf_parsers(build_parser())[command]
+    settings = effective(leaf, resolved, line, sources)
+    if args.json:
+        print(json.dumps({k: {"value": v.value, "source": v.source}
+                          for k, v in settings.items()}, indent=2, default=str))
+        return 0
+    width = max(map(len, settings))
+    print(f"# ripples {' '.join(command)}: effective options (flag > environment > file > "
+          "default)")
+    for name, setting in settings.items():
+        print(f"{name:<{width}} = {json.dumps(setting.value, default=str)}  "
+              f"# {setting.source}")
+    return 0
 
 
 def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -410,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     argv, script = split_script(argv)
     if separated and not script:
         build_parser().error("nothing after --: give the script, e.g. -- python train.py")
-    args = build_parser().parse_args(argv)
+    try:
+        _, args, _, _ = _resolve(argv)
+    except ConfigError as err:
+        print(f"ripples: error: {err}", file=sys.stderr)
+        return 2
     if script and args.func not in (_cmd_run, _cmd_worker, _cmd_serve):
         build_parser().error(f"`ripples {argv[0]}` takes no script after --")
     args.script = script
