@@ -191,6 +191,27 @@ def convert_one(action: argparse.Action, value: Any, where: str, fail: Any) -> A
     return value
 
 
+def convert_text(action: argparse.Action, text: str, where: str) -> Any:
+    """An environment variable's text for `action`, parsed as its flag's text would be."""
+    if isinstance(action, argparse.BooleanOptionalAction | argparse._StoreTrueAction
+                  | argparse._StoreFalseAction):
+        lowered = text.strip().lower()
+        if lowered not in ("1", "true", "yes", "0", "false", "no"):
+            raise ConfigError(f"{where}: expected true or false, got {text!r}")
+        return lowered in ("1", "true", "yes")
+    kind = action.type if callable(action.type) else str
+    try:
+        value = kind(text)
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
+        names: dict[object, str] = {int: "an integer", float: "a number"}
+        name = names.get(kind, "a valid value")
+        raise ConfigError(f"{where}: expected {name}, got {text!r}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{where}: {value!r} is not one of "
+                          f"{', '.join(map(str, action.choices))}")
+    return value
+
+
 def flags_given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The options (dests) a command line sets with a flag."""
     given = set()
@@ -222,7 +243,7 @@ def apply(parser: argparse.ArgumentParser, command: tuple[str, ...], argv: Seque
         if key in options and env.get(variable):
             action = options[key]
             where = f"environment variable {variable}"
-            defaults[action.dest] = convert(action, env[variable], where)
+            defaults[action.dest] = convert_text(action, env[variable], where)
             sources[action.dest] = f"env {variable}"
     parser.set_defaults(**defaults)
     return sources

@@ -34,7 +34,8 @@ def config(tmp_path: Path) -> Path:
 
 def _resolve(argv: list[str], monkeypatch: pytest.MonkeyPatch,
              **env: str) -> tuple[object, dict[str, str]]:
-    for name in ("RIPPLES_COORDINATOR", "RIPPLES_TLS_CA", "RIPPLES_TOKEN_FILE"):
+    for name in ("RIPPLES_COORDINATOR", "RIPPLES_TLS_CA", "RIPPLES_TOKEN_FILE",
+                 "RIPPLES_KEEP_CHECKPOINTS", "RIPPLES_CHECKPOINT_EVERY", "RIPPLES_CHECKPOINT_DIR"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -125,3 +126,14 @@ def test_the_example_file_configures_each_command(
     assert sources and all(s == f"file {example}" for s in sources.values())
     if command[0] == "coordinator":
         assert args.num_workers == 8 and args.port == 29400  # type: ignore[attr-defined]
+
+
+def test_environment_values_are_parsed_as_flag_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a launcher hands its workers (RIPPLES_KEEP_CHECKPOINTS=3, a string).
+    args, sources = _resolve(["worker", "run"], monkeypatch, RIPPLES_KEEP_CHECKPOINTS="3",
+                             RIPPLES_CHECKPOINT_EVERY="90s")
+    assert args.keep_checkpoints == 3 and args.checkpoint_every == "90s"  # type: ignore[attr-defined]
+    assert sources["keep_checkpoints"] == "env RIPPLES_KEEP_CHECKPOINTS"
+    with pytest.raises(ConfigError, match="RIPPLES_KEEP_CHECKPOINTS: expected an integer, "
+                                          "got 'three'"):
+        _resolve(["worker", "run"], monkeypatch, RIPPLES_KEEP_CHECKPOINTS="three")
