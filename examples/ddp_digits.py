@@ -56,10 +56,6 @@ def main() -> None:
 
     if args.save and dist.get_rank() == 0:
         torch.save(model.module.state_dict(), args.save)
-    # Every rank done before any tears gloo down: a rank that destroyed its group while a
-    # peer was still in its last collective aborted once ("terminate called without an
-    # active exception") on a loaded machine.
-    dist.barrier()
     dist.destroy_process_group()
 
 
