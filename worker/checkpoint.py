@@ -44,6 +44,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,7 +65,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 """The layout of a checkpoint's dictionary; a checkpoint of another version is refused."""
-_NAME = re.compile(r"step-(\d+)\.pt")
 
 
 class Stateful(Protocol):
@@ -135,6 +135,8 @@ class Checkpointer:
         self.directory: Path | None = (Path(root) / f"rank-{optimizer.worker.rank}"
                                        if root else None)
         """This worker's checkpoints (None: checkpointing is off)."""
+        self._files = (NumberedFiles(self.directory, "step", self._load)
+                       if self.directory is not None else None)
         sync = optimizer._sync
         self._protocol: SyncProtocol | None = sync.protocol if sync is not None else None
         # Lock-step protocols, and those that restart every worker on a membership change
@@ -181,16 +183,15 @@ class Checkpointer:
     def save(self) -> Path | None:
         """Write a checkpoint of the current step now (None when checkpointing is off);
         then delete the checkpoints beyond the newest `keep`."""
-        if self.directory is None:
+        if self._files is None:
             return None
         started = time.perf_counter()
         step = self.optimizer.local_step
-        path = self.directory / f"step-{step}.pt"
+        path = self._files.path(step)
         write_atomically(path, self._state(step))
         self._saved_step, self._last_save = step, time.monotonic()
         self._holds(step)
-        for old in self._steps()[self.keep:]:
-            (self.directory / f"step-{old}.pt").unlink(missing_ok=True)
+        self._files.prune(self.keep)
         logger.info("checkpoint of step %d: %s (%.2f s)", step, path,
                     time.perf_counter() - started)
         return path
@@ -225,15 +226,14 @@ class Checkpointer:
                 shapes differ), another format, or lacks a named object.
             RuntimeError: checkpoints exist but none can be loaded (on every rank).
         """
-        if self.directory is None:
+        if self._files is None:
             return 0
         session = self.optimizer.worker._session
         if session is not None and session.membership.replacement:
             logger.info("a replacement worker takes its model from a live peer, newer than "
                         "any checkpoint of its rank: nothing restored")
             return 0
-        for partial in self.directory.glob(".step-*.pt.partial"):  # a killed writer's
-            partial.unlink(missing_ok=True)
+        self._files.drop_partials()
         found = self._agree() if self._lockstep else self._newest()
         if found is None:
             return 0
@@ -255,20 +255,11 @@ class Checkpointer:
             with session.stats.lock:
                 session.stats.checkpoint_step = step
 
-    def _steps(self) -> list[int]:
-        """This worker's checkpoints' steps, newest first (complete files only: a
-        partial one is hidden under another name)."""
-        assert self.directory is not None
-        if not self.directory.is_dir():
-            return []
-        matches = (_NAME.fullmatch(p.name) for p in self.directory.iterdir())
-        return sorted((int(m.group(1)) for m in matches if m), reverse=True)
-
     def _load(self, step: int) -> tuple[Path, dict[str, Any]] | None:
         """The checkpoint of `step`, checked against the model; None (with a warning
         naming the file) if it cannot be read."""
-        assert self.directory is not None
-        path = self.directory / f"step-{step}.pt"
+        assert self._files is not None
+        path = self._files.path(step)
         try:
             # Our own pickles (RNG states, arbitrary objects' state): not weights only.
             state = torch.load(path, map_location="cpu", weights_only=False)
@@ -282,7 +273,8 @@ class Checkpointer:
         return path, state
 
     def _newest(self) -> tuple[Path, dict[str, Any]] | None:
-        steps = self._steps()
+        assert self._files is not None
+        steps = self._files.numbers()
         for step in steps:
             found = self._load(step)
             if found is not None:
@@ -301,7 +293,8 @@ class Checkpointer:
         exchange = StoreExchange(session.store, f"ripples/checkpoint/{session.config.run_id}",
                                   worker.rank, worker.num_workers,
                                   worker.env.start_timeout_seconds)
-        return agree_on_step(exchange, self._steps(), _RankFiles(self))  # type: ignore[no-any-return]
+        assert self._files is not None
+        return agree_on_step(exchange, self._files.numbers(), self._files)  # type: ignore[no-any-return]
 
     def _check(self, path: Path, state: dict[str, Any]) -> None:
         """ValueError unless `state` is a checkpoint of this format, model and objects."""
@@ -350,24 +343,43 @@ class Checkpointer:
             _set_rng_state(rng, device)
 
 
-class _RankFiles:
-    """This rank's checkpoint files, as agree_on_step uses them."""
+class NumberedFiles:
+    """One worker's checkpoint files in its directory, KIND-N.pt (N: a step of the
+    library's checkpoints, a round of lap/lpp-sgd's), as the savers and agree_on_step use
+    them. `load(n)`: the checkpoint of N checked by its owner (None: unreadable)."""
 
-    def __init__(self, checkpointer: Checkpointer) -> None:
-        self.checkpointer = checkpointer
+    def __init__(self, directory: Path, kind: str,
+                 load: Callable[[int], tuple[Path, dict[str, Any]] | None]) -> None:
+        self.directory, self.kind = directory, kind
+        self.load = load
+        self._name = re.compile(rf"{re.escape(kind)}-(\d+)\.pt")
 
-    def _path(self, step: int) -> Path:
-        assert self.checkpointer.directory is not None
-        return self.checkpointer.directory / f"step-{step}.pt"
+    def path(self, n: int) -> Path:
+        return self.directory / f"{self.kind}-{n}.pt"
 
-    def load(self, step: int) -> tuple[Path, dict[str, Any]] | None:
-        return self.checkpointer._load(step)
+    def numbers(self) -> list[int]:
+        """The numbers of the complete files, newest first (a partial one is hidden
+        under another name: write_atomically)."""
+        if not self.directory.is_dir():
+            return []
+        matches = (self._name.fullmatch(p.name) for p in self.directory.iterdir())
+        return sorted((int(m.group(1)) for m in matches if m), reverse=True)
 
-    def read(self, step: int) -> bytes:
-        return self._path(step).read_bytes()
+    def prune(self, keep: int) -> None:
+        """Delete the files beyond the newest `keep` (after a new one is complete)."""
+        for old in self.numbers()[keep:]:
+            self.path(old).unlink(missing_ok=True)
 
-    def write(self, step: int, data: bytes) -> None:
-        write_atomically(self._path(step), data)
+    def drop_partials(self) -> None:
+        """Delete the hidden partial files a killed writer left."""
+        for partial in self.directory.glob(f".{self.kind}-*.pt.partial"):
+            partial.unlink(missing_ok=True)
+
+    def read(self, n: int) -> bytes:
+        return self.path(n).read_bytes()
+
+    def write(self, n: int, data: bytes) -> None:
+        write_atomically(self.path(n), data)
 
 
 class StoreExchange:

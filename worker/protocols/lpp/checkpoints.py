@@ -30,7 +30,6 @@ are kept.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +37,19 @@ from typing import Any
 
 import torch
 
-from ripples.worker.checkpoint import StoreExchange, agree_on_step, cpu_copy, write_atomically
+from ripples.worker.checkpoint import (
+    NumberedFiles,
+    StoreExchange,
+    agree_on_step,
+    cpu_copy,
+    write_atomically,
+)
 from ripples.worker.launch_env import CheckpointOptions
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "ripples-lpp-1"
 """The layout of an lpp checkpoint's dictionary; another is refused."""
-_NAME = re.compile(r"round-(\d+)\.pt")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class LppCheckpoints:
         self.keep = options.keep_checkpoints
         self.directory = (Path(options.checkpoint_dir) / f"rank-{rank}"
                           if options.checkpoint_dir else None)
+        self._files = (NumberedFiles(self.directory, "round", self.load)
+                       if self.directory is not None else None)
         self.model = model
         self.rank, self.num_workers, self.protocol = rank, num_workers, protocol
         self._saved_updates = 0
@@ -96,17 +102,16 @@ class LppCheckpoints:
     def save(self, round_: int, updates: list[int]) -> Path | None:
         """Save the model as it stands after averaging round `round_` (the updaters go on
         meanwhile: the copy is one more Hogwild read of the shared model)."""
-        if self.directory is None:
+        if self._files is None:
             return None
         started = time.perf_counter()
-        path = self.directory / f"round-{round_}.pt"
+        path = self._files.path(round_)
         write_atomically(path, {
             "format": FORMAT, "round": round_, "updates": list(updates),
             "rank": self.rank, "num_workers": self.num_workers, "protocol": self.protocol,
             "saved_at": time.time(), "model": cpu_copy(self.model.state_dict())})
         self._saved_updates, self._saved_at = sum(updates), time.monotonic()
-        for old in self._rounds()[self.keep:]:
-            (self.directory / f"round-{old}.pt").unlink(missing_ok=True)
+        self._files.prune(self.keep)
         logger.info("checkpoint of round %d (%d updates): %s (%.2f s)", round_, sum(updates),
                     path, time.perf_counter() - started)
         return path
@@ -114,11 +119,10 @@ class LppCheckpoints:
     def restore(self, exchange: StoreExchange, updaters: int) -> Restored | None:
         """Agree with every rank on the newest round all hold and load, and put it back
         into the model; None when no rank holds any."""
-        if self.directory is None:
+        if self._files is None:
             return None
-        for partial in self.directory.glob(".round-*.pt.partial"):  # a killed writer's
-            partial.unlink(missing_ok=True)
-        found = agree_on_step(exchange, self._rounds(), _RoundFiles(self))
+        self._files.drop_partials()
+        found = agree_on_step(exchange, self._files.numbers(), self._files)
         if found is None:
             return None
         path, state = found
@@ -131,18 +135,11 @@ class LppCheckpoints:
         logger.info("restored round %d (%d updates) from %s", state["round"], sum(counts), path)
         return Restored(round=int(state["round"]), updates=tuple(counts))
 
-    def _rounds(self) -> list[int]:
-        """The rounds of this worker's complete checkpoints, newest first."""
-        if self.directory is None or not self.directory.is_dir():
-            return []
-        matches = (_NAME.fullmatch(p.name) for p in self.directory.iterdir())
-        return sorted((int(m.group(1)) for m in matches if m), reverse=True)
-
     def load(self, round_: int) -> tuple[Path, dict[str, Any]] | None:
         """The checkpoint of `round_`, checked against the model; None (with a warning)
         if it cannot be read; ValueError if it is another model's."""
-        assert self.directory is not None
-        path = self.directory / f"round-{round_}.pt"
+        assert self._files is not None
+        path = self._files.path(round_)
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -158,22 +155,3 @@ class LppCheckpoints:
             raise ValueError(f"{path} is a checkpoint of another model")
         return path, state
 
-
-class _RoundFiles:
-    """This rank's round files, as agree_on_step uses them."""
-
-    def __init__(self, checkpoints: LppCheckpoints) -> None:
-        self.checkpoints = checkpoints
-
-    def _path(self, round_: int) -> Path:
-        assert self.checkpoints.directory is not None
-        return self.checkpoints.directory / f"round-{round_}.pt"
-
-    def load(self, round_: int) -> tuple[Path, dict[str, Any]] | None:
-        return self.checkpoints.load(round_)
-
-    def read(self, round_: int) -> bytes:
-        return self._path(round_).read_bytes()
-
-    def write(self, round_: int, data: bytes) -> None:
-        write_atomically(self._path(round_), data)
