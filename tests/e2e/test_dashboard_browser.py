@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,18 +41,6 @@ LIVE_TIMEOUT_SECONDS = 90.0
 DISCONNECT_TIMEOUT_SECONDS = 30.0
 EXIT_TIMEOUT_SECONDS = 30.0
 DASHBOARD_LINE = re.compile(r"dashboard: (http://\S+)")
-
-
-@pytest.fixture
-def chromium() -> tuple[ModuleType, str]:
-    """Playwright's sync API and the system Chromium (Playwright never downloads one here)."""
-    path = "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else shutil.which("chromium")
-    if path is None:
-        pytest.skip("needs a headless Chromium: install the Debian package `chromium`")
-    sync_api = pytest.importorskip(
-        "playwright.sync_api",
-        reason="needs the Python package `playwright` (pip install -e '.[dev]')")
-    return sync_api, path
 
 
 def _artifacts_dir() -> Path:

@@ -5,8 +5,6 @@ token never appears in the page."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -21,17 +19,6 @@ from ripples.security import ServerSecurity
 from tests.integration.test_security import READ_TOKEN, TOKEN, Pki, _make_pki
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
-
-
-@pytest.fixture
-def chromium_for_login() -> tuple[ModuleType, str]:
-    path = "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else shutil.which("chromium")
-    if path is None:
-        pytest.skip("needs a headless Chromium: install the Debian package `chromium`")
-    sync_api = pytest.importorskip(
-        "playwright.sync_api",
-        reason="needs the Python package `playwright` (pip install -e '.[dev]')")
-    return sync_api, path
 
 
 @pytest.fixture
@@ -55,8 +42,8 @@ def secured_dashboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
 
 
 def test_the_dashboard_asks_for_the_token_and_then_shows_the_run(
-        chromium_for_login: tuple[ModuleType, str], secured_dashboard: str) -> None:
-    sync_api, chromium_path = chromium_for_login
+        chromium: tuple[ModuleType, str], secured_dashboard: str) -> None:
+    sync_api, chromium_path = chromium
     url = secured_dashboard
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium_path, headless=True,

@@ -66,3 +66,24 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
         outputs.append(out or "")
     return outputs
 
+
+
+@contextmanager
+def explained_on_failure(procs: list[subprocess.Popen[str]], core: object, *,
+                         label: str = "worker", tail: int = 3000) -> Iterator[None]:
+    """Kill every process of `procs` (a list that may grow inside) still running at the
+    end; on an AssertionError inside, kill them all and raise it again with the
+    coordinator's stop reason and each process's last output."""
+    try:
+        yield
+    except AssertionError as err:
+        for p in procs:
+            p.kill()
+        said = "\n".join(f"--- {label} {i}:\n{p.communicate()[0][-tail:]}"
+                         for i, p in enumerate(procs))
+        reason = getattr(core, "stop_reason", "")
+        raise AssertionError(f"{err}; core.stop_reason={reason!r}\n{said}") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -18,7 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.helpers import finish, running_coordinator, start_worker, wait_for
+from tests.integration.helpers import (
+    explained_on_failure,
+    finish,
+    running_coordinator,
+    start_worker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +51,7 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
         core = server.service.core  # type: ignore[union-attr]
         address = server.address
         workers = [_worker(address, f"node{r}", tmp_path) for r in range(3)]
-        try:
+        with explained_on_failure(workers, core):
             wait_for(lambda: core.started_at is not None
                       and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
                       "two checkpoints")
@@ -77,16 +83,6 @@ def test_a_killed_allreduce_worker_restarts_the_run_from_the_last_checkpoint(
                 wait_for(lambda: core.restarts >= 2 and core.started_at is not None
                           and core.registry.size == 3, "the run to grow back to 3")
             outputs = finish([p for i, p in enumerate(workers) if i != 1], DEADLINE_SECONDS)
-        except AssertionError as err:
-            for p in workers:
-                p.kill()
-            said = "\n".join(f"--- worker {i}:\n{p.communicate()[0][-3000:]}"
-                             for i, p in enumerate(workers))
-            raise AssertionError(f"{err}; {core.stop_reason=}\n{said}") from None
-        finally:
-            for p in workers:
-                if p.poll() is None:
-                    p.kill()
         log = "\n".join(outputs)
         assert all(p.returncode == 0 for i, p in enumerate(workers) if i != 1), log[-4000:]
         assert core.stopped and "iteration budget reached" in core.stop_reason, core.stop_reason
@@ -131,7 +127,7 @@ def test_a_run_restarts_with_a_replacement_on_the_same_host(
                              join_window_seconds=4.0, **settings) as server:
         core = server.service.core  # type: ignore[union-attr]
         workers = [worker(server.address, f"node{i // 2}", i % 2) for i in range(4)]
-        try:
+        with explained_on_failure(workers, core):
             wait_for(lambda: core.started_at is not None
                       and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
                       "two checkpoints")
@@ -142,10 +138,6 @@ def test_a_run_restarts_with_a_replacement_on_the_same_host(
                       and core.started_at is not None and core.registry.size == 4,
                       "training to go on with 4 workers")
             outputs = finish([p for i, p in enumerate(workers) if i != 3], DEADLINE_SECONDS)
-        finally:
-            for p in workers:
-                if p.poll() is None:
-                    p.kill()
         log = "\n".join(outputs)
         assert all(p.returncode == 0 for i, p in enumerate(workers) if i != 3), log[-4000:]
         assert core.stopped and "iteration budget reached" in core.stop_reason, core.stop_reason
@@ -168,7 +160,7 @@ def test_a_users_script_restarts_under_its_launcher(tmp_path: Path) -> None:
                              task="", seed=1, join_window_seconds=4.0) as server:
         core = server.service.core  # type: ignore[union-attr]
         hosts = [host(server.address, f"node{r}") for r in range(3)]
-        try:
+        with explained_on_failure(hosts, core, label="host", tail=2500):
             wait_for(lambda: core.started_at is not None
                      and min(w.progress.iteration for w in core.live()) > 2 * CHECKPOINT_EVERY,
                      "two checkpoints")
@@ -182,16 +174,6 @@ def test_a_users_script_restarts_under_its_launcher(tmp_path: Path) -> None:
             wait_for(lambda: core.restarts >= 1 and core.started_at is not None
                      and core.registry.size == 3, "training to go on with 3 workers")
             outputs = finish([p for i, p in enumerate(hosts) if i != 1], DEADLINE_SECONDS)
-        except AssertionError as err:
-            for p in hosts:
-                p.kill()
-            said = "\n".join(f"--- host {i}:\n{p.communicate()[0][-2500:]}"
-                             for i, p in enumerate(hosts))
-            raise AssertionError(f"{err}; {core.stop_reason=}\n{said}") from None
-        finally:
-            for p in hosts:
-                if p.poll() is None:
-                    p.kill()
         log = "\n".join(outputs)
         codes = [p.returncode for i, p in enumerate(hosts) if i != 1]
         assert codes == [0, 0, 0], f"{codes}\n{log[-6000:]}"
@@ -219,7 +201,7 @@ def test_an_lpp_run_averaging_over_all_workers_restarts_from_its_round_checkpoin
                                 "--checkpoint-every", str(every),
                                 "--save-model", str(tmp_path / f"node{r}.pt"))
                    for r in range(3)]
-        try:
+        with explained_on_failure(workers, core):
             wait_for(lambda: core.started_at is not None
                      and min(w.progress.checkpoint_step for w in core.live()) > 0,
                      "a round checkpoint on every worker")
@@ -240,16 +222,6 @@ def test_an_lpp_run_averaging_over_all_workers_restarts_from_its_round_checkpoin
             wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in orphans),
                      "the killed worker's updaters to end", timeout=10)
             outputs = finish([p for i, p in enumerate(workers) if i != 1], DEADLINE_SECONDS)
-        except AssertionError as err:
-            for p in workers:
-                p.kill()
-            said = "\n".join(f"--- worker {i}:\n{p.communicate()[0][-3000:]}"
-                             for i, p in enumerate(workers))
-            raise AssertionError(f"{err}; {core.stop_reason=}\n{said}") from None
-        finally:
-            for p in workers:
-                if p.poll() is None:
-                    p.kill()
         log = "\n".join(outputs)
         assert all(p.returncode == 0 for i, p in enumerate(workers) if i != 1), log[-4000:]
         assert core.stopped and "iteration budget reached" in core.stop_reason, core.stop_reason
