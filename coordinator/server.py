@@ -24,13 +24,11 @@ from ripples.coordinator.state_store import StateStore
 from ripples.http_server import HttpEndpoint, bind
 from ripples.loop_thread import LoopThreadService, serve_until_signal
 from ripples.rpc import SERVER_OPTIONS
-from ripples.security import HttpTokenGate, ServerSecurity
-from ripples.v1 import coordinator_pb2 as pb
+from ripples.security import SERVICE, HttpTokenGate, ServerSecurity
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-COORDINATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
 @dataclass(kw_only=True)
@@ -73,10 +71,10 @@ class Health:
 
         self._servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
-        self.services = ("", COORDINATOR_SERVICE)
+        self.services = ("", SERVICE)
         # Server reflection: `grpcurl` lists and calls the API (with the token).
         reflection.enable_server_reflection(
-            (COORDINATOR_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
     async def set_serving(self, serving: bool) -> None:
         from grpc_health.v1 import health_pb2

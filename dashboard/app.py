@@ -77,8 +77,9 @@ class DashboardConfig:
 class StatusPoller:
     """Polls the coordinator; holds the latest snapshot and wakes SSE streams on change."""
 
-    def __init__(self, config: DashboardConfig) -> None:
+    def __init__(self, config: DashboardConfig, security: ClientSecurity) -> None:
         self.config = config
+        self.security = security
         self.view = RunView()
         self.snapshot: dict[str, Any] = disconnected(
             f"coordinator at {config.coordinator} not asked yet", None)
@@ -88,7 +89,7 @@ class StatusPoller:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._channel = aio_channel(self.config.coordinator)
+        self._channel = aio_channel(self.config.coordinator, self.security)
         await self.poll_once()
         # Guarded: an unexpected error in one poll (not an RPC error, which poll_once
         # turns into "disconnected") must not freeze the page on its last snapshot.
@@ -148,7 +149,11 @@ autocomplete="current-password" required autofocus></label> <button>Sign in</but
 
 
 def create_app(config: DashboardConfig) -> FastAPI:
-    poller = StatusPoller(config)
+    # The token it reaches the coordinator with (may be a read-only one) is also the one a
+    # viewer must show: a bearer header, or the cookie the login form sets.
+    security = ClientSecurity.from_env()
+    token = security.token
+    poller = StatusPoller(config, security)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -162,9 +167,6 @@ def create_app(config: DashboardConfig) -> FastAPI:
                   description="Live view of a Ripples training run, read from its coordinator "
                               f"({config.coordinator}).", lifespan=lifespan)
     app.state.poller = poller
-    # The token it reaches the coordinator with (may be a read-only one) is the one a
-    # viewer must show: a bearer header, or the cookie the login form sets.
-    token = ClientSecurity.from_env().token
     app.add_middleware(HttpTokenGate, tokens=(token,), login_page=True,
                        open_prefixes=("/static/",))
     static = resources.files("ripples.dashboard").joinpath("static")

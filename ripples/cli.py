@@ -418,34 +418,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace,
+def _prepare(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser | None,
                                        tuple[str, ...], dict[str, str]]:
-    """Parse a command line with its config file and environment: (the command's
-    parser, its options, the command's path, each option's source). ConfigError when
-    the file or a variable is wrong."""
+    """The parser of a command line, with its command's defaults taken from its config
+    file and the environment: (the parser, the command's parser or None when the line
+    names no configurable command, the command's path, each option's source).
+    ConfigError when the file or a variable is wrong."""
     parser = build_parser()
     leaves = leaf_parsers(parser)
     command = command_path(argv, leaves)
-    sources: dict[str, str] = {}
-    if command and command[0] != "config":
-        sources = apply_config(leaves[command], command, argv, config_option(argv), leaves)
-    return parser, parser.parse_args(argv), command, sources
+    if not command or command[0] == "config":
+        return parser, None, command, {}
+    leaf = leaves[command]
+    return parser, leaf, command, apply_config(leaf, command, argv, config_option(argv), leaves)
+
+
+def _resolve(argv: list[str]) -> tuple[argparse.ArgumentParser | None, argparse.Namespace,
+                                       tuple[str, ...], dict[str, str]]:
+    """Parse a command line with its config file and environment (see _prepare)."""
+    parser, leaf, command, sources = _prepare(argv)
+    return leaf, parser.parse_args(argv), command, sources
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
     line = [a for a in args.line if a != "--"]
-    command = command_path(line, leaf_parsers(build_parser()))
-    if not command or command[0] == "config":
-        print("ripples config show: error: give a command line, e.g. `ripples config show "
-              "worker run --config ripples.toml`", file=sys.stderr)
-        return 2
     try:
-        _, resolved, command, sources = _resolve(line)
+        parser, leaf, command, sources = _prepare(line)
     except ConfigError as err:
         print(f"ripples config show: error: {err}", file=sys.stderr)
         return 2
-    leaf = leaf_parsers(build_parser())[command]
-    settings = effective(leaf, resolved, line, sources)
+    if leaf is None:
+        print("ripples config show: error: give a command line, e.g. `ripples config show "
+              "worker run --config ripples.toml`", file=sys.stderr)
+        return 2
+    settings = effective(leaf, parser.parse_args(line), line, sources)
     if args.json:
         print(json.dumps({k: {"value": v.value, "source": v.source}
                           for k, v in settings.items()}, indent=2, default=str))

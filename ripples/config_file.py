@@ -185,10 +185,7 @@ def convert_one(action: argparse.Action, value: Any, where: str, fail: Any) -> A
             value = kind(value if isinstance(value, str) else str(value))
         except (TypeError, ValueError, argparse.ArgumentTypeError) as err:
             raise ConfigError(f"{where}: {err}") from None
-    if action.choices is not None and value not in action.choices:
-        raise ConfigError(f"{where}: {value!r} is not one of "
-                          f"{', '.join(map(str, action.choices))}")
-    return value
+    return _chosen(action, value, where)
 
 
 def convert_text(action: argparse.Action, text: str, where: str) -> Any:
@@ -206,6 +203,11 @@ def convert_text(action: argparse.Action, text: str, where: str) -> Any:
         names: dict[object, str] = {int: "an integer", float: "a number"}
         name = names.get(kind, "a valid value")
         raise ConfigError(f"{where}: expected {name}, got {text!r}") from None
+    return _chosen(action, value, where)
+
+
+def _chosen(action: argparse.Action, value: Any, where: str) -> Any:
+    """`value`, if it is one of the action's choices (when it has some)."""
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{where}: {value!r} is not one of "
                           f"{', '.join(map(str, action.choices))}")

@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from ripples.v1 import coordinator_pb2 as pb
+
 logger = logging.getLogger(__name__)
 
 ENV_TOKEN = "RIPPLES_TOKEN"
@@ -45,7 +47,8 @@ ENV_TLS_CA = "RIPPLES_TLS_CA"
 ENV_TLS_CLIENT_CERT = "RIPPLES_TLS_CLIENT_CERT"
 ENV_TLS_CLIENT_KEY = "RIPPLES_TLS_CLIENT_KEY"
 
-SERVICE = "ripples.v1.Coordinator"
+SERVICE: str = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+"""The coordinator's gRPC service, ripples.v1.Coordinator."""
 READ_ONLY_METHODS = frozenset({f"/{SERVICE}/GetRunStatus", f"/{SERVICE}/Consensus"})
 """What a read-only token may call: the run's status and its consensus model."""
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
