@@ -130,8 +130,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The rendezvous store this coordinator hosts (a torch.distributed.TCPStore, or
         None): consensus models come through it."""
         self._consensus_seq = 0
-        self._consensus_pending = 0
-        """The consensus request the workers are asked to publish for (0: none)."""
         self._consensus_expected: set[int] = set()
         """The workers asked to publish for it (the heartbeat tells only these)."""
         self._consensus_done: list[tuple[str, int]] = []
@@ -271,7 +269,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatReply(stop=self.core.stopped, stop_reason=self.core.stop_reason,
                                  mean_iterations=self.core.mean_iterations(),
                                  incarnation=self.incarnation,
-                                 consensus_id=(self._consensus_pending
+                                 consensus_id=(self.core.consensus_id
                                                if request.worker_id in self._consensus_expected
                                                else 0))
 
@@ -504,14 +502,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         prefix = f"g{core.registry.generation}/" if core.registry.generation else ""
         keys = {w: prefix + consensus.publish_key(cid, w) for w in expected}
         self._consensus_expected = expected
-        self._consensus_pending = cid
-        core.want_consensus(cid)
+        core.want_consensus(cid)  # what the workers are asked to publish for
         logger.info("consensus %d: asking workers %s for their models", cid, sorted(expected))
         blobs: list[bytes] = []
         published: list[int] = []
         try:
             missing = await self._await_published(keys, started + timeout)
-            self._consensus_pending = 0
             core.want_consensus(0)
             if core.started_at is None and not core.stopped:
                 await context.abort(grpc.StatusCode.ABORTED, (
@@ -528,7 +524,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     blobs.append(await asyncio.to_thread(get_blob, self.store, keys[w]))
                     published.append(w)
         finally:
-            self._consensus_pending = 0
             self._consensus_expected = set()
             core.want_consensus(0)
             self._consensus_done.append((prefix, cid))
