@@ -131,8 +131,9 @@ class Registry:
                     f"the run already has its {self.num_workers} workers and its membership "
                     f"is fixed ({fixed_reason}); start a new coordinator for a new run")
             vacant = self.vacant_member()
+            # Late: less than half its lease left (no heartbeat for half a lease).
             overdue = [w.worker_id for w in self.live() if w.ready
-                       and now - (w.lease_expires_at - self.lease_seconds) > self.lease_seconds / 2]
+                       and w.lease_expires_at - now < self.lease_seconds / 2]
             if vacant is None and self.size < self.max_workers and overdue:
                 # Scale-up waits: a member that is late with its heartbeat may be dead,
                 # and a supervisor's replacement for it must take its rank, not a new one.

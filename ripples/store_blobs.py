@@ -39,16 +39,19 @@ def wait_blob(store: dist.Store, key: str, timeout_seconds: float) -> bytes:
     return get_blob(store, key)
 
 
+def _count(store: dist.Store, key: str) -> int:
+    return int(store.get(f"{key}/n").decode())
+
+
 def get_blob(store: dist.Store, key: str) -> bytes:
-    count = int(store.get(f"{key}/n").decode())
-    return b"".join(store.get(f"{key}/{i}") for i in range(count))
+    return b"".join(store.get(f"{key}/{i}") for i in range(_count(store, key)))
 
 
 def delete_blob(store: dist.Store, key: str) -> None:
     """Remove the blob (nothing if it is not there)."""
-    if not store.check([f"{key}/n"]):
+    if not has_blob(store, key):
         return
-    count = int(store.get(f"{key}/n").decode())
+    count = _count(store, key)
     store.delete_key(f"{key}/n")
     for i in range(count):
         store.delete_key(f"{key}/{i}")
