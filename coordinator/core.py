@@ -52,11 +52,11 @@ __all__ = ["GONE", "CoordinatorCore", "CoordinatorError", "Deliveries", "GroupDe
 class CoordinatorCore:
     """All state of one run and every rule that changes it."""
 
-    def __init__(self, settings: RunSettings, *, now: float) -> None:
+    def __init__(self, settings: RunSettings, *, now: float, first_worker_id: int = 0) -> None:
         self.settings = settings
         self.role = settings.role
         self.registry = Registry(settings.num_workers, settings.lease_seconds,
-                                 settings.max_workers)
+                                 settings.max_workers, first_worker_id=first_worker_id)
         self.graph = RunGraph()
         self.progress = ProgressTracker(num_workers=settings.num_workers,
                                         target_loss=settings.target_loss,
@@ -95,6 +95,8 @@ class CoordinatorCore:
         """When the open restart round began (None: none is open)."""
         self.restart_reason = ""
         """Why the last restart round was opened."""
+        self.stopped_by_failure = False
+        """The run stopped because of a failure (see stop)."""
 
     # ------------------------------------------------------------------ membership
     def register(self, host: str, local_rank: int, device: str, pid: int, now: float) -> int:
@@ -344,7 +346,7 @@ class CoordinatorCore:
             need = self.settings.min_workers if shrinks else self.settings.num_workers
             return self.stop(f"restart round {self.restarts} ({self.restart_reason}): "
                              f"{live} of the {need} workers needed registered within "
-                             f"{waited:.0f} s", now)
+                             f"{waited:.0f} s", now, failure=True)
         return {}
 
     def rejoins(self, worker_id: int) -> str:
@@ -383,7 +385,8 @@ class CoordinatorCore:
                               f"resumed{why}", now, alive=alive)
             elif self.registry.formed:  # a member is missing: the run can never start
                 deliveries.update(self.stop(
-                    f"{w.describe()} {state.value} before training started{why}", now))
+                    f"{w.describe()} {state.value} before training started{why}", now,
+                    failure=True))
             return deliveries
         finished = 0 < w.progress.planned_iterations <= w.progress.iteration
         if self.role.needs_every_worker and not (state is WorkerState.LEFT and finished):
@@ -405,7 +408,8 @@ class CoordinatorCore:
                 return deliveries
             deliveries.update(self.stop(f"worker {w.worker_id} {state.value}{why}"
                                         + (f"; no restart: {refusal}" if refusal and
-                                           self.settings.restarts else ""), now))
+                                           self.settings.restarts else ""), now,
+                                        failure=not graceful))
         elif self.role.needs_every_worker:  # it left having finished its budget
             deliveries.update(self.stop(
                 f"iteration budget reached (worker {w.worker_id} finished its "
@@ -413,7 +417,8 @@ class CoordinatorCore:
         elif len(self.live()) < self.settings.min_workers:
             last = f" (worker {w.worker_id} {state.value}{why})" if why else ""
             deliveries.update(self.stop(
-                f"fewer than {self.settings.min_workers} workers remain{last}", now))
+                f"fewer than {self.settings.min_workers} workers remain{last}", now,
+                failure=state is not WorkerState.LEFT))
         return deliveries
 
     # ------------------------------------------------------------------ groups
@@ -522,9 +527,12 @@ class CoordinatorCore:
         (0: not agreed yet)."""
         return self.adoption.after_iteration
 
-    def stop(self, reason: str, now: float) -> Deliveries:
+    def stop(self, reason: str, now: float, *, failure: bool = False) -> Deliveries:
+        """Stop the run (the first reason stays); `failure`: a failure stopped it, not
+        its budget, its target or a request (the service's history calls it failed)."""
         if not self.stopper.stop(reason):
             return {}
+        self.stopped_by_failure = failure
         return self.groups.stop(reason, now)
 
     def _check_stop(self, now: float) -> Deliveries:

@@ -25,9 +25,14 @@ from starlette.routing import Route
 SdTargets = list[dict[str, object]]
 
 
-def build_app(registry: CollectorRegistry, discovery: Callable[[], SdTargets]) -> Starlette:
+def build_app(registry: Callable[[], CollectorRegistry | None],
+              discovery: Callable[[], SdTargets]) -> Starlette:
+    """`registry()`: the active run's metrics (None: no run is active, nothing to show)."""
+
     async def metrics(_: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        current = registry()
+        body = generate_latest(current) if current is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def sd(_: Request) -> Response:
         return JSONResponse(discovery())

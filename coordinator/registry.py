@@ -98,7 +98,8 @@ def _natural_key(text: str) -> list[int | str]:
 class Registry:
     """Every worker that ever registered with the run, by id (ids are never reused)."""
 
-    def __init__(self, num_workers: int, lease_seconds: float, max_workers: int = 0) -> None:
+    def __init__(self, num_workers: int, lease_seconds: float, max_workers: int = 0, *,
+                 first_worker_id: int = 0) -> None:
         self.num_workers = num_workers
         self.max_workers = max(max_workers, num_workers)
         """Elastic runs grow up to this many ranks (scale-up: `_grow`)."""
@@ -112,8 +113,15 @@ class Registry:
         self.generation = 0
         """Restart rounds that formed the membership anew (lock-step runs)."""
         self._nodes: dict[str, int] = {}
-        self._next_worker_id = 0
+        self._next_worker_id = first_worker_id
+        """Ids are unique across the runs of one coordinator service (its history counts
+        them): a worker of an ended run can never be taken for one of the next run."""
         self.num_lease_expirations = 0
+
+    @property
+    def next_worker_id(self) -> int:
+        """The id the next registration gets."""
+        return self._next_worker_id
 
     def register(self, host: str, local_rank: int, device: str, pid: int,
                  now: float, *, elastic: bool = False,

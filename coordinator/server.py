@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
-from ripples.coordinator import snapshot
 from ripples.coordinator.config import RunSettings
-from ripples.coordinator.core import CoordinatorCore
+from ripples.coordinator.history import RunHistory
 from ripples.coordinator.http import build_app
+from ripples.coordinator.runs import RunsService
 from ripples.coordinator.service import CoordinatorService
-from ripples.coordinator.state_store import StateStore
 from ripples.http_server import HttpEndpoint, bind
 from ripples.loop_thread import LoopThreadService, serve_until_signal
 from ripples.rpc import SERVER_OPTIONS
@@ -47,12 +44,15 @@ class ServerConfig:
     advertise_host: str = ""
     """Address workers use to reach the store (default: this host's name, or 127.0.0.1
     when listening on loopback)."""
-    run: RunSettings = field(default_factory=RunSettings)
+    run: RunSettings | None = field(default_factory=RunSettings)
+    """A run to submit at the start (the one-run form), unless the state dir holds runs
+    already; None: start with no run (`ripples submit` adds them)."""
     exit_when_done: bool = False
-    """serve(): return once the run stopped and every worker left."""
+    """serve(): return once every run submitted has ended and its workers left."""
     state_dir: str = ""
-    """Keep the run's state here (SQLite); a coordinator started again on the same dir
-    resumes the run it holds (its settings win over `run`)."""
+    """Keep the runs here (SQLite: history.db, runs/<id>/); a coordinator started again
+    on the same dir resumes the active run (its saved settings win over `run`) and the
+    queue."""
     resume_workers: bool = False
     """With a state dir that holds a run: its workers are gone too (a total failure); a
     new set registers and continues their ranks (`ripples run --resume`)."""
@@ -104,38 +104,35 @@ class CoordinatorServer(LoopThreadService):
         self.port = 0
         self.store_port = 0
         self.metrics_port = 0
-        self.service: CoordinatorService | None = None
+        self.runs: RunsService | None = None
         self._store: object | None = None
 
     async def _main(self) -> None:
         import torch.distributed as dist  # heavy import, only when serving
 
         cfg = self.config
-        state = StateStore(cfg.state_dir) if cfg.state_dir else None
+        history = RunHistory(cfg.state_dir or None)
+        incarnation = history.meta("incarnation") + 1
+        history.set_meta("incarnation", incarnation)
         # The same store port after a restart: the workers reconnect where it was (new
         # workers of a resumed run learn it when they register).
-        reuse = state is not None and not cfg.resume_workers
-        store_port = cfg.store_port or (state.store_port if reuse else 0)  # type: ignore[union-attr]
+        reuse = bool(cfg.state_dir) and not cfg.resume_workers
+        store_port = cfg.store_port or (history.meta("store_port") if reuse else 0)
         try:
             self._store = dist.TCPStore(cfg.host, store_port, is_master=True,
                                         wait_for_workers=False, use_libuv=True)
         except (RuntimeError, OSError) as err:
+            history.close()
             raise OSError(f"cannot open the rendezvous store on {cfg.host}:{store_port}: "
                           f"{err}; pick another --store-port") from err
         self.store_port = self._store.port  # type: ignore[attr-defined]
-        core, incarnation, saved = self._core(state)
-        if state is not None:
-            state.store_port = self.store_port
-        self.service = CoordinatorService(core, store_host=_advertised(cfg),
-                                          store_port=self.store_port, state=state,
-                                          incarnation=incarnation, store=self._store)
-        if saved is not None:
-            self.service.metrics_targets = {int(k): v for k, v in
-                                            saved.get("metrics_targets", {}).items()}
-            self.service._note_run_state()
+        history.set_meta("store_port", self.store_port)
+        self.runs = RunsService(history, state_dir=cfg.state_dir, store=self._store,
+                                store_host=_advertised(cfg), store_port=self.store_port,
+                                incarnation=incarnation, resume_workers=cfg.resume_workers)
         server = grpc.aio.server(options=SERVER_OPTIONS,
                                  interceptors=cfg.security.interceptors())
-        pb_grpc.add_CoordinatorServicer_to_server(self.service, server)
+        pb_grpc.add_CoordinatorServicer_to_server(self.runs, server)
         health = Health(server)
         address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
         credentials = cfg.security.credentials()
@@ -147,50 +144,40 @@ class CoordinatorServer(LoopThreadService):
         metrics_socket = bind(cfg.host, cfg.metrics_port, what="metrics",
                               option="--metrics-port")
         await server.start()
-        app = build_app(self.service.metrics.registry, self.service.discovery)
+        runs = self.runs
+        app = build_app(lambda: runs.active.service.metrics.registry if runs.active else None,
+                        runs.discovery)
         http = HttpEndpoint(HttpTokenGate(app, (cfg.security.token, cfg.security.read_token)),
                             metrics_socket, what="metrics endpoint")
         self.metrics_port = http.port
-        self.service.metrics_address = f"{_advertised(cfg)}:{http.port}"
+        runs.metrics_address = f"{_advertised(cfg)}:{http.port}"
         await http.start()
-        self.service.start_background()
+        await runs.start(cfg.run)
+        if runs.active is not None:  # the settings of the run it serves (resumed: saved)
+            cfg.run = runs.active.service.core.settings
         await health.set_serving(True)
-        logger.info("coordinator listening on %s:%d (%s; store %d, metrics %d), protocol %s, "
-                    "%d workers", cfg.host, self.port, cfg.security.describe(),
-                    self.store_port, self.metrics_port, cfg.run.protocol, cfg.run.num_workers)
+        logger.info("coordinator listening on %s:%d (%s; store %d, metrics %d)%s",
+                    cfg.host, self.port, cfg.security.describe(), self.store_port,
+                    self.metrics_port, f", run {runs.active.info.run_id}" if runs.active
+                    else ", no run yet")
         try:
             await self._until_stopped()
         finally:
             await health.set_serving(False)
-            await self.service.close()
+            await runs.close()
             await http.stop()
             await server.stop(grace=1.0)
+            runs.release()
+            self._store = None  # its port is free for the next start (the last reference)
 
-    def _core(self, state: StateStore | None) -> tuple[
-            CoordinatorCore, int, dict[str, Any] | None]:
-        """A new run's core, or the state dir's run resumed. Returns (core, incarnation,
-        the saved state it resumed, if any)."""
-        now = time.monotonic()
-        if state is None:
-            return CoordinatorCore(self.config.run, now=now), 1, None
-        incarnation = state.next_incarnation()
-        saved = state.load()
-        if saved is None:
-            return CoordinatorCore(self.config.run, now=now), incarnation, None
-        core = snapshot.restore(saved, now, incarnation, wall=time.time(),
-                                resume=self.config.resume_workers)
-        self.config.run = core.settings
-        live = len(core.live())
-        logger.warning("resumed run %s from %s (incarnation %d): %d live workers, %.0f "
-                       "mean iterations%s", core.settings.run_id, state.path, incarnation,
-                       live, core.mean_iterations(),
-                       f"; stopped: {core.stop_reason}" if core.stopped else "")
-        return core, incarnation, saved
+    @property
+    def service(self) -> CoordinatorService | None:
+        """The active run's service (or the last run's once it ended)."""
+        return self.runs.last_service if self.runs is not None else None
 
     def run_finished(self) -> bool:
-        """True once the run stopped and no worker is still live."""
-        svc = self.service
-        return svc is not None and svc.core.stopped and not svc.core.live()
+        """True once every run submitted so far has ended (stopped, workers gone)."""
+        return self.runs is not None and self.runs.finished()
 
     @property
     def address(self) -> str:
@@ -203,11 +190,12 @@ class CoordinatorServer(LoopThreadService):
 
 
 def serve(config: ServerConfig) -> int:
-    """Serve until SIGINT/SIGTERM (or, with exit_when_done, until the run is over)."""
+    """Serve until SIGINT/SIGTERM (or, with exit_when_done, until the runs ended)."""
     server = CoordinatorServer(config).start()
-    print(f"ripples coordinator listening on {server.address} "
-          f"(protocol {config.run.protocol}, waiting for {config.run.num_workers} workers); "
-          f"metrics and Prometheus discovery on http://{server.metrics_address}/sd",
-          flush=True)
+    run = config.run
+    what = (f"protocol {run.protocol}, waiting for {run.num_workers} workers" if run
+            else "no run yet: `ripples submit` adds one")
+    print(f"ripples coordinator listening on {server.address} ({what}); metrics and "
+          f"Prometheus discovery on http://{server.metrics_address}/sd", flush=True)
     return serve_until_signal(
         server, lambda: config.exit_when_done and server.run_finished())

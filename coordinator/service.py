@@ -691,8 +691,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def StopRun(self, request: pb.StopRunRequest, context: grpc.aio.ServicerContext
                       ) -> pb.StopRunReply:
-        reason = request.reason or "stopped by request"
-        self._resolve(self.core.stop(reason, self.clock()))
+        await self.stop(request.reason or "stopped by request")
+        return pb.StopRunReply()
+
+    async def stop(self, reason: str, *, failure: bool = False) -> None:
+        """Stop the run (an operator, or a failure the service saw: see core.stop)."""
+        self._resolve(self.core.stop(reason, self.clock(), failure=failure))
         await self.save_state()
         logger.info("run stopped: %s", reason)
-        return pb.StopRunReply()

@@ -1,7 +1,10 @@
 """The dashboard: a FastAPI app that reads the coordinator over gRPC.
 
     GET /                   the live page (server-rendered HTML + vendored vanilla JS)
-    GET /api/status         the current snapshot (see Snapshot)
+    GET /runs/{run_id}      one run's page: live, or from the history once it ended
+    GET /api/status         the active run's current snapshot (see Snapshot)
+    GET /api/runs           every run of the coordinator service, and its host agents
+    GET /api/runs/{run_id}  one run's snapshot
     GET /api/workers/{id}   one worker
     GET /api/loss           the mean training-loss curve, optionally since a time
     GET /api/events         server-sent events: one `status` event per new snapshot
@@ -38,7 +41,8 @@ from fastapi.responses import (
 )
 from fastapi.staticfiles import StaticFiles
 
-from ripples.dashboard.models import LossPoint, Snapshot, WorkerView
+from ripples.coordinator.history import agent_summary, summary
+from ripples.dashboard.models import LossPoint, RunList, Snapshot, WorkerView
 from ripples.dashboard.view import RunView, disconnected
 from ripples.guarded import guarded_loop
 from ripples.rpc import aio_channel, describe_rpc_error, parse_target
@@ -84,6 +88,9 @@ class StatusPoller:
         self.snapshot: dict[str, Any] = disconnected(
             f"coordinator at {config.coordinator} not asked yet", None)
         self.version = 0
+        self.runs: dict[str, Any] = {"connected": False, "error": "not asked yet", "runs": [],
+                                     "agents": []}
+        """The coordinator service's runs and agents, as last seen (/api/runs)."""
         self._changed = asyncio.Condition()
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
@@ -106,12 +113,21 @@ class StatusPoller:
         if self._channel is not None:
             await self._channel.close()
 
+    @property
+    def stub(self) -> pb_grpc.CoordinatorStub:
+        assert self._channel is not None, "start() first"
+        return pb_grpc.CoordinatorStub(self._channel)
+
     async def poll_once(self) -> None:
-        assert self._channel is not None
-        stub = pb_grpc.CoordinatorStub(self._channel)
+        stub = self.stub
         try:
             status = await stub.GetRunStatus(pb.RunStatusRequest(),
                                              timeout=self.config.rpc_timeout_seconds)
+            listing = await stub.ListRuns(pb.ListRunsRequest(),
+                                          timeout=self.config.rpc_timeout_seconds)
+            self.runs = {"connected": True, "error": "",
+                         "runs": [summary(r) for r in listing.runs],
+                         "agents": [agent_summary(a) for a in listing.agents]}
             snapshot = self.view.update(status, time.monotonic())
         except grpc.RpcError as err:
             was_connected = self.snapshot.get("connected")
@@ -119,6 +135,7 @@ class StatusPoller:
                                     self.snapshot if self.snapshot.get("run") else None)
             if was_connected:
                 logger.warning("%s", snapshot["error"])
+            self.runs = {**self.runs, "connected": False, "error": snapshot["error"]}
         snapshot["coordinator"] = self.config.coordinator
         snapshot["updated_at"] = time.time()
         async with self._changed:
@@ -198,9 +215,34 @@ def create_app(config: DashboardConfig) -> FastAPI:
     async def healthz() -> str:
         return "ok\n"
 
-    @app.get("/api/status", response_model=Snapshot, summary="The run as last seen")
+    @app.get("/runs/{run_id}", response_class=HTMLResponse, include_in_schema=False)
+    async def run_page(run_id: str) -> str:
+        return index_html  # the script reads the run id from the address
+
+    @app.get("/api/status", response_model=Snapshot, summary="The active run as last seen")
     async def status() -> dict[str, Any]:
         return poller.snapshot
+
+    @app.get("/api/runs", response_model=RunList,
+             summary="Every run of the coordinator service (newest first) and its agents")
+    async def runs() -> dict[str, Any]:
+        return poller.runs
+
+    @app.get("/api/runs/{run_id}", response_model=Snapshot,
+             summary="One run: live while it runs, from the history once it ended",
+             responses={404: {"description": "No such run"}})
+    async def run(run_id: Annotated[str, Path(min_length=1, max_length=64)]
+                  ) -> dict[str, Any]:
+        try:
+            found = await poller.stub.GetRunStatus(pb.RunStatusRequest(run_id=run_id),
+                                                   timeout=config.rpc_timeout_seconds)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                raise HTTPException(404, err.details()) from None  # type: ignore[attr-defined]
+            return disconnected(describe_rpc_error(err, config.coordinator), None) | {
+                "coordinator": config.coordinator, "updated_at": time.time()}
+        snapshot = RunView().update(found, time.monotonic())
+        return {**snapshot, "coordinator": config.coordinator, "updated_at": time.time()}
 
     @app.get("/api/workers/{worker_id}", response_model=WorkerView, summary="One worker",
              responses={404: {"description": "No such worker in this run"}})

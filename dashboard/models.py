@@ -10,6 +10,8 @@ from ripples.dashboard.view import MAX_COMPLETE_GRAPH_WORKERS
 
 class RunInfo(BaseModel):
     run_id: str
+    name: str = Field(description="The run's name in the coordinator service")
+    state: str = Field(description="queued, running, finished, failed, stopped or cancelled")
     protocol: str
     task: str
     num_workers: int = Field(description="Workers the run waits for before it starts")
@@ -97,3 +99,45 @@ class Snapshot(BaseModel):
     recent_groups: list[GroupView]
     loss_curve: list[LossPoint]
     worker_loss_curves: dict[str, list[LossPoint]]
+
+
+class RunRow(BaseModel):
+    """One run of the coordinator service's history."""
+
+    run_id: str
+    name: str
+    state: str = Field(description="queued, running, finished, failed, stopped or cancelled")
+    protocol: str
+    workers: int
+    task: str
+    command: list[str]
+    submitted_at: float = Field(description="Unix time")
+    started_at: float | None
+    ended_at: float | None
+    stop_reason: str
+    model_path: str = Field(description="HOST:PATH of the consensus model (empty: none)")
+    queue_position: int | None
+    mean_loss: float
+    mean_iterations: float
+    elapsed_seconds: float
+
+
+class AgentRow(BaseModel):
+    """One host agent."""
+
+    agent_id: int
+    host: str
+    slots: int
+    devices: list[str]
+    memory_bytes: int
+    run_id: str
+    processes: int
+    seen_seconds_ago: float
+    draining: bool
+
+
+class RunList(BaseModel):
+    connected: bool
+    error: str
+    runs: list[RunRow] = Field(description="Newest first")
+    agents: list[AgentRow]

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ripples.coordinator.history import state_name
 from ripples.v1 import coordinator_pb2 as pb
 
 # A worker is flagged slow when its speed falls below this fraction of the median speed.
@@ -107,7 +108,9 @@ class RunView:
             "connected": True,
             "error": "",
             "run": {
-                "run_id": c.run_id, "protocol": c.protocol, "task": c.task,
+                "run_id": c.run_id, "name": status.run.name,
+                "state": state_name(status.run.state) if status.HasField("run") else "",
+                "protocol": c.protocol, "task": c.task or " ".join(status.run.command),
                 "num_workers": c.num_workers, "workers_per_node": c.workers_per_node,
                 "group_size": c.group_generator.group_size,
                 "target_loss": c.target_loss or None,

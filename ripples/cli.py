@@ -1,8 +1,10 @@
 """The `ripples` command: parse, build a config, call the component's entry point.
 
     ripples run ... [-- python train.py ARGS]   coordinator + N local workers, start to summary
-    ripples coordinator serve ...               the gRPC coordinator of a real cluster
+    ripples coordinator serve ...               the gRPC coordinator service of a cluster
+    ripples worker run --agent ...              a host's agent: runs the service's runs
     ripples worker run ... [-- python train.py] one worker, or a host's K workers
+    ripples submit ... [-- python train.py]     queue a run; runs, status, stop, logs
     ripples dashboard serve ...                 the live web dashboard of a run
     ripples schedule ...                        print the static schedule
     ripples chaos ...                           seeded fault-injection trials of real runs
@@ -20,13 +22,14 @@ import os
 import sys
 from pathlib import Path
 
-from ripples import chaos, schedule_command
+from ripples import chaos, schedule_command, service_cli
 from ripples.config_cli import add_dataclass_arguments, dataclass_from_args
 from ripples.config_file import (
     ConfigError,
     command_path,
     config_option,
     effective,
+    flags_given,
     leaf_parsers,
 )
 from ripples.config_file import apply as apply_config
@@ -183,7 +186,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               "workers with `ripples worker run -- python train.py`", file=sys.stderr)
         return 2
     try:
-        run = _run_settings(args)
+        # Run options given (flags, file, environment): the one-run form submits that run
+        # at the start; none: the coordinator starts with no run (`ripples submit`).
+        run = _run_settings(args) if _run_option_dests() & args.options_given else None
         security = ServerSecurity.build(
             token_file=args.token_file, read_token_file=args.read_token_file,
             cert_file=args.tls_cert, key_file=args.tls_key,
@@ -199,6 +204,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def _run_option_dests() -> set[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_run_arguments(parser)
+    return {a.dest for a in parser._actions}
+
+
+def _add_coordinator_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator", default=os.environ.get(ENV_COORDINATOR, ""),
+                        help=f"HOST:PORT of the coordinator (default: ${ENV_COORDINATOR})")
+    parser.set_defaults(needs_coordinator=True)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    return service_cli.cmd_submit(args, _run_settings)
+
+
 def _check_coordinator(address: str) -> None:
     """ValueError unless the coordinator address (option or environment) is HOST:PORT."""
     from ripples.rpc import parse_target
@@ -209,9 +230,11 @@ def _check_coordinator(address: str) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
+    from ripples.worker.agent import run_agent
     from ripples.worker.daemon import (
         RESTART_EXIT_CODE,
         WorkerConfig,
+        agent_config,
         exec_again,
         exit_now,
         install_signal_handlers,
@@ -225,9 +248,16 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         config = dataclass_from_args(WorkerConfig, args)
         if script and config.task:
             raise ValueError("give --task or a script after --, not both")
+        if script and config.agent:
+            raise ValueError("an agent runs the coordinator's runs: give the script to "
+                             "`ripples submit ... -- python train.py`")
+        agent = agent_config(config) if config.agent else None
     except ValueError as err:
         print(f"ripples worker run: error: {err}", file=sys.stderr)
         return 2
+    if agent is not None:
+        _setup_logging(not args.quiet, f"agent[{agent.host}] ")
+        return run_agent(agent)
     if script or config.nproc_per_node > 1:
         _setup_logging(not args.quiet, "host-launcher ")
         return run_host(config, script, args.quiet)
@@ -329,7 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     coord = sub.add_parser("coordinator", help="the coordinator service")
     coord_sub = coord.add_subparsers(dest="coordinator_command", required=True)
-    serve = coord_sub.add_parser("serve", help="serve one run over gRPC")
+    serve = coord_sub.add_parser(
+        "serve", help="serve runs over gRPC: with run options, that run at once; without, "
+        "the runs `ripples submit` queues (docs/service.md)")
     serve.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
     serve.add_argument("--store-port", type=int, default=0,
@@ -340,16 +372,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--advertise-host", default="",
                        help="address workers use to reach the store (default: host name)")
     serve.add_argument("--state-dir", default="",
-                       help="keep the run's state in DIR/coordinator.db (SQLite); started "
-                            "again on the same DIR, the coordinator resumes that run (its "
-                            "saved settings win over the run options) and workers ride over "
-                            "the restart (see docs/fault-tolerance.md)")
+                       help="keep the runs in DIR (SQLite: DIR/history.db, the active "
+                            "run's state and every run's logs under DIR/runs/); started "
+                            "again on the same DIR, the coordinator resumes the active run "
+                            "(its saved settings win over the run options) and its queue, "
+                            "and workers ride over the restart (docs/fault-tolerance.md)")
     serve.add_argument("--exit-when-done", action="store_true",
-                       help="exit once the run stopped and every worker left")
+                       help="exit once every run submitted has ended and its workers left")
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
     _add_server_security_arguments(serve)
     _add_run_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+    service_cli.add_health_parser(coord_sub, coordinator_option=_add_coordinator_option,
+                                  client_security=_add_client_security_arguments)
 
     worker = sub.add_parser("worker", help="the worker daemon")
     worker_sub = worker.add_subparsers(dest="worker_command", required=True)
@@ -370,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     dserve.add_argument("--quiet", action="store_true", help="log warnings only")
     _add_client_security_arguments(dserve)
     dserve.set_defaults(func=_cmd_dashboard)
+
+    service_cli.add_parsers(
+        sub, coordinator_option=_add_coordinator_option,
+        client_security=_add_client_security_arguments,
+        run_arguments=lambda p: _add_run_arguments(p, defaults={"task": None, "epochs": None}),
+        submit=_cmd_submit)
 
     # Listed for --help; main() hands `ripples bench ...` to the harness's own parser.
     sub.add_parser("bench", add_help=False,
@@ -484,19 +525,22 @@ def main(argv: list[str] | None = None) -> int:
     if separated and not script:
         build_parser().error("nothing after --: give the script, e.g. -- python train.py")
     try:
-        _, args, _, _ = _resolve(argv)
+        leaf, args, _, sources = _resolve(argv)
     except ConfigError as err:
         print(f"ripples: error: {err}", file=sys.stderr)
         return 2
-    if script and args.func not in (_cmd_run, _cmd_worker, _cmd_serve):
+    if script and args.func not in (_cmd_run, _cmd_worker, _cmd_serve, _cmd_submit):
         build_parser().error(f"`ripples {argv[0]}` takes no script after --")
     args.script = script
-    if hasattr(args, "tls_ca"):  # a command that talks to a coordinator as a client
-        try:
+    args.options_given = set(sources) | (flags_given(leaf, argv) if leaf else set())
+    try:
+        if hasattr(args, "tls_ca"):  # a command that talks to a coordinator as a client
             _client_security(args)
-        except ValueError as err:
-            print(f"ripples {argv[0]}: error: {err}", file=sys.stderr)
-            return 2
+        if getattr(args, "needs_coordinator", False):
+            _check_coordinator(args.coordinator)
+    except ValueError as err:
+        print(f"ripples {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
     code: int = args.func(args)
     return code
 

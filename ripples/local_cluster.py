@@ -26,7 +26,7 @@ import torch
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
-from ripples.coordinator.state_store import DB_NAME
+from ripples.coordinator.history import DB_NAME
 from ripples.dashboard.app import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb
@@ -123,6 +123,7 @@ class LocalCluster:
             host="127.0.0.1", port=0, run=run, state_dir=str(self._state_dir),
             resume_workers=cfg.resume))
         self.server.start()
+        assert self.server.config.run is not None  # the one-run form: it has a run
         cfg.run = self.server.config.run  # resumed: the saved run's settings
         client = CoordinatorClient(self.server.address)
         dashboard = None

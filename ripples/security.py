@@ -9,12 +9,12 @@ stays on a private network.
 
 **Tokens.** The coordinator holds a token (`--token-file FILE`, else the file named by
 RIPPLES_TOKEN_FILE, else the value of RIPPLES_TOKEN), and optionally a read-only one
-(`--read-token-file`) that may only read (GetRunStatus, Consensus): a dashboard's. Every
-call carries `authorization: Bearer <token>`; one server interceptor compares it in
-constant time before any handler runs, so a refused call (UNAUTHENTICATED: missing or
-wrong; PERMISSION_DENIED: a read-only token on a call that changes the run) leaves no
-trace in the run. gRPC health checking (grpc.health.v1) needs no token: probes carry
-none, and it tells nothing about the run.
+(`--read-token-file`) that may only read (GetRunStatus, ListRuns, GetLogs, Consensus):
+a dashboard's. Every call carries `authorization: Bearer <token>`; one server
+interceptor compares it in constant time before any handler runs, so a refused call
+(UNAUTHENTICATED: missing or wrong; PERMISSION_DENIED: a read-only token on a call that
+changes the run) leaves no trace in the run. gRPC health checking (grpc.health.v1) needs
+no token: probes carry none, and it tells nothing about the run.
 
 **Clients** find their settings in the environment (RIPPLES_TOKEN_FILE or RIPPLES_TOKEN,
 RIPPLES_TLS_CA, RIPPLES_TLS_CLIENT_CERT, RIPPLES_TLS_CLIENT_KEY), which every `ripples`
@@ -49,7 +49,8 @@ ENV_TLS_CLIENT_KEY = "RIPPLES_TLS_CLIENT_KEY"
 
 SERVICE: str = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 """The coordinator's gRPC service, ripples.v1.Coordinator."""
-READ_ONLY_METHODS = frozenset({f"/{SERVICE}/GetRunStatus", f"/{SERVICE}/Consensus"})
+READ_ONLY_METHODS = frozenset(f"/{SERVICE}/{method}" for method in (
+    "GetRunStatus", "Consensus", "ListRuns", "GetLogs"))
 """What a read-only token may call: the run's status and its consensus model."""
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 """Calls that need no token (probes)."""
@@ -110,6 +111,9 @@ class ClientSecurity:
     cert_file: str = ""
     """Mutual TLS: this client's certificate (with key_file)."""
     key_file: str = ""
+    server_name: str = ""
+    """TLS: the name to check the coordinator's certificate for, when the address does
+    not carry it (a probe that dials 127.0.0.1; empty: the address's host)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ClientSecurity:
@@ -150,6 +154,8 @@ class ClientSecurity:
     def channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.Channel:
         """A blocking channel to `target` with this security."""
         self._warn_plaintext(target)
+        if self.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
         channel = (grpc.secure_channel(target, self._credentials(), options=options)
                    if self.tls else grpc.insecure_channel(target, options=options))
         if not self.token:
@@ -251,7 +257,7 @@ class ServerSecurity:
 
     token: str = field(default="", repr=False)
     read_token: str = field(default="", repr=False)
-    """A read-only token (GetRunStatus, Consensus): for dashboards."""
+    """A read-only token (GetRunStatus, ListRuns, GetLogs, Consensus): for dashboards."""
     cert_file: str = ""
     """TLS: the coordinator's certificate chain (with key_file)."""
     key_file: str = ""

@@ -9,7 +9,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -88,7 +88,7 @@ class CoordinatorClient:
 
     def register(self, host: str, local_rank: int, device: str, pid: int, *,
                  metrics_port: int = 0, metrics_host: str = "",
-                 vacancy_timeout_seconds: float = 0.0) -> pb.RegisterReply:
+                 vacancy_timeout_seconds: float = 0.0, run_id: str = "") -> pb.RegisterReply:
         """Register; a replacement for an elastic run that has all its workers now
         (RESOURCE_EXHAUSTED: a dead member's lease has not expired yet; a lock-step run
         until a restart round opens) asks again, with back-off, for up to
@@ -96,7 +96,8 @@ class CoordinatorClient:
         (UNAVAILABLE: restarting from its state dir; a chaos trial's replacement died of
         it)."""
         req = pb.RegisterRequest(host=host, local_rank=local_rank, device=device, pid=pid,
-                                 metrics_port=metrics_port, metrics_host=metrics_host)
+                                 metrics_port=metrics_port, metrics_host=metrics_host,
+                                 run_id=run_id)
         deadline = time.monotonic() + vacancy_timeout_seconds
         pause = 0.2
         while True:
@@ -189,10 +190,47 @@ class CoordinatorClient:
         assert isinstance(reply, pb.CheckpointReply)
         return reply
 
-    def run_status(self) -> pb.RunStatus:
-        reply = self._call(self._stub.GetRunStatus, pb.RunStatusRequest(), self.rpc_timeout)
+    def run_status(self, run_id: str = "") -> pb.RunStatus:
+        """The status of a run (default: the active one, else the newest)."""
+        reply = self._call(self._stub.GetRunStatus, pb.RunStatusRequest(run_id=run_id),
+                           self.rpc_timeout)
         assert isinstance(reply, pb.RunStatus)
         return reply
+
+    # ------------------------------------------------------------------ the service's runs
+    def submit_run(self, options_json: str, *, name: str = "", command: list[str] | None = None,
+                   workdir: str = "") -> pb.RunInfo:
+        req = pb.SubmitRunRequest(options_json=options_json, name=name, command=command or [],
+                                  workdir=workdir)
+        reply = self._call(self._stub.SubmitRun, req, self.rpc_timeout, retry=False)
+        assert isinstance(reply, pb.RunInfo)
+        return reply
+
+    def list_runs(self) -> pb.RunList:
+        reply = self._call(self._stub.ListRuns, pb.ListRunsRequest(), self.rpc_timeout)
+        assert isinstance(reply, pb.RunList)
+        return reply
+
+    def agent_poll(self, request: pb.AgentPollRequest) -> pb.AgentReply:
+        """An agent's long-poll (the reply may take request.timeout_seconds)."""
+        reply = self._call(self._stub.AgentPoll, request,
+                           request.timeout_seconds + self.rpc_timeout, retry=False)
+        assert isinstance(reply, pb.AgentReply)
+        return reply
+
+    def push_logs(self, batch: pb.LogBatch) -> None:
+        self._call(self._stub.PushLogs, batch, self.rpc_timeout, retry=False)
+
+    def logs(self, run_id: str, *, worker: str = "", follow: bool = False, tail: int = 0,
+             timeout_seconds: float | None = None) -> Iterator[pb.LogBatch]:
+        """A run's worker output, batch by batch; with `follow`, until the run ends (or
+        `timeout_seconds`)."""
+        req = pb.GetLogsRequest(run_id=run_id, worker=worker, follow=follow, tail=tail)
+        try:
+            yield from self._stub.GetLogs(req, timeout=timeout_seconds)
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            raise CoordinatorCallError(describe_rpc_error(err, self.target), code) from err
 
     def final_group(self, worker_id: int, timeout_seconds: float) -> pb.GroupReply:
         """The final average's group, once every live worker asked (or the timeout)."""
@@ -201,8 +239,10 @@ class CoordinatorClient:
         assert isinstance(reply, pb.GroupReply)
         return reply
 
-    def stop_run(self, reason: str) -> None:
-        self._call(self._stub.StopRun, pb.StopRunRequest(reason=reason), self.rpc_timeout)
+    def stop_run(self, reason: str, run_id: str = "") -> None:
+        """Stop a run (default: the active one); a queued run is cancelled."""
+        self._call(self._stub.StopRun, pb.StopRunRequest(reason=reason, run_id=run_id),
+                   self.rpc_timeout)
 
     def close(self) -> None:
         self._channel.close()

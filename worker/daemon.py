@@ -22,7 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripples.worker.launch_env import CheckpointOptions, LaunchEnv, default_host
+from ripples.worker.agent import AgentConfig
+from ripples.worker.launch_env import ENV_RUN_ID, CheckpointOptions, LaunchEnv, default_host
 from ripples.worker.process_launcher import (
     RESTART_EXIT_CODE,
     WorkerProcesses,
@@ -75,6 +76,13 @@ class WorkerConfig:
     """How long to wait for every expected worker to register, and to be ready."""
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     """--checkpoint-dir, --checkpoint-every, --keep-checkpoints (ripples.Checkpointer)."""
+    agent: bool = False
+    """Run as this host's long-lived agent: work for the coordinator service's runs one
+    after another, --nproc-per-node workers each (one per device), restarting failed ones
+    per the run's max_restarts, streaming their output for `ripples logs`; SIGTERM drains
+    (docs/service.md)."""
+    output_dir: str = "ripples-agent"
+    """--agent: each run's checkpoints and final models go to OUTPUT_DIR/<run id>/."""
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -94,7 +102,8 @@ class WorkerConfig:
             metrics_bind=self.metrics_bind, metrics_host=self.metrics_host,
             save_model=self.save_model, save_record=self.save_record, slowdown=self.slowdown,
             connect_timeout_seconds=self.connect_timeout_seconds,
-            start_timeout_seconds=self.start_timeout_seconds, checkpoint=self.checkpoint)
+            start_timeout_seconds=self.start_timeout_seconds, checkpoint=self.checkpoint,
+            run_id=os.environ.get(ENV_RUN_ID, ""))  # a host agent's child: its run
         env.validate()
         return env
 
@@ -134,6 +143,25 @@ def run_worker(config: WorkerConfig) -> int:
         if PROCESS_RESTART.pending:  # a restart round (a failed start included)
             code = RESTART_EXIT_CODE
     return code
+
+
+def agent_config(config: WorkerConfig) -> AgentConfig:
+    """The host agent of `ripples worker run --agent` (ValueError for options it cannot
+    take: a run's task or script comes from the coordinator)."""
+    if config.task:
+        raise ValueError("an agent runs the coordinator's runs: drop --task (give it to "
+                         "`ripples submit`)")
+    if config.local_rank or config.save_model or config.save_record or config.slowdown:
+        raise ValueError("an agent sets each worker's --local-rank, --save-model and "
+                         "--save-record itself, and takes no --slowdown")
+    env = config.launch_env()
+    return AgentConfig(
+        coordinator=config.coordinator, host=env.host, slots=config.nproc_per_node,
+        output_dir=Path(config.output_dir).absolute(), device=config.device,
+        metrics_port=config.metrics_port, metrics_bind=config.metrics_bind,
+        metrics_host=config.metrics_host, num_threads=config.num_threads,
+        connect_timeout_seconds=config.connect_timeout_seconds,
+        start_timeout_seconds=config.start_timeout_seconds)
 
 
 def run_host(config: WorkerConfig, script: list[str], quiet: bool) -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from ripples.rpc import parse_target
 
 ENV_COORDINATOR = "RIPPLES_COORDINATOR"
+ENV_RUN_ID = "RIPPLES_RUN_ID"
 
 _RIPPLES_VARIABLES = {
     "host": "RIPPLES_HOST",
@@ -44,6 +45,7 @@ _RIPPLES_VARIABLES = {
     "slowdown": "RIPPLES_SLOWDOWN",
     "connect_timeout_seconds": "RIPPLES_CONNECT_TIMEOUT_SECONDS",
     "start_timeout_seconds": "RIPPLES_START_TIMEOUT_SECONDS",
+    "run_id": ENV_RUN_ID,
 }
 """LaunchEnv field -> the environment variable that sets it."""
 
@@ -189,6 +191,9 @@ class LaunchEnv:
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     """Where and how often ripples.Checkpointer saves (RIPPLES_CHECKPOINT_DIR,
     RIPPLES_CHECKPOINT_EVERY, RIPPLES_KEEP_CHECKPOINTS)."""
+    run_id: str = ""
+    """The run this process was started for (RIPPLES_RUN_ID, set by a host agent): a
+    coordinator serving another run refuses it. Empty: whichever run is active."""
 
     @property
     def distributed(self) -> bool:

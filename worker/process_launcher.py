@@ -15,9 +15,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import IO
 
-from ripples.worker.launch_env import ENV_COORDINATOR, LaunchEnv
+from ripples.worker.launch_env import ENV_COORDINATOR, ENV_RUN_ID, LaunchEnv
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ def launch_environment(env: LaunchEnv, *, rank: int | None,
     }
     optional = {"RIPPLES_DEVICE": env.device, "RIPPLES_METRICS_HOST": env.metrics_host,
                 "RIPPLES_SAVE_MODEL": env.save_model, "RIPPLES_SAVE_RECORD": env.save_record,
-                "RIPPLES_SLOWDOWN": env.slowdown}
+                "RIPPLES_SLOWDOWN": env.slowdown, ENV_RUN_ID: env.run_id}
     variables.update({k: v for k, v in optional.items() if v})
     variables.update(env.checkpoint.environment())
     if env.num_threads:
@@ -116,7 +118,10 @@ class _Child:
     process: subprocess.Popen[bytes]
     argv: list[str]
     env: dict[str, str]
+    cwd: str | None = None
     restarts: int = 0
+    failures: int = 0
+    """Of the restarts, those after the child failed (max_failure_restarts bounds them)."""
 
 
 @dataclass
@@ -124,40 +129,71 @@ class WorkerProcesses:
     """Child processes started together and watched until every one has ended."""
 
     children: list[_Child] = field(default_factory=list)
+    capture: Callable[[str, IO[bytes]], None] | None = None
+    """Take each child's output (stdout and stderr as one pipe) instead of letting it share
+    this process's: called with the child's name and the pipe at every start (a host
+    agent streams it to the coordinator)."""
+    max_failure_restarts: int = 0
+    """Start a child that failed (a non-zero exit, not a restart round's) again, at most
+    this often (a host agent: the run's max_restarts)."""
     _signals: int = 0
 
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def start(self, name: str, argv: list[str], env: dict[str, str],
+              cwd: str | None = None) -> None:
         # A process group of its own (a terminal's Ctrl-C then reaches this process only),
         # not a session of its own: with the kernel's autogroup scheduling (on by default
         # on desktops and here), every session is scheduled as one unit, and workers in
         # sessions of their own got unequal CPU shares (measured with a2cid2 on digits,
         # 4 workers on 2 cores: 174-1490 steps each in one run instead of 783-825, and a
         # quarter of the pairwise exchanges).
-        self.children.append(_Child(name, self._popen(argv, env), argv, env))
+        self.children.append(_Child(name, self._popen(name, argv, env, cwd), argv, env, cwd))
 
-    @staticmethod
-    def _popen(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(argv, env=env, process_group=0)
+    def _popen(self, name: str, argv: list[str], env: dict[str, str],
+               cwd: str | None) -> subprocess.Popen[bytes]:
+        if self.capture is None:
+            return subprocess.Popen(argv, env=env, cwd=cwd, process_group=0)
+        process = subprocess.Popen(argv, env=env, cwd=cwd, process_group=0,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert process.stdout is not None
+        self.capture(name, process.stdout)
+        return process
 
     def restart_ordered(self) -> list[str]:
         """Start again every child that ended with RESTART_EXIT_CODE (a restart round of
-        its lock-step run; not after a signal was passed on): the names restarted."""
+        its lock-step run), or failed within max_failure_restarts; not after a signal was
+        passed on: the names restarted."""
         restarted = []
         for c in self.children:
             if self.will_restart(c):
+                code = c.process.returncode
                 c.restarts += 1
-                c.process = self._popen(c.argv, c.env)
+                if code != RESTART_EXIT_CODE:
+                    c.failures += 1
+                    logger.warning("%s %s; starting it again (failure %d of at most %d)",
+                                   c.name, describe_exit(code), c.failures,
+                                   self.max_failure_restarts)
+                else:
+                    logger.info("%s restarts (restart %d): it registers anew and restores "
+                                "the run's last checkpoint", c.name, c.restarts)
+                c.process = self._popen(c.name, c.argv, c.env, c.cwd)
                 restarted.append(c.name)
-                logger.info("%s restarts (restart %d): it registers anew and restores the "
-                            "run's last checkpoint", c.name, c.restarts)
         return restarted
 
     def will_restart(self, child: _Child) -> bool:
-        """The child ended for a restart round and `restart_ordered` starts it again (not
-        after a signal was passed on, nor past MAX_PROCESS_RESTARTS): not a failure, and
-        not the child's end."""
-        return (child.process.poll() == RESTART_EXIT_CODE and not self._signals
-                and child.restarts < MAX_PROCESS_RESTARTS)
+        """`restart_ordered` starts the child again: it ended for a restart round (up to
+        MAX_PROCESS_RESTARTS), or failed (up to max_failure_restarts), and no signal was
+        passed on. Not the child's end."""
+        code = child.process.poll()
+        if code is None or self._signals:
+            return False
+        if code == RESTART_EXIT_CODE:
+            return child.restarts < MAX_PROCESS_RESTARTS
+        return code != 0 and child.failures < self.max_failure_restarts
+
+    @property
+    def signalled(self) -> bool:
+        """A signal was passed on to the children."""
+        return self._signals > 0
 
     def alive(self) -> bool:
         return any(c.process.poll() is None or self.will_restart(c) for c in self.children)
@@ -182,10 +218,12 @@ class WorkerProcesses:
                     pass
 
     def terminate(self, grace_seconds: float = TERMINATE_GRACE_SECONDS) -> None:
-        """Stop every child that still runs: SIGTERM, then SIGKILL after the grace time."""
+        """Stop every child that still runs: SIGTERM (unless a signal was passed on
+        already), then SIGKILL after the grace time."""
         if not self.alive():
             return
-        self.pass_signal(signal.SIGTERM)
+        if not self._signals:
+            self.pass_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_seconds
         while self.alive() and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)

@@ -88,7 +88,8 @@ class Session:
                         if env.metrics_port >= 0 else 0)
         reg = self.client.register(env.host, env.local_rank, str(self.device), os.getpid(),
                                    metrics_port=metrics_port, metrics_host=env.metrics_host,
-                                   vacancy_timeout_seconds=env.start_timeout_seconds)
+                                   vacancy_timeout_seconds=env.start_timeout_seconds,
+                                   run_id=env.run_id)
         self.worker_id, self.config = reg.worker_id, reg.config
         self._store_address = (reg.store_host, reg.store_port)
         self.client.outage_seconds = self.config.coordinator_outage_seconds
@@ -114,10 +115,13 @@ class Session:
         host, port = self._store_address
         generation = self.membership.generation
 
+        run_id = self.config.run_id
+
         def connect() -> dist.Store:
-            store = connect_store(host, port, timeout)
-            # After a restart round, every key lives under the round's generation: the
-            # keys of the processes before the restart stay in the store.
+            # The coordinator's store serves its runs one after another: each run's keys
+            # live under its id. After a restart round, every key lives under the round's
+            # generation: the keys of the processes before the restart stay in the store.
+            store = dist.PrefixStore(f"run/{run_id}/", connect_store(host, port, timeout))
             return dist.PrefixStore(f"g{generation}/", store) if generation else store
 
         self.store = connect()

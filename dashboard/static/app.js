@@ -215,8 +215,12 @@ function drawHeader(s) {
     banner.hidden = false; banner.textContent = `${s.error} — retrying; showing the last known state`;
   }
   const r = s.run;
+  if (r && RUN_PAGE && ENDED.has(r.state)) {  // a finished run, read from the history
+    badge.className = "badge pending"; badge.textContent = r.state;
+  }
   document.getElementById("run-info").textContent = r
-    ? `${r.protocol} · ${r.task} · ${s.workers.length}/${r.num_workers} workers · ` +
+    ? (r.name ? `${r.name} (${r.run_id}) · ${r.state} · ` : "") +
+      `${r.protocol} · ${r.task} · ${s.workers.length}/${r.num_workers} workers · ` +
       (r.started ? `${fmt(r.elapsed_seconds, 1)} s` : "waiting for workers") +
       ` · mean loss ${fmt(r.mean_loss, 4)}` + (r.target_loss ? ` (target ${r.target_loss})` : "") +
       (r.stopped ? ` · stopped: ${r.stop_reason}` : "") + ` · coordinator ${s.coordinator}`
@@ -249,5 +253,63 @@ function connect() {
   };
 }
 
+// The runs of the coordinator service: a table of links to each run's page.
+function drawRuns(list) {
+  const body = document.querySelector("#runs tbody");
+  body.replaceChildren();
+  for (const r of list.runs) {
+    const tr = document.createElement("tr");
+    tr.className = `run-${r.state}`;
+    tr.dataset.runId = r.run_id;
+    const link = document.createElement("a");
+    link.href = `/runs/${encodeURIComponent(r.run_id)}`;
+    link.textContent = r.run_id;
+    const when = new Date(r.submitted_at * 1000).toLocaleString();
+    const state = r.state + (r.queue_position ? ` #${r.queue_position}` : "");
+    const cells = [link, r.name, state, r.protocol, r.workers, when,
+                   r.elapsed_seconds ? `${fmt(r.elapsed_seconds, 1)} s` : "–",
+                   r.mean_loss ? fmt(r.mean_loss, 4) : "–", r.stop_reason || "–"];
+    for (const c of cells) {
+      const td = document.createElement("td");
+      if (c instanceof Node) td.append(c); else td.textContent = String(c);
+      tr.append(td);
+    }
+    if (RUN_PAGE === r.run_id) tr.classList.add("current");
+    body.append(tr);
+  }
+  document.getElementById("agents").textContent = list.agents.length
+    ? "Host agents: " + list.agents.map((a) => `${a.host} (${a.slots} slots` +
+      (a.run_id ? `, run ${a.run_id}` : ", idle") + (a.draining ? ", draining" : "") + ")").join(", ")
+    : (list.runs.length ? "No host agent is connected." : "No runs yet: `ripples submit` adds one.");
+}
+
+async function pollRuns() {
+  try {
+    const response = await fetch("/api/runs");
+    if (response.ok) drawRuns(await response.json());
+  } catch (err) { /* the dashboard is unreachable: the status badge says so */ }
+  setTimeout(pollRuns, 2000);
+}
+
+// A run's own page (/runs/ID): read it every 2 s until it ended, then keep what the
+// history holds (no live stream: the active run's live page is /).
+async function pollRun() {
+  let ended = false;
+  try {
+    const response = await fetch(`/api/runs/${encodeURIComponent(RUN_PAGE)}`);
+    if (response.status === 404) {
+      document.getElementById("run-info").textContent = `no run ${RUN_PAGE}`;
+      return;
+    }
+    const s = await response.json();
+    render(s);
+    ended = s.run !== null && ENDED.has(s.run.state);
+  } catch (err) { /* retried below */ }
+  if (!ended) setTimeout(pollRun, 2000);
+}
+
+const ENDED = new Set(["finished", "failed", "stopped", "cancelled"]);
+const RUN_PAGE = (location.pathname.match(/^\/runs\/([^/]+)$/) || [null, null])[1];
 window.addEventListener("resize", () => lastSnapshot && drawLoss(lastSnapshot));
-connect();
+pollRuns();
+if (RUN_PAGE) pollRun(); else connect();

@@ -16,14 +16,14 @@ from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.dashboard.app import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.security import ServerSecurity
-from tests.integration.test_security import READ_TOKEN, TOKEN, Pki, _make_pki
+from tests.pki import READ_TOKEN, TOKEN, Pki, make_pki
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
 @pytest.fixture
 def secured_dashboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    pki: Pki = _make_pki(tmp_path)
+    pki: Pki = make_pki(tmp_path)
     coordinator = CoordinatorServer(ServerConfig(
         host="127.0.0.1", port=0, run=RunSettings.build(num_workers=2, task="digits"),
         security=ServerSecurity(token=TOKEN, read_token=READ_TOKEN,

@@ -33,6 +33,16 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_LEFT: _ClassVar[WorkerState]
     WORKER_STATE_EXPIRED: _ClassVar[WorkerState]
     WORKER_STATE_FAILED: _ClassVar[WorkerState]
+
+class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
+    RUN_STATE_QUEUED: _ClassVar[RunState]
+    RUN_STATE_RUNNING: _ClassVar[RunState]
+    RUN_STATE_FINISHED: _ClassVar[RunState]
+    RUN_STATE_FAILED: _ClassVar[RunState]
+    RUN_STATE_STOPPED: _ClassVar[RunState]
+    RUN_STATE_CANCELLED: _ClassVar[RunState]
 GROUP_STATE_UNSPECIFIED: GroupState
 GROUP_STATE_PENDING: GroupState
 GROUP_STATE_EXECUTING: GroupState
@@ -51,6 +61,13 @@ WORKER_STATE_REDUCING: WorkerState
 WORKER_STATE_LEFT: WorkerState
 WORKER_STATE_EXPIRED: WorkerState
 WORKER_STATE_FAILED: WorkerState
+RUN_STATE_UNSPECIFIED: RunState
+RUN_STATE_QUEUED: RunState
+RUN_STATE_RUNNING: RunState
+RUN_STATE_FINISHED: RunState
+RUN_STATE_FAILED: RunState
+RUN_STATE_STOPPED: RunState
+RUN_STATE_CANCELLED: RunState
 
 class ConsensusRequest(_message.Message):
     __slots__ = ("timeout_seconds",)
@@ -183,20 +200,22 @@ class LppSettings(_message.Message):
     def __init__(self, updaters: _Optional[int] = ..., averaging: _Optional[str] = ..., sync_period: _Optional[int] = ..., full_fraction: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("host", "local_rank", "device", "pid", "metrics_port", "metrics_host")
+    __slots__ = ("host", "local_rank", "device", "pid", "metrics_port", "metrics_host", "run_id")
     HOST_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_HOST_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     host: str
     local_rank: int
     device: str
     pid: int
     metrics_port: int
     metrics_host: str
-    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., metrics_host: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, host: _Optional[str] = ..., local_rank: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_port: _Optional[int] = ..., metrics_host: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("worker_id", "config", "store_host", "store_port")
@@ -539,11 +558,13 @@ class LossPoint(_message.Message):
     def __init__(self, seconds: _Optional[float] = ..., loss: _Optional[float] = ..., mean_iterations: _Optional[float] = ...) -> None: ...
 
 class RunStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used", "topology_complete", "num_restarts", "restarting")
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used", "topology_complete", "num_restarts", "restarting", "run")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -573,6 +594,7 @@ class RunStatus(_message.Message):
     TOPOLOGY_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     RESTARTING_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     elapsed_seconds: float
@@ -602,7 +624,8 @@ class RunStatus(_message.Message):
     topology_complete: bool
     num_restarts: int
     restarting: str
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ..., topology_complete: _Optional[bool] = ..., num_restarts: _Optional[int] = ..., restarting: _Optional[str] = ...) -> None: ...
+    run: RunInfo
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ..., topology_complete: _Optional[bool] = ..., num_restarts: _Optional[int] = ..., restarting: _Optional[str] = ..., run: _Optional[_Union[RunInfo, _Mapping]] = ...) -> None: ...
 
 class TopologyEdge(_message.Message):
     __slots__ = ("a", "b")
@@ -613,10 +636,12 @@ class TopologyEdge(_message.Message):
     def __init__(self, a: _Optional[int] = ..., b: _Optional[int] = ...) -> None: ...
 
 class StopRunRequest(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "run_id")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, reason: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class StopRunReply(_message.Message):
     __slots__ = ()
@@ -629,3 +654,163 @@ class FinalGroupRequest(_message.Message):
     worker_id: int
     timeout_seconds: float
     def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RunInfo(_message.Message):
+    __slots__ = ("run_id", "name", "state", "submitted_at", "started_at", "ended_at", "stop_reason", "protocol", "num_workers", "task", "command", "workdir", "model_path", "queue_position", "mean_loss", "mean_iterations", "elapsed_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    name: str
+    state: RunState
+    submitted_at: float
+    started_at: float
+    ended_at: float
+    stop_reason: str
+    protocol: str
+    num_workers: int
+    task: str
+    command: _containers.RepeatedScalarFieldContainer[str]
+    workdir: str
+    model_path: str
+    queue_position: int
+    mean_loss: float
+    mean_iterations: float
+    elapsed_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., stop_reason: _Optional[str] = ..., protocol: _Optional[str] = ..., num_workers: _Optional[int] = ..., task: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., model_path: _Optional[str] = ..., queue_position: _Optional[int] = ..., mean_loss: _Optional[float] = ..., mean_iterations: _Optional[float] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
+
+class SubmitRunRequest(_message.Message):
+    __slots__ = ("options_json", "name", "command", "workdir")
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    options_json: str
+    name: str
+    command: _containers.RepeatedScalarFieldContainer[str]
+    workdir: str
+    def __init__(self, options_json: _Optional[str] = ..., name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AgentInfo(_message.Message):
+    __slots__ = ("agent_id", "host", "slots", "devices", "memory_bytes", "run_id", "processes", "seen_seconds_ago", "draining")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    SEEN_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    agent_id: int
+    host: str
+    slots: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    memory_bytes: int
+    run_id: str
+    processes: int
+    seen_seconds_ago: float
+    draining: bool
+    def __init__(self, agent_id: _Optional[int] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., memory_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., processes: _Optional[int] = ..., seen_seconds_ago: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class RunList(_message.Message):
+    __slots__ = ("runs", "agents")
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunInfo]
+    agents: _containers.RepeatedCompositeFieldContainer[AgentInfo]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunInfo, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ...) -> None: ...
+
+class ProcessReport(_message.Message):
+    __slots__ = ("local_rank", "running", "exit_code", "restarts", "model_path")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    running: bool
+    exit_code: int
+    restarts: int
+    model_path: str
+    def __init__(self, local_rank: _Optional[int] = ..., running: _Optional[bool] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class AgentPollRequest(_message.Message):
+    __slots__ = ("agent_id", "host", "slots", "devices", "memory_bytes", "run_id", "processes", "timeout_seconds", "draining")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    agent_id: int
+    host: str
+    slots: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    memory_bytes: int
+    run_id: str
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessReport]
+    timeout_seconds: float
+    draining: bool
+    def __init__(self, agent_id: _Optional[int] = ..., host: _Optional[str] = ..., slots: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., memory_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[ProcessReport, _Mapping]]] = ..., timeout_seconds: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class AgentReply(_message.Message):
+    __slots__ = ("agent_id", "run", "num_processes", "first_local_rank", "max_restarts")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: int
+    run: RunInfo
+    num_processes: int
+    first_local_rank: int
+    max_restarts: int
+    def __init__(self, agent_id: _Optional[int] = ..., run: _Optional[_Union[RunInfo, _Mapping]] = ..., num_processes: _Optional[int] = ..., first_local_rank: _Optional[int] = ..., max_restarts: _Optional[int] = ...) -> None: ...
+
+class LogBatch(_message.Message):
+    __slots__ = ("run_id", "worker", "lines")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    worker: str
+    lines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., worker: _Optional[str] = ..., lines: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PushLogsReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLogsRequest(_message.Message):
+    __slots__ = ("run_id", "worker", "follow", "tail")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    worker: str
+    follow: bool
+    tail: int
+    def __init__(self, run_id: _Optional[str] = ..., worker: _Optional[str] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ...) -> None: ...

@@ -99,6 +99,31 @@ class CoordinatorStub:
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.FromString,
                 _registered_method=True)
+        self.SubmitRun = channel.unary_unary(
+                '/ripples.v1.Coordinator/SubmitRun',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.SubmitRunRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
+                _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/ripples.v1.Coordinator/ListRuns',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunList.FromString,
+                _registered_method=True)
+        self.AgentPoll = channel.unary_unary(
+                '/ripples.v1.Coordinator/AgentPoll',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.AgentPollRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.AgentReply.FromString,
+                _registered_method=True)
+        self.PushLogs = channel.unary_unary(
+                '/ripples.v1.Coordinator/PushLogs',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.PushLogsReply.FromString,
+                _registered_method=True)
+        self.GetLogs = channel.unary_stream(
+                '/ripples.v1.Coordinator/GetLogs',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -207,6 +232,42 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitRun(self, request, context):
+        """Runs as objects of a long-lived coordinator service (docs/service.md). Runs queue;
+        one is active at a time, and every worker RPC above addresses the active run.
+        A finished run stays in the state dir's history: GetRunStatus(run_id) answers it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRuns(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AgentPoll(self, request, context):
+        """Host agents (`ripples worker run --agent`): long-poll for the run this host works
+        for, reporting its processes; the reply names the run and how many processes to run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushLogs(self, request, context):
+        """A run's worker output, sent by the agents, read back by `ripples logs`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLogs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +335,31 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Consensus,
                     request_deserializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.SerializeToString,
+            ),
+            'SubmitRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitRun,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.SubmitRunRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.RunInfo.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.ListRunsRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.RunList.SerializeToString,
+            ),
+            'AgentPoll': grpc.unary_unary_rpc_method_handler(
+                    servicer.AgentPoll,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.AgentPollRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.AgentReply.SerializeToString,
+            ),
+            'PushLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushLogs,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.PushLogsReply.SerializeToString,
+            ),
+            'GetLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetLogs,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -627,6 +713,141 @@ class Coordinator:
             '/ripples.v1.Coordinator/Consensus',
             ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Coordinator/SubmitRun',
+            ripples_dot_v1_dot_coordinator__pb2.SubmitRunRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Coordinator/ListRuns',
+            ripples_dot_v1_dot_coordinator__pb2.ListRunsRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.RunList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AgentPoll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Coordinator/AgentPoll',
+            ripples_dot_v1_dot_coordinator__pb2.AgentPollRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.AgentReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Coordinator/PushLogs',
+            ripples_dot_v1_dot_coordinator__pb2.LogBatch.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.PushLogsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ripples.v1.Coordinator/GetLogs',
+            ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
             options,
             channel_credentials,
             insecure,

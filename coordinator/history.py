@@ -1,0 +1,170 @@
+"""The coordinator service's runs: submitted, active and finished, in SQLite.
+
+`DIR/history.db` (the state dir; an in-memory database without one) holds one row per
+run: what was submitted (the run's options, the script, its name), where the run stands
+(queued, running, finished, failed, stopped, cancelled) and, once it ended, its final
+RunStatus: settings, per-worker records, the bounded loss curve, the stop reason. A
+finished run's dashboard page and `ripples status RUN` render from that row after the
+run's workers are gone. The service's own counters live in the same file (the worker
+ids handed out so far, the coordinator's incarnation, the rendezvous store's port).
+
+Writes are single transactions (WAL, synchronous=NORMAL), as in state_store.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from ripples.v1 import coordinator_pb2 as pb
+
+DB_NAME = "history.db"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT UNIQUE NOT NULL,
+    info BLOB NOT NULL,          -- RunInfo
+    options TEXT NOT NULL,       -- the run's options as submitted (JSON)
+    final_status BLOB            -- RunStatus at the end (NULL until then)
+);
+"""
+ENDED = frozenset({pb.RUN_STATE_FINISHED, pb.RUN_STATE_FAILED, pb.RUN_STATE_STOPPED,
+                   pb.RUN_STATE_CANCELLED})
+STATE_NAMES: dict[int, str] = {
+    pb.RUN_STATE_QUEUED: "queued",
+    pb.RUN_STATE_RUNNING: "running",
+    pb.RUN_STATE_FINISHED: "finished",
+    pb.RUN_STATE_FAILED: "failed",
+    pb.RUN_STATE_STOPPED: "stopped",
+    pb.RUN_STATE_CANCELLED: "cancelled",
+}
+
+
+def state_name(state: int) -> str:
+    return STATE_NAMES.get(state, "unknown")
+
+
+class RunHistory:
+    """Every run of one coordinator service. Thread-safe."""
+
+    def __init__(self, directory: str | Path | None) -> None:
+        self.path = Path(directory) / DB_NAME if directory else None
+        try:
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path) if self.path else ":memory:",
+                                       check_same_thread=False, timeout=10.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as err:
+            raise OSError(f"cannot keep the run history in {self.path}: {err}") from err
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ counters
+    def meta(self, key: str, default: int = 0) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return default if row is None else int(row[0])
+
+    def set_meta(self, key: str, value: int) -> None:
+        with self._lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, str(value)))
+
+    # ------------------------------------------------------------------ runs
+    def add(self, info: pb.RunInfo, options: dict[str, object]) -> None:
+        """A new run (ValueError when its id is taken)."""
+        try:
+            with self._lock, self._db:
+                self._db.execute("INSERT INTO runs (run_id, info, options) VALUES (?, ?, ?)",
+                                 (info.run_id, info.SerializeToString(),
+                                  json.dumps(options)))
+        except sqlite3.IntegrityError as err:
+            raise ValueError(f"a run with id {info.run_id!r} exists already") from err
+
+    def update(self, info: pb.RunInfo, final_status: pb.RunStatus | None = None) -> None:
+        with self._lock, self._db:
+            if final_status is None:
+                self._db.execute("UPDATE runs SET info = ? WHERE run_id = ?",
+                                 (info.SerializeToString(), info.run_id))
+            else:
+                self._db.execute(
+                    "UPDATE runs SET info = ?, final_status = ? WHERE run_id = ?",
+                    (info.SerializeToString(), final_status.SerializeToString(), info.run_id))
+
+    def runs(self) -> list[pb.RunInfo]:
+        """Every run, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT info FROM runs ORDER BY seq").fetchall()
+        return [pb.RunInfo.FromString(info) for (info,) in rows]
+
+    def get(self, run_id: str) -> pb.RunInfo | None:
+        """The run with this id, or with this unique id prefix (as git's short hashes)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT info FROM runs WHERE run_id = ? OR run_id LIKE ? ORDER BY seq",
+                (run_id, run_id.replace("%", "").replace("_", r"\_") + "%")).fetchall()
+        infos = [pb.RunInfo.FromString(info) for (info,) in rows]
+        exact = [i for i in infos if i.run_id == run_id]
+        if exact:
+            return exact[0]
+        named = [i for i in self.runs() if i.name == run_id]
+        if len(named) == 1:
+            return named[0]
+        return infos[0] if len(infos) == 1 else None
+
+    def options(self, run_id: str) -> dict[str, Any]:
+        """The run's options as submitted (RunSettings.build takes them)."""
+        with self._lock:
+            row = self._db.execute("SELECT options FROM runs WHERE run_id = ?",
+                                   (run_id,)).fetchone()
+        if row is None:
+            raise KeyError(run_id)
+        options: dict[str, Any] = json.loads(row[0])
+        return options
+
+    def final_status(self, run_id: str) -> pb.RunStatus | None:
+        with self._lock:
+            row = self._db.execute("SELECT final_status FROM runs WHERE run_id = ?",
+                                   (run_id,)).fetchone()
+        if row is None or row[0] is None:
+            return None
+        return pb.RunStatus.FromString(row[0])
+
+    def queued(self) -> list[pb.RunInfo]:
+        return [i for i in self.runs() if i.state == pb.RUN_STATE_QUEUED]
+
+    def running(self) -> pb.RunInfo | None:
+        active = [i for i in self.runs() if i.state == pb.RUN_STATE_RUNNING]
+        return active[-1] if active else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def summary(info: pb.RunInfo) -> dict[str, object]:
+    """A run's row as JSON-ready data (`ripples runs --json`, the dashboard's list)."""
+    return {
+        "run_id": info.run_id, "name": info.name, "state": state_name(info.state),
+        "protocol": info.protocol, "workers": info.num_workers,
+        "task": info.task, "command": list(info.command),
+        "submitted_at": info.submitted_at, "started_at": info.started_at or None,
+        "ended_at": info.ended_at or None, "stop_reason": info.stop_reason,
+        "model_path": info.model_path, "queue_position": info.queue_position or None,
+        "mean_loss": info.mean_loss, "mean_iterations": info.mean_iterations,
+        "elapsed_seconds": info.elapsed_seconds,
+    }
+
+
+
+def agent_summary(agent: pb.AgentInfo) -> dict[str, object]:
+    """A host agent as JSON-ready data (`ripples runs --json`, the dashboard)."""
+    return {"agent_id": agent.agent_id, "host": agent.host, "slots": agent.slots,
+            "devices": list(agent.devices), "memory_bytes": agent.memory_bytes,
+            "run_id": agent.run_id, "processes": agent.processes,
+            "seen_seconds_ago": round(agent.seen_seconds_ago, 1), "draining": agent.draining}

@@ -1,0 +1,382 @@
+"""Commands of the coordinator service (docs/service.md):
+
+    ripples submit [run options] [-- python train.py]   queue a run
+    ripples runs                                        every run and every host agent
+    ripples status [RUN]                                one run, as the dashboard shows it
+    ripples stop RUN                                    stop a run (cancel a queued one)
+    ripples logs RUN [--worker HOST/LOCAL_RANK]         its workers' output
+    ripples coordinator health                          the gRPC health check (probes)
+
+Each one talks to `--coordinator HOST:PORT` (default: $RIPPLES_COORDINATOR) with the
+client security flags (--token-file, --tls-ca, ...). RUN is a run id, a unique prefix of
+one, or a unique name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ripples.coordinator.history import ENDED, agent_summary, state_name, summary
+from ripples.rpc import CoordinatorCallError
+from ripples.v1 import coordinator_pb2 as pb
+
+WAIT_POLL_SECONDS = 2.0
+
+
+def _client(args: argparse.Namespace):  # -> CoordinatorClient (import kept lazy)
+    from ripples.worker.client import CoordinatorClient
+
+    return CoordinatorClient(args.coordinator)
+
+
+def _fail(command: str, err: Exception, code: int = 1) -> int:
+    print(f"ripples {command}: error: {err}", file=sys.stderr)
+    return code
+
+
+def _when(unix: float) -> str:
+    if not unix:
+        return "-"
+    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _duration(seconds: float) -> str:
+    if seconds <= 0 or not math.isfinite(seconds):
+        return "-"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+def _what(info: pb.RunInfo) -> str:
+    return info.task or " ".join(info.command) or "-"
+
+
+# ---------------------------------------------------------------------------- submit
+def cmd_submit(args: argparse.Namespace, run_settings: Callable[..., object]) -> int:
+    """`run_settings(args, script)`: the run's RunSettings from the run options (cli.py)."""
+    script: list[str] = args.script
+    try:
+        settings = run_settings(args, script)
+    except ValueError as err:
+        return _fail("submit", err, 2)
+    options = settings.options()  # type: ignore[attr-defined]
+    workdir = args.workdir or (str(Path.cwd()) if script else "")
+    client = _client(args)
+    try:
+        info = client.submit_run(json.dumps(options), name=args.name, command=script,
+                                 workdir=workdir)
+        if args.json and not args.wait:
+            print(json.dumps(summary(info), indent=2))
+        else:
+            where = ("starts now" if info.state == pb.RUN_STATE_RUNNING
+                     else f"queued at place {info.queue_position}")
+            print(f"submitted run {info.run_id} ({info.name}): {info.protocol}, "
+                  f"{info.num_workers} workers, {_what(info)}; {where}", flush=True)
+        if not args.wait:
+            return 0
+        return _wait(client, info.run_id, args.json)
+    except CoordinatorCallError as err:
+        return _fail("submit", err, 2 if "bad run" in str(err) else 1)
+    finally:
+        client.close()
+
+
+def _wait(client, run_id: str, as_json: bool) -> int:  # type: ignore[no-untyped-def]
+    """Follow a run until it ends: 0 if it finished, 1 otherwise."""
+    last = ""
+    while True:
+        status = client.run_status(run_id)
+        info = status.run
+        line = (f"{state_name(info.state)}: {_progress(status)}" if info.state
+                not in ENDED else "")
+        if line and line != last:
+            print(line, file=sys.stderr, flush=True)
+            last = line
+        if info.state in ENDED:
+            if as_json:
+                print(json.dumps(summary(info), indent=2))
+            else:
+                print(f"run {info.run_id} {state_name(info.state)}: {info.stop_reason}"
+                      + (f"; model at {info.model_path}" if info.model_path else ""))
+            return 0 if info.state == pb.RUN_STATE_FINISHED else 1
+        time.sleep(WAIT_POLL_SECONDS)
+
+
+def _progress(status: pb.RunStatus) -> str:
+    live = [w for w in status.workers if status.stopped or w.state in (
+        pb.WORKER_STATE_REGISTERED, pb.WORKER_STATE_COMPUTING, pb.WORKER_STATE_WAITING,
+        pb.WORKER_STATE_REDUCING)]
+    if not status.started:
+        return f"{len(live)} of {status.config.num_workers} workers registered"
+    iterations = [w.iteration for w in live] or [0]
+    loss = f", loss {status.mean_loss:.4f}" if status.mean_loss else ""
+    return (f"{len(live)} workers, iterations {min(iterations)}-{max(iterations)}{loss}, "
+            f"{_duration(status.elapsed_seconds)}")
+
+
+# ---------------------------------------------------------------------------- runs
+def cmd_runs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        listing = client.list_runs()
+    except CoordinatorCallError as err:
+        return _fail("runs", err)
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps({"runs": [summary(r) for r in listing.runs],
+                          "agents": [agent_summary(a) for a in listing.agents]}, indent=2))
+        return 0
+    if not listing.runs:
+        print("no runs yet: `ripples submit` adds one")
+    else:
+        rows = [["RUN", "NAME", "STATE", "PROTOCOL", "WORKERS", "SUBMITTED", "TRAINED",
+                 "LOSS", "STOP REASON"]]
+        for r in listing.runs:
+            state = state_name(r.state) + (f" #{r.queue_position}" if r.queue_position else "")
+            rows.append([r.run_id, r.name, state, r.protocol, str(r.num_workers),
+                         _when(r.submitted_at), _duration(r.elapsed_seconds),
+                         f"{r.mean_loss:.4f}" if r.mean_loss else "-", r.stop_reason or "-"])
+        print(_table(rows))
+    if listing.agents:
+        print()
+        rows = [["AGENT", "HOST", "SLOTS", "DEVICES", "RUN", "PROCESSES", "SEEN"]]
+        for a in listing.agents:
+            rows.append([str(a.agent_id), a.host + (" (draining)" if a.draining else ""),
+                         str(a.slots), ",".join(a.devices), a.run_id or "-",
+                         str(a.processes), f"{a.seen_seconds_ago:.0f}s ago"])
+        print(_table(rows))
+    return 0
+
+
+# ---------------------------------------------------------------------------- status
+_WORKER_STATES = {v: k.removeprefix("WORKER_STATE_").lower()
+                  for k, v in pb.WorkerState.items()}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        status = client.run_status(args.run)
+    except CoordinatorCallError as err:
+        return _fail("status", err)
+    finally:
+        client.close()
+    if not status.HasField("run"):
+        print("no runs yet: `ripples submit` adds one")
+        return 0
+    if args.json:
+        print(json.dumps(status_json(status), indent=2))
+        return 0
+    print(render_status(status))
+    return 0
+
+
+def status_json(status: pb.RunStatus) -> dict[str, object]:
+    return {**summary(status.run), "started": status.started, "stopped": status.stopped,
+            "workers": [{"worker_id": w.worker_id, "rank": w.rank, "host": w.host,
+                         "local_rank": w.local_rank, "state": _WORKER_STATES[w.state],
+                         "iteration": w.iteration, "loss": w.loss, "error": w.error}
+                        for w in status.workers],
+            "loss_curve": [[p.seconds, p.loss] for p in status.loss_curve]}
+
+
+def render_status(status: pb.RunStatus) -> str:
+    """The terminal view of a run: what the dashboard's page shows, as text."""
+    info, cfg = status.run, status.config
+    lines = [f"run {info.run_id} ({info.name}): {state_name(info.state)}"]
+    what = info.task or " ".join(info.command)
+    lines.append(f"  {cfg.protocol}, {cfg.num_workers} workers, {what}")
+    lines.append(f"  submitted {_when(info.submitted_at)}, started {_when(info.started_at)}"
+                 + (f", ended {_when(info.ended_at)}" if info.ended_at else ""))
+    if info.state == pb.RUN_STATE_QUEUED:
+        lines.append(f"  queued: place {info.queue_position}")
+    else:
+        lines.append(f"  progress: {_progress(status)}")
+    if status.stop_reason or info.stop_reason:
+        lines.append(f"  stop reason: {info.stop_reason or status.stop_reason}")
+    if status.time_to_target_seconds >= 0:
+        lines.append(f"  target loss reached after {status.time_to_target_seconds:.1f} s")
+    if info.model_path:
+        lines.append(f"  model: {info.model_path}")
+    if status.num_groups_formed:
+        lines.append(f"  groups: {status.num_groups_formed} formed, {status.num_conflicts} "
+                     f"conflicts, {status.num_groups_cancelled} cancelled, "
+                     f"{status.num_groups_failed} failed")
+    if status.num_restarts:
+        lines.append(f"  restart rounds: {status.num_restarts}")
+    if status.workers:
+        rows = [["RANK", "WORKER", "ID", "STATE", "ITERATION", "LOSS", "ERROR"]]
+        for w in sorted(status.workers, key=lambda w: (w.rank, w.worker_id)):
+            rows.append([str(w.rank), f"{w.host}/{w.local_rank}", str(w.worker_id),
+                         _WORKER_STATES[w.state], str(w.iteration),
+                         f"{w.loss:.4f}" if w.loss else "-", w.error or ""])
+        lines += ["", *("  " + r for r in _table(rows).splitlines())]
+    if status.loss_curve:
+        curve = status.loss_curve
+        picks = [curve[round(i * (len(curve) - 1) / 4)] for i in range(5)]
+        lines.append("")
+        lines.append("  loss: " + "  ".join(f"{p.seconds:.0f}s {p.loss:.4f}" for p in picks))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- stop, logs
+def cmd_stop(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        client.stop_run(args.reason, args.run)
+        status = client.run_status(args.run)
+    except CoordinatorCallError as err:
+        return _fail("stop", err)
+    finally:
+        client.close()
+    info = status.run
+    verb = "cancelled" if info.state == pb.RUN_STATE_CANCELLED else "stopping"
+    print(f"run {info.run_id} ({info.name}): {verb} ({args.reason})")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        run_id = args.run
+        status = client.run_status(run_id)
+        worker = args.worker
+        if worker.isdigit():  # a worker id: its host and local rank
+            match = [w for w in status.workers if w.worker_id == int(worker)]
+            if not match:
+                raise CoordinatorCallError(f"run {status.run.run_id} has no worker {worker} "
+                                           "(`ripples status RUN` lists them)", None)
+            worker = f"{match[0].host}/{match[0].local_rank}"
+        several = not worker
+        printed = 0
+        for batch in client.logs(status.run.run_id, worker=worker, follow=args.follow,
+                                 tail=args.tail):
+            for line in batch.lines:
+                print(f"[{batch.worker}] {line}" if several else line)
+                printed += 1
+        sys.stdout.flush()
+        if not printed and not args.follow:
+            print(f"run {status.run.run_id} has no worker output (logs come from host "
+                  "agents: `ripples worker run --agent`)", file=sys.stderr)
+    except CoordinatorCallError as err:
+        return _fail("logs", err)
+    except BrokenPipeError:  # `ripples logs RUN | head`
+        return 0
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """The gRPC health check of a coordinator: 0 when it serves (container and
+    Kubernetes probes; Kubernetes' own grpc probe cannot speak TLS)."""
+    import dataclasses
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from ripples.rpc import CHANNEL_OPTIONS
+    from ripples.security import SERVICE, ClientSecurity
+
+    security = dataclasses.replace(ClientSecurity.from_env(), server_name=args.tls_server_name)
+    channel = security.channel(args.coordinator, CHANNEL_OPTIONS)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=args.timeout_seconds)
+    except grpc.RpcError as err:
+        print(f"ripples coordinator health: {args.coordinator}: {err.code().name}: "  # type: ignore[attr-defined]
+              f"{err.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    finally:
+        channel.close()
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    print(f"{args.coordinator}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    return 0 if serving else 1
+
+
+# ---------------------------------------------------------------------------- parsers
+def add_parsers(sub: argparse._SubParsersAction, *, coordinator_option: Callable[
+        [argparse.ArgumentParser], None], client_security: Callable[
+        [argparse.ArgumentParser], None], run_arguments: Callable[
+        [argparse.ArgumentParser], None], submit: Callable[[argparse.Namespace], int]) -> None:
+    """The service's commands, on `ripples`' sub-parsers (the option helpers are cli.py's)."""
+    p = sub.add_parser("submit", help="queue a run on a coordinator service",
+                       usage="ripples submit [options] [-- python train.py ARGS]")
+    run_arguments(p)
+    p.add_argument("--name", default="", help="the run's name (default: protocol and task "
+                   "or script)")
+    p.add_argument("--workdir", default="", help="the script's working directory on the "
+                   "hosts (default: the current directory; an agent without it uses its own)")
+    p.add_argument("--wait", action="store_true",
+                   help="follow the run until it ends; exit 0 if it finished, 1 otherwise")
+    p.add_argument("--json", action="store_true", help="print the run as JSON")
+    _common(p, coordinator_option, client_security)
+    p.set_defaults(func=submit)
+
+    p = sub.add_parser("runs", help="list a coordinator service's runs and host agents")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    _common(p, coordinator_option, client_security)
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("status", help="one run's status (default: the active run)")
+    p.add_argument("run", nargs="?", default="", metavar="RUN",
+                   help="run id, unique id prefix or name (default: the active run, else "
+                        "the newest)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    _common(p, coordinator_option, client_security)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("stop", help="stop a run (a queued one is cancelled)")
+    p.add_argument("run", metavar="RUN", help="run id, unique id prefix or name")
+    p.add_argument("--reason", default="stopped by an operator",
+                   help="recorded as the run's stop reason")
+    _common(p, coordinator_option, client_security)
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("logs", help="a run's worker output (sent by the host agents)")
+    p.add_argument("run", metavar="RUN", help="run id, unique id prefix or name")
+    p.add_argument("--worker", default="", metavar="W",
+                   help="one worker: HOST/LOCAL_RANK, or its worker id (default: all, each "
+                        "line prefixed with its worker)")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="keep printing while the run is active")
+    p.add_argument("--tail", type=int, default=0, metavar="N",
+                   help="only the last N lines of each worker (0: all)")
+    _common(p, coordinator_option, client_security)
+    p.set_defaults(func=cmd_logs)
+
+
+def add_health_parser(coord_sub: argparse._SubParsersAction, *, coordinator_option: Callable[
+        [argparse.ArgumentParser], None], client_security: Callable[
+        [argparse.ArgumentParser], None]) -> None:
+    p = coord_sub.add_parser("health", help="check that a coordinator serves (gRPC health; "
+                             "exit 0 when SERVING)")
+    p.add_argument("--tls-server-name", default="",
+                   help="check the coordinator's certificate for this name (a probe that "
+                        "dials 127.0.0.1)")
+    p.add_argument("--timeout-seconds", type=float, default=5.0,
+                   help="how long to wait for the answer (default: 5)")
+    _common(p, coordinator_option, client_security)
+    p.set_defaults(func=cmd_health)
+
+
+def _common(parser: argparse.ArgumentParser,
+            coordinator_option: Callable[[argparse.ArgumentParser], None],
+            client_security: Callable[[argparse.ArgumentParser], None]) -> None:
+    coordinator_option(parser)
+    client_security(parser)

@@ -1,0 +1,249 @@
+"""The coordinator as a service (docs/service.md): submitted runs queue, one is active,
+finished runs stay in the history; host agents run them; `ripples submit / runs /
+status / stop / logs`. Real coordinators (in-process and `ripples coordinator serve`),
+real agents and worker processes, TLS with certificates made here and a token."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ripples.coordinator.server import CoordinatorServer, ServerConfig
+from ripples.rpc import CoordinatorCallError
+from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.client import CoordinatorClient
+from tests.integration.helpers import REPO
+from tests.pki import TOKEN, Pki, make_pki
+
+RIPPLES = [sys.executable, "-m", "ripples.cli"]
+
+
+def _options(**changes: object) -> str:
+    options: dict[str, object] = {"num_workers": 2, "task": "digits", "iterations": 50}
+    options.update(changes)
+    return json.dumps(options)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[CoordinatorServer]:
+    server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=None,
+                                            state_dir=str(tmp_path / "state"))).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _cli(*args: str, env: dict[str, str] | None = None,
+         timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RIPPLES, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env=env)
+
+
+# ---------------------------------------------------------------------------- no workers
+def test_bad_submissions_are_refused_with_the_reason_and_change_nothing(
+        service: CoordinatorServer) -> None:
+    client = CoordinatorClient(service.address)
+    try:
+        for options, command, expected in [
+            (_options(protocol="no-such"), [], "unknown protocol"),
+            (_options(num_workers=1), [], "num_workers must be at least 2"),
+            (_options(task=""), [], "give a task (--task) or a script"),
+            (_options(), ["python", "train.py"], "not both"),
+            (_options(nonsense=3), [], "unknown run option(s): nonsense"),
+            ("[1, 2]", [], "JSON object"),
+        ]:
+            with pytest.raises(CoordinatorCallError, match=expected.replace("(", r"\(")
+                               .replace(")", r"\)")) as caught:
+                client.submit_run(options, command=command)
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert not client.list_runs().runs
+        with pytest.raises(CoordinatorCallError, match="no run 'nope'") as missing:
+            client.run_status("nope")
+        assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(CoordinatorCallError, match="no run is active"):
+            client.stop_run("x")
+    finally:
+        client.close()
+    # The CLI checks the options before it calls, and says what is wrong.
+    done = _cli("submit", "--coordinator", service.address, "--workers", "1")
+    assert done.returncode == 2 and "num_workers must be at least 2" in done.stderr
+
+
+def test_runs_queue_one_active_at_a_time_and_stopping_cancels_or_ends_them(
+        service: CoordinatorServer, tmp_path: Path) -> None:
+    """Two runs: the first is active, the second queued; stopping the queued one cancels
+    it, stopping the active one ends it (it had no workers), and the history keeps both
+    with their reasons; a worker started for another run is refused."""
+    client = CoordinatorClient(service.address)
+    try:
+        first = client.submit_run(_options(), name="first")
+        second = client.submit_run(_options(protocol="allreduce"), name="second")
+        assert first.state == pb.RUN_STATE_RUNNING
+        assert second.state == pb.RUN_STATE_QUEUED and second.queue_position == 1
+        with pytest.raises(CoordinatorCallError, match=f"started for run {second.run_id}"):
+            client.register("h", 0, "cpu", os.getpid(), run_id=second.run_id)
+        client.stop_run("not needed", second.run_id[:6])  # a unique id prefix will do
+        client.stop_run("enough", "first")  # so will a unique name
+        deadline = time.monotonic() + 30
+        while client.run_status(first.run_id).run.state == pb.RUN_STATE_RUNNING:
+            assert time.monotonic() < deadline, "the stopped run never ended"
+            time.sleep(0.1)
+        runs = {r.name: r for r in client.list_runs().runs}
+        assert runs["second"].state == pb.RUN_STATE_CANCELLED
+        assert runs["second"].stop_reason == "not needed"
+        assert runs["first"].state == pb.RUN_STATE_STOPPED
+        assert runs["first"].stop_reason == "enough"
+        with pytest.raises(CoordinatorCallError, match="has ended already"):
+            client.stop_run("again", first.run_id)
+        status = client.run_status(second.run_id)  # a queued run's status: what was asked
+        assert status.config.protocol == "allreduce" and status.stopped
+    finally:
+        client.close()
+    shown = _cli("runs", "--coordinator", service.address)
+    assert shown.returncode == 0, shown.stderr
+    assert "cancelled" in shown.stdout and "stopped" in shown.stdout
+    text = _cli("status", "first", "--coordinator", service.address).stdout
+    assert f"run {first.run_id} (first): stopped" in text and "stop reason: enough" in text
+
+
+def test_a_restarted_service_keeps_its_history_and_its_queue(tmp_path: Path) -> None:
+    config = ServerConfig(host="127.0.0.1", port=0, run=None, state_dir=str(tmp_path))
+    server = CoordinatorServer(config).start()
+    client = CoordinatorClient(server.address)
+    try:
+        active = client.submit_run(_options(), name="active")
+        queued = client.submit_run(_options(), name="queued")
+    finally:
+        client.close()
+        server.stop()
+    server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=None,
+                                            state_dir=str(tmp_path))).start()
+    client = CoordinatorClient(server.address)
+    try:
+        runs = {r.run_id: r for r in client.list_runs().runs}
+        assert runs[active.run_id].state == pb.RUN_STATE_RUNNING
+        assert runs[queued.run_id].state == pb.RUN_STATE_QUEUED
+        assert client.run_status().run.run_id == active.run_id
+    finally:
+        client.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- the whole flow
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _stop(process: subprocess.Popen[str], sig: int = signal.SIGTERM,
+          timeout: float = 60.0) -> int:
+    if process.poll() is None:
+        process.send_signal(sig)
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+
+
+@pytest.mark.slow
+def test_two_agents_run_two_submitted_runs_back_to_back_with_tls_and_a_token(
+        pki: Pki, tmp_path: Path) -> None:
+    """The issue's "done": one coordinator service (TLS, token, state dir), two host
+    agents (node-a, node-b, two slots each) and two runs submitted at once: a built-in
+    task and a user's script. They run one after the other on the same agents; `ripples
+    runs`, `status` and `logs` show them from the history after their workers are gone;
+    a wrong token is refused; SIGTERM drains the agents."""
+    secure = ["--tls-ca", str(pki.ca), "--token-file", str(pki.token)]
+    coordinator = subprocess.Popen(
+        [*RIPPLES, "coordinator", "serve", "--host", "127.0.0.1", "--port", "0",
+         "--metrics-port", "0", "--state-dir", str(tmp_path / "state"),
+         "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+         "--token-file", str(pki.token), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    agents: list[subprocess.Popen[str]] = []
+    try:
+        assert coordinator.stdout is not None
+        first_line = coordinator.stdout.readline()
+        assert "no run yet" in first_line, first_line
+        address = first_line.split("listening on ")[1].split()[0]
+        where = ["--coordinator", address, *secure]
+        for host in ("node-a", "node-b"):
+            agents.append(subprocess.Popen(
+                [*RIPPLES, "worker", "run", "--agent", "--host", host, "--nproc-per-node", "2",
+                 "--metrics-port", "-1", "--output-dir", str(tmp_path / host), "--quiet",
+                 *where], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                cwd=REPO))
+        task = _cli("submit", *where, "--workers", "4", "--task", "digits", "--iterations",
+                    "120", "--name", "task-run", "--json")
+        assert task.returncode == 0, task.stderr
+        task_run = json.loads(task.stdout)["run_id"]
+        script = _cli("submit", *where, "--workers", "4", "--protocol", "allreduce",
+                      "--iterations", "60", "--name", "script-run", "--", "python",
+                      "examples/ripples_digits.py", "--epochs", "1")
+        assert script.returncode == 0, script.stderr
+        assert "queued at place 1" in script.stdout
+        waited = _cli("submit", *where, "--workers", "4", "--task", "digits", "--iterations",
+                      "40", "--name", "waited", "--wait", timeout=300)
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        assert "finished" in waited.stdout
+
+        listing = json.loads(_cli("runs", *where, "--json").stdout)
+        runs = {r["name"]: r for r in listing["runs"]}
+        assert [runs[n]["state"] for n in ("task-run", "script-run", "waited")] == [
+            "finished"] * 3, runs
+        # One after the other, in the order submitted.
+        order = sorted(runs.values(), key=lambda r: r["started_at"])
+        assert [r["name"] for r in order] == ["task-run", "script-run", "waited"]
+        for a, b in zip(order, order[1:], strict=False):
+            assert a["ended_at"] <= b["started_at"]
+        for r in runs.values():
+            host, _, path = r["model_path"].partition(":")
+            assert host in ("node-a", "node-b") and Path(path).is_file(), r
+        assert {a["host"] for a in listing["agents"]} == {"node-a", "node-b"}
+
+        # The first run's status and logs come from the history.
+        status = _cli("status", "task-run", *where)
+        assert status.returncode == 0, status.stderr
+        text = status.stdout
+        assert f"run {task_run} (task-run): finished" in text
+        for worker in ("node-a/0", "node-a/1", "node-b/0", "node-b/1"):
+            assert worker in text
+        assert "iteration budget reached" in text
+        logs = _cli("logs", "script-run", *where, "--worker", "node-a/0")  # rank 0 prints
+        assert logs.returncode == 0, logs.stderr
+        assert "epoch 0: loss" in logs.stdout, logs.stdout
+        everyone = _cli("logs", task_run[:8], *where, "--tail", "2")
+        assert {line.split("]")[0] + "]" for line in everyone.stdout.splitlines()} == {
+            "[node-a/0]", "[node-a/1]", "[node-b/0]", "[node-b/1]"}
+
+        # A wrong token: refused, with the reason, and nothing changes.
+        wrong = tmp_path / "wrong-token"
+        wrong.write_text("0" * len(TOKEN))
+        refused = _cli("runs", "--coordinator", address, "--tls-ca", str(pki.ca),
+                       "--token-file", str(wrong))
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+        refused = _cli("submit", "--coordinator", address, "--tls-ca", str(pki.ca),
+                       "--token-file", str(wrong), "--workers", "2")
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+        assert len(json.loads(_cli("runs", *where, "--json").stdout)["runs"]) == 3
+
+        for agent in agents:
+            assert _stop(agent) == 0
+            assert agent.stderr is not None and "drained" in agent.stderr.read()
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _stop(agent, signal.SIGKILL)
+        _stop(coordinator)
