@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from ripples.coordinator.config import RunSettings
-from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.coordinator.history import DB_NAME
+from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.dashboard.app import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb

@@ -31,9 +31,17 @@ WAIT_POLL_SECONDS = 2.0
 
 
 def _client(args: argparse.Namespace):  # -> CoordinatorClient (import kept lazy)
+    """A client of the coordinator, once it is reachable (a command typed right after the
+    coordinator was started waits for it, up to --connect-timeout-seconds)."""
     from ripples.worker.client import CoordinatorClient
 
-    return CoordinatorClient(args.coordinator)
+    client = CoordinatorClient(args.coordinator)
+    try:
+        client.wait_until_reachable(args.connect_timeout_seconds)
+    except CoordinatorCallError:
+        client.close()
+        raise
+    return client
 
 
 def _fail(command: str, err: Exception, code: int = 1) -> int:
@@ -75,7 +83,10 @@ def cmd_submit(args: argparse.Namespace, run_settings: Callable[..., object]) ->
         return _fail("submit", err, 2)
     options = settings.options()  # type: ignore[attr-defined]
     workdir = args.workdir or (str(Path.cwd()) if script else "")
-    client = _client(args)
+    try:
+        client = _client(args)
+    except CoordinatorCallError as err:
+        return _fail("submit", err)
     try:
         info = client.submit_run(json.dumps(options), name=args.name, command=script,
                                  workdir=workdir)
@@ -130,7 +141,10 @@ def _progress(status: pb.RunStatus) -> str:
 
 # ---------------------------------------------------------------------------- runs
 def cmd_runs(args: argparse.Namespace) -> int:
-    client = _client(args)
+    try:
+        client = _client(args)
+    except CoordinatorCallError as err:
+        return _fail("runs", err)
     try:
         listing = client.list_runs()
     except CoordinatorCallError as err:
@@ -169,7 +183,10 @@ _WORKER_STATES = {v: k.removeprefix("WORKER_STATE_").lower()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    client = _client(args)
+    try:
+        client = _client(args)
+    except CoordinatorCallError as err:
+        return _fail("status", err)
     try:
         status = client.run_status(args.run)
     except CoordinatorCallError as err:
@@ -236,7 +253,10 @@ def render_status(status: pb.RunStatus) -> str:
 
 # ---------------------------------------------------------------------------- stop, logs
 def cmd_stop(args: argparse.Namespace) -> int:
-    client = _client(args)
+    try:
+        client = _client(args)
+    except CoordinatorCallError as err:
+        return _fail("stop", err)
     try:
         client.stop_run(args.reason, args.run)
         status = client.run_status(args.run)
@@ -251,7 +271,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    client = _client(args)
+    try:
+        client = _client(args)
+    except CoordinatorCallError as err:
+        return _fail("logs", err)
     try:
         run_id = args.run
         status = client.run_status(run_id)
@@ -371,7 +394,8 @@ def add_health_parser(coord_sub: argparse._SubParsersAction, *, coordinator_opti
                         "dials 127.0.0.1)")
     p.add_argument("--timeout-seconds", type=float, default=5.0,
                    help="how long to wait for the answer (default: 5)")
-    _common(p, coordinator_option, client_security)
+    coordinator_option(p)
+    client_security(p)
     p.set_defaults(func=cmd_health)
 
 
@@ -379,4 +403,7 @@ def _common(parser: argparse.ArgumentParser,
             coordinator_option: Callable[[argparse.ArgumentParser], None],
             client_security: Callable[[argparse.ArgumentParser], None]) -> None:
     coordinator_option(parser)
+    parser.add_argument("--connect-timeout-seconds", type=float, default=30.0,
+                        help="how long to wait for the coordinator to be reachable "
+                             "(default: 30)")
     client_security(parser)
