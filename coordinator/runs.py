@@ -589,9 +589,15 @@ class RunsService(pb_grpc.CoordinatorServicer):
         return reply
 
     def _note_models(self, agent: Agent) -> None:
-        """Record where the run's model was written (the first process to report one)."""
+        """Record where the run's model was written: the first process to report one once
+        the run stopped (a worker that left earlier, e.g. a drained agent's, wrote a model
+        of before the end, not the run's)."""
         path = next((p.model_path for p in agent.processes if p.model_path), "")
         if not path or not agent.run_id:
+            return
+        active = self.active
+        if (active is not None and active.info.run_id == agent.run_id
+                and not active.service.core.stopped):
             return
         info = self.history.get(agent.run_id)
         if info is None or info.model_path:

@@ -95,7 +95,14 @@ def test_the_read_only_token_reads_but_changes_nothing(secured: CoordinatorServe
         reader.stop_run("a dashboard tried")
     with pytest.raises(CoordinatorCallError, match="PERMISSION_DENIED"):
         reader.register("node0", 0, "cpu", 1)
-    assert not core.stopped and not core.workers
+    # The service's views are readable; submitting, and an agent's poll, are not.
+    assert [r.run_id for r in reader.list_runs().runs] == [status.config.run_id]
+    assert list(reader.logs(status.config.run_id)) == []
+    with pytest.raises(CoordinatorCallError, match="PERMISSION_DENIED.*SubmitRun"):
+        reader.submit_run('{"num_workers": 2, "task": "digits", "iterations": 5}')
+    with pytest.raises(CoordinatorCallError, match="PERMISSION_DENIED.*AgentPoll"):
+        reader.agent_poll(pb.AgentPollRequest(host="h", slots=1))
+    assert len(reader.list_runs().runs) == 1 and not core.stopped and not core.workers
     writer = CoordinatorClient(_address(secured), rpc_timeout_seconds=10,
                                security=ClientSecurity(token=TOKEN, ca_file=str(pki.ca)))
     reply = writer.register("node0", 0, "cpu", 1)

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -247,3 +247,106 @@ def test_two_agents_run_two_submitted_runs_back_to_back_with_tls_and_a_token(
             if agent.poll() is None:
                 _stop(agent, signal.SIGKILL)
         _stop(coordinator)
+
+
+# ---------------------------------------------------------------------------- agents' faults
+def _worker_pid(host: str, local_rank: int) -> int | None:
+    """The pid of the built-in runner worker an agent started for (host, local rank)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in argv]
+        if ("--agent" not in words and "run" in words and "--host" in words
+                and words[words.index("--host") + 1] == host and "--local-rank" in words
+                and words[words.index("--local-rank") + 1] == str(local_rank)):
+            return int(entry.name)
+    return None
+
+
+def _agent(address: str, host: str, output: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*RIPPLES, "worker", "run", "--agent", "--host", host, "--nproc-per-node", "2",
+         "--metrics-port", "-1", "--output-dir", str(output), "--coordinator", address],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _until(what: str, condition: Callable[[], bool], seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:.0f} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> None:
+    """An elastic run on two agents: a worker SIGKILLed is started again by its agent and
+    takes its rank back; then one agent is SIGTERMed: its workers leave gracefully, it
+    exits 0, and the run finishes on the other agent's two workers."""
+    server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=None,
+                                            state_dir=str(tmp_path / "state"))).start()
+    client = CoordinatorClient(server.address)
+    agents = {h: _agent(server.address, h, tmp_path / h) for h in ("node-a", "node-b")}
+    try:
+        run = client.submit_run(_options(num_workers=4, iterations=1500, lease_seconds=3.0,
+                                         heartbeat_interval_seconds=0.5))
+
+        def training() -> bool:
+            status = client.run_status(run.run_id)
+            return status.started and min(w.iteration for w in status.workers) > 20
+
+        _until("training", training)
+        victim = _worker_pid("node-a", 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+
+        def replaced() -> bool:
+            workers = client.run_status(run.run_id).workers
+            back = [w for w in workers if (w.host, w.local_rank) == ("node-a", 1)
+                    and w.state != pb.WORKER_STATE_EXPIRED and w.state != pb.WORKER_STATE_FAILED]
+            return len(workers) == 5 and bool(back) and back[0].iteration > 0
+
+        _until("the replacement training", replaced)
+        assert _stop(agents["node-b"]) == 0
+        assert agents["node-b"].stderr is not None
+        assert "drained" in agents["node-b"].stderr.read()
+        _until("the run's end",
+               lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING, 180)
+        status = client.run_status(run.run_id)
+        assert status.run.state == pb.RUN_STATE_FINISHED, status.run.stop_reason
+        assert server.service is not None  # the run's records, all five of them
+        ended = {(w.host, w.local_rank, w.state.value) for w in
+                 server.service.core.workers.values()}
+        assert {("node-b", 0, "left"), ("node-b", 1, "left")} <= ended  # not expired
+        assert ("node-a", 1, "expired") in ended  # the killed one; its replacement left
+        assert status.run.model_path.startswith("node-a:")
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:
+                _stop(agent, signal.SIGKILL)
+        client.close()
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_run_whose_processes_all_fail_is_failed_with_their_exit_codes(
+        tmp_path: Path) -> None:
+    server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=None)).start()
+    client = CoordinatorClient(server.address)
+    agent = _agent(server.address, "node-a", tmp_path / "a")
+    try:
+        run = client.submit_run(json.dumps({"num_workers": 2, "task": "", "max_restarts": 1,
+                                            "protocol": "ripples-random"}),
+                                command=["python", "-c", "import sys; sys.exit(3)"])
+        _until("the run's end",
+               lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING, 120)
+        info = client.run_status(run.run_id).run
+        assert info.state == pb.RUN_STATE_FAILED
+        assert "node-a/0 exit code 3" in info.stop_reason and "ripples logs" in info.stop_reason
+    finally:
+        _stop(agent)
+        client.close()
+        server.stop()
