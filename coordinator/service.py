@@ -334,6 +334,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             request.worker_id, request.planned_iterations, self.clock(), schema))
         assert isinstance(started, bool)
         self._note_run_state()
+        if started:  # a restarted coordinator must know the run trains (not only 0.5 s later)
+            await self.save_state()
         timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
         try:
             await asyncio.wait_for(self._until_started_or_stopped(), timeout)

@@ -180,11 +180,13 @@ def test_two_agents_run_two_submitted_runs_back_to_back_with_tls_and_a_token(
         address = first_line.split("listening on ")[1].split()[0]
         where = ["--coordinator", address, *secure]
         for host in ("node-a", "node-b"):
-            agents.append(subprocess.Popen(
-                [*RIPPLES, "worker", "run", "--agent", "--host", host, "--nproc-per-node", "2",
-                 "--metrics-port", "-1", "--output-dir", str(tmp_path / host), "--quiet",
-                 *where], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                cwd=REPO))
+            (tmp_path / host).mkdir()
+            with (tmp_path / f"{host}.log").open("w") as log:
+                agents.append(subprocess.Popen(
+                    [*RIPPLES, "worker", "run", "--agent", "--host", host, "--nproc-per-node",
+                     "2", "--metrics-port", "-1", "--output-dir", str(tmp_path / host),
+                     "--quiet", *where], stdout=subprocess.DEVNULL, stderr=log, text=True,
+                    cwd=REPO))
         task = _cli("submit", *where, "--workers", "4", "--task", "digits", "--iterations",
                     "120", "--name", "task-run", "--json")
         assert task.returncode == 0, task.stderr
@@ -239,9 +241,9 @@ def test_two_agents_run_two_submitted_runs_back_to_back_with_tls_and_a_token(
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
         assert len(json.loads(_cli("runs", *where, "--json").stdout)["runs"]) == 3
 
-        for agent in agents:
+        for agent, host in zip(agents, ("node-a", "node-b"), strict=True):
             assert _stop(agent) == 0
-            assert agent.stderr is not None and "drained" in agent.stderr.read()
+            assert "drained" in (tmp_path / f"{host}.log").read_text()
     finally:
         for agent in agents:
             if agent.poll() is None:
@@ -268,10 +270,18 @@ def _worker_pid(host: str, local_rank: int) -> int | None:
 
 
 def _agent(address: str, host: str, output: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*RIPPLES, "worker", "run", "--agent", "--host", host, "--nproc-per-node", "2",
-         "--metrics-port", "-1", "--output-dir", str(output), "--coordinator", address],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """An agent whose output (its workers' too) goes to OUTPUT.log: a pipe nobody reads
+    would fill up and stall them all."""
+    output.mkdir(parents=True, exist_ok=True)
+    with (output.parent / f"{output.name}.log").open("w") as log:
+        return subprocess.Popen(
+            [*RIPPLES, "worker", "run", "--agent", "--host", host, "--nproc-per-node", "2",
+             "--metrics-port", "-1", "--output-dir", str(output), "--coordinator", address],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+
+def _agent_log(output: Path) -> str:
+    return (output.parent / f"{output.name}.log").read_text()
 
 
 def _until(what: str, condition: Callable[[], bool], seconds: float = 120.0) -> None:
@@ -311,8 +321,7 @@ def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> 
 
         _until("the replacement training", replaced)
         assert _stop(agents["node-b"]) == 0
-        assert agents["node-b"].stderr is not None
-        assert "drained" in agents["node-b"].stderr.read()
+        assert "drained" in _agent_log(tmp_path / "node-b")
         _until("the run's end",
                lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING, 180)
         status = client.run_status(run.run_id)
@@ -350,3 +359,53 @@ def test_a_run_whose_processes_all_fail_is_failed_with_their_exit_codes(
         _stop(agent)
         client.close()
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_and_restarted_keeps_its_runs_agents_and_workers(
+        tmp_path: Path) -> None:
+    """SIGKILL the service mid-run and start it again on the same port and state dir: the
+    agent and its workers ride over the outage (no process restarts, no replacement), the
+    queued run is still queued, and both runs finish."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    command = [*RIPPLES, "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--metrics-port", "0", "--state-dir", str(tmp_path / "state"), "--quiet"]
+    coordinator = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL)
+    agent = _agent(address, "node-a", tmp_path / "a")
+    client = CoordinatorClient(address)
+    try:
+        client.wait_until_reachable(60)
+        first = client.submit_run(_options(iterations=2500), name="first")
+        client.submit_run(_options(iterations=50), name="second")
+
+        def training() -> bool:
+            status = client.run_status(first.run_id)
+            return status.started and min(w.iteration for w in status.workers) > 20
+
+        _until("training", training)
+        coordinator.kill()
+        coordinator.wait()
+        time.sleep(1.0)
+        coordinator = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL)
+        client.wait_until_reachable(60)
+        listing = client.list_runs()
+        states = {r.name: r.state for r in listing.runs}
+        assert states == {"first": pb.RUN_STATE_RUNNING, "second": pb.RUN_STATE_QUEUED}
+        _until("both runs' end", lambda: all(
+            r.state != pb.RUN_STATE_RUNNING and r.state != pb.RUN_STATE_QUEUED
+            for r in client.list_runs().runs), 240)
+        runs = {r.name: r for r in client.list_runs().runs}
+        assert runs["first"].state == pb.RUN_STATE_FINISHED, runs["first"].stop_reason
+        assert runs["second"].state == pb.RUN_STATE_FINISHED, runs["second"].stop_reason
+        workers = client.run_status(first.run_id).workers
+        assert len(workers) == 2 and all(w.state == pb.WORKER_STATE_LEFT for w in workers)
+        assert agent.poll() is None  # the agent never stopped
+    finally:
+        client.close()
+        _stop(agent)
+        _stop(coordinator)
