@@ -106,8 +106,8 @@ class RunHistory:
         """The run with this id, or with this unique id prefix (as git's short hashes)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT info FROM runs WHERE run_id = ? OR run_id LIKE ? ORDER BY seq",
-                (run_id, run_id.replace("%", "").replace("_", r"\_") + "%")).fetchall()
+                "SELECT info FROM runs WHERE run_id = ? OR run_id LIKE ? ESCAPE '\\' "
+                "ORDER BY seq", (run_id, _like_prefix(run_id))).fetchall()
         infos = [pb.RunInfo.FromString(info) for (info,) in rows]
         exact = [i for i in infos if i.run_id == run_id]
         if exact:
@@ -145,6 +145,11 @@ class RunHistory:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _like_prefix(text: str) -> str:
+    """A LIKE pattern (ESCAPE '\\') for the ids that start with `text`."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 def summary(info: pb.RunInfo) -> dict[str, object]:

@@ -104,12 +104,16 @@ class ActiveRun:
 
 
 def default_name(options: dict[str, Any], command: list[str]) -> str:
-    """A run's name when none is given: protocol and task, or the script's file name."""
-    what = next((Path(a).stem for a in command[1:] if a.endswith(".py")), "") if command else ""
-    if command and not what:
-        what = Path(command[-1]).name if command[0] in ("python", "python3") else Path(
-            command[0]).name
-    return f"{options.get('protocol', 'run')}-{what or options.get('task') or 'script'}"
+    """A run's name when none is given: protocol and task, or the script's name (its
+    file's stem, `python -m`'s module, or the command itself)."""
+    what = str(options.get("task") or "")
+    if command:
+        if "-m" in command[:-1]:
+            what = command[command.index("-m") + 1].rpartition(".")[2]
+        else:
+            what = next((Path(a).stem for a in command if a.endswith(".py")),
+                        Path(command[0]).name)
+    return f"{options.get('protocol', 'run')}-{what or 'script'}"
 
 
 class RunsService(pb_grpc.CoordinatorServicer):

@@ -245,6 +245,8 @@ class HostAgent:
             try:
                 reply = self._report(timeout=POLL_TIMEOUT_SECONDS)
             except CoordinatorCallError as err:
+                if self.draining:  # the poll in flight when the drain closed the channel
+                    return
                 if attempt == 0:
                     logger.warning("cannot reach the coordinator: %s; retrying (the workers "
                                    "go on meanwhile)", err)
