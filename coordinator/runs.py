@@ -292,9 +292,12 @@ class RunsService(pb_grpc.CoordinatorServicer):
         if not core.stopped:
             ended = self._processes_all_ended(active.info.run_id)
             if ended and not core.live():
+                failed = any(p.exit_code != 0 for a in self.agents.values()
+                             if a.run_id == active.info.run_id for p in a.processes)
                 await active.service.stop(
-                    f"every worker process ended and none is in the run ({ended}); "
-                    f"`ripples logs {active.info.run_id}` shows why", failure=True)
+                    f"every worker process ended and none is in the run ({ended})"
+                    + (f"; `ripples logs {active.info.run_id}` shows why" if failed else ""),
+                    failure=failed)
             return
         if active.stopped_at is None:
             active.stopped_at = now
@@ -498,9 +501,8 @@ class RunsService(pb_grpc.CoordinatorServicer):
                       ) -> pb.StopRunReply:
         active = self.active
         if not request.run_id:
-            if active is None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no run is active")
-            assert active is not None
+            if active is None:  # nothing runs: stopping it is done already (idempotent)
+                return pb.StopRunReply()
             info = active.info
         else:
             info = await self._known(request.run_id, context)

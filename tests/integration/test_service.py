@@ -70,8 +70,8 @@ def test_bad_submissions_are_refused_with_the_reason_and_change_nothing(
         with pytest.raises(CoordinatorCallError, match="no run 'nope'") as missing:
             client.run_status("nope")
         assert missing.value.code == grpc.StatusCode.NOT_FOUND
-        with pytest.raises(CoordinatorCallError, match="no run is active"):
-            client.stop_run("x")
+        client.stop_run("x")  # no run is active: nothing to stop (idempotent)
+        assert not client.list_runs().runs
     finally:
         client.close()
     # The CLI checks the options before it calls, and says what is wrong.
