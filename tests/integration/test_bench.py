@@ -105,3 +105,15 @@ def test_coordinator_load_benchmark_counts_requests_and_latencies() -> None:
     assert 0 < result.service_p50_ms <= result.service_p99_ms
     assert result.service_p50_ms <= result.request_p99_ms
     assert result.groups_per_second > 0
+
+
+def test_service_benchmark_times_handovers_against_workers_started_by_hand(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from ripples.bench import service
+
+    assert service.main(["--agents", "1", "--slots", "2", "--runs", "2",
+                         "--iterations", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "median handover" in out and "ratio service / by hand:" in out
+    ratio = float(out.split("ratio service / by hand: ")[1].split("x")[0])
+    assert ratio > 0
