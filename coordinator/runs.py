@@ -60,11 +60,14 @@ FINISH_GRACE_SECONDS = 60.0
 their last reports) before it is closed anyway; the lease reaper marks dead ones sooner."""
 AGENT_POLL_SECONDS = 10.0
 """An agent's long-poll bound (the reply comes earlier when its work changes)."""
-AGENT_EXPIRY_POLLS = 3
-"""An agent not heard from for this many poll bounds is gone: its share is handed out."""
+AGENT_EXPIRY_POLLS = 6
+"""An agent not heard from for this many poll bounds is gone: its share is handed out
+(an agent ending a run's processes is silent for up to 40 s: 10 s to exit, 30 s grace)."""
 LOG_FILE_LIMIT = 64 * 1024 * 1024
 """Bytes kept per worker and run; later lines are dropped (one notice says so)."""
-WORKER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[0-9]+$")
+WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}/[0-9]{1,6}")
+"""HOST/LOCAL_RANK: it names a log file, so no path separator or '..' can be in it."""
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass
@@ -205,6 +208,9 @@ class RunsService(pb_grpc.CoordinatorServicer):
         options = dict(options)
         if not options.get("run_id"):
             options.pop("run_id", None)
+        elif not RUN_ID.fullmatch(str(options["run_id"])):  # it names files in the state dir
+            raise ValueError(f"run_id {options['run_id']!r}: use 1-64 letters, digits, '.', "
+                             "'_' or '-', starting with a letter or digit")
         settings = RunSettings.build(**options)  # validates: ValueError names the option
         if command and settings.task:
             raise ValueError("give --task or a script after --, not both")
@@ -371,10 +377,15 @@ class RunsService(pb_grpc.CoordinatorServicer):
         return bool(runs) and all(r.state in ENDED for r in runs)
 
     # ------------------------------------------------------------------ worker RPCs
-    async def _service(self, context: grpc.aio.ServicerContext) -> CoordinatorService:
+    async def _service(self, context: grpc.aio.ServicerContext, *,
+                       code: grpc.StatusCode = grpc.StatusCode.NOT_FOUND
+                       ) -> CoordinatorService:
+        """The active run's service. None active: a worker's call (it names a worker id)
+        gets NOT_FOUND, as for a worker unknown to the active run (its run ended: it
+        leaves at once); a new worker's, FAILED_PRECONDITION."""
         if self.active is None:
             queued = len(self.history.queued())
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
+            await context.abort(code, (
                 f"no run is active ({queued} queued): submit one with `ripples submit`"
                 if not queued else "no run is active yet; the next one is being started"))
         assert self.active is not None
@@ -382,7 +393,7 @@ class RunsService(pb_grpc.CoordinatorServicer):
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> pb.RegisterReply:
-        service = await self._service(context)
+        service = await self._service(context, code=grpc.StatusCode.FAILED_PRECONDITION)
         assert self.active is not None
         if request.run_id and request.run_id != self.active.info.run_id:
             known = self.history.get(request.run_id)
@@ -433,7 +444,7 @@ class RunsService(pb_grpc.CoordinatorServicer):
 
     async def Consensus(self, request: pb.ConsensusRequest, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[pb.ConsensusChunk]:
-        service = await self._service(context)
+        service = await self._service(context, code=grpc.StatusCode.FAILED_PRECONDITION)
         async for chunk in service.Consensus(request, context):
             yield chunk
 
@@ -512,6 +523,10 @@ class RunsService(pb_grpc.CoordinatorServicer):
                 f"{info.stop_reason})"))
         reason = request.reason or "stopped by request"
         if active is not None and info.run_id == active.info.run_id:
+            if active.service.core.stopped:  # its end stays its own (budget, failure)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, (
+                    f"run {info.run_id} is stopping already: "
+                    f"{active.service.core.stop_reason}"))
             active.operator_stop = True
             return await active.service.StopRun(request, context)
         info.state, info.ended_at, info.stop_reason = (pb.RUN_STATE_CANCELLED, time.time(),
@@ -546,10 +561,14 @@ class RunsService(pb_grpc.CoordinatorServicer):
     def _agent(self, request: pb.AgentPollRequest) -> Agent:
         now = self.clock()
         agent = self.agents.get(request.agent_id) if request.agent_id else None
+        if agent is not None and agent.host != request.host:
+            agent = None  # an id from before a restart, now another host's: a new one
         if agent is None:
-            agent_id = request.agent_id or max([0, *self.agents], default=0) + 1
-            while not request.agent_id and agent_id in self.agents:
-                agent_id += 1
+            # Ids come from the history, so that one handed out before a coordinator
+            # restart is never handed out again to another host.
+            known = request.agent_id and request.agent_id not in self.agents
+            agent_id = request.agent_id if known else self.history.meta("agent_ids") + 1
+            self.history.set_meta("agent_ids", max(agent_id, self.history.meta("agent_ids")))
             agent = Agent(agent_id, request.host, request.slots, list(request.devices),
                           request.memory_bytes, now)
             self.agents[agent_id] = agent
@@ -619,10 +638,11 @@ class RunsService(pb_grpc.CoordinatorServicer):
 
     async def PushLogs(self, request: pb.LogBatch, context: grpc.aio.ServicerContext
                        ) -> pb.PushLogsReply:
-        if not WORKER_NAME.match(request.worker):
+        if not WORKER_NAME.fullmatch(request.worker):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"worker {request.worker!r}: name it HOST/LOCAL_RANK"))
-        if self.history.get(request.run_id) is None or not request.run_id:
+        known = self.history.get(request.run_id) if request.run_id else None
+        if known is None or known.run_id != request.run_id:  # the exact id, no prefix
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
         path = self._log_path(request.run_id, request.worker)
         await asyncio.to_thread(self._append, path, request.lines)
@@ -632,7 +652,7 @@ class RunsService(pb_grpc.CoordinatorServicer):
         path.parent.mkdir(parents=True, exist_ok=True)
         size = path.stat().st_size if path.exists() else 0
         text = "".join(line.rstrip("\n") + "\n" for line in lines)
-        if size + len(text) > LOG_FILE_LIMIT:
+        if size + len(text.encode("utf-8", errors="replace")) > LOG_FILE_LIMIT:
             if path not in self._log_dropped:
                 self._log_dropped.add(path)
                 with path.open("a", encoding="utf-8") as f:
@@ -646,12 +666,12 @@ class RunsService(pb_grpc.CoordinatorServicer):
                       ) -> AsyncIterator[pb.LogBatch]:
         info = await self._known(request.run_id, context)
         directory = self._run_dir(info.run_id) / "logs"
-        if request.worker and not WORKER_NAME.match(request.worker):
+        if request.worker and not WORKER_NAME.fullmatch(request.worker):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"worker {request.worker!r}: name it HOST/LOCAL_RANK (`ripples status RUN` "
                 "lists them)"))
         offsets: dict[Path, int] = {}
-        first = True
+        first, last_pass = True, False
         while True:
             files = sorted(directory.glob("*.log")) if directory.is_dir() else []
             if request.worker:
@@ -660,19 +680,39 @@ class RunsService(pb_grpc.CoordinatorServicer):
                 if not files and first and not self._is_active(info.run_id):
                     await context.abort(grpc.StatusCode.NOT_FOUND, (
                         f"run {info.run_id} has no output from worker {request.worker}"))
+            active = self._is_active(info.run_id)
+            if request.follow and not active and not first and not last_pass:
+                last_pass = True  # the run just ended: the agents' last batches (0.5 s)
+                await asyncio.sleep(2 * 0.5)
             for path in files:
                 lines, offsets[path] = await asyncio.to_thread(
                     _read_from, path, offsets.get(path, 0), request.tail if first else 0)
-                if lines:
-                    worker = path.name[:-len(".log")].replace("__", "/")
-                    yield pb.LogBatch(run_id=info.run_id, worker=worker, lines=lines)
+                worker = "/".join(path.name[:-len(".log")].rsplit("__", 1))
+                for batch in _batches(lines):
+                    yield pb.LogBatch(run_id=info.run_id, worker=worker, lines=batch)
             first = False
-            if not request.follow or not self._is_active(info.run_id):
+            if not request.follow or not active:  # read once more after the run's end
                 return
             await asyncio.sleep(0.5)
 
     def _is_active(self, run_id: str) -> bool:
         return self.active is not None and self.active.info.run_id == run_id
+
+
+LOG_BATCH_BYTES = 1024 * 1024
+"""A GetLogs message holds about this much (the messages' limit is 16 MiB; a log 64)."""
+
+
+def _batches(lines: list[str]) -> list[list[str]]:
+    batches: list[list[str]] = []
+    size = LOG_BATCH_BYTES
+    for line in lines:
+        if size + len(line) >= LOG_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(line)
+        size += len(line) + 8
+    return batches
 
 
 def _read_from(path: Path, offset: int, tail: int) -> tuple[list[str], int]:

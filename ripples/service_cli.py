@@ -378,7 +378,7 @@ def add_parsers(sub: argparse._SubParsersAction, *, coordinator_option: Callable
                         "line prefixed with its worker)")
     p.add_argument("--follow", "-f", action="store_true",
                    help="keep printing while the run is active")
-    p.add_argument("--tail", type=int, default=0, metavar="N",
+    p.add_argument("--tail", type=_count, default=0, metavar="N",
                    help="only the last N lines of each worker (0: all)")
     _common(p, coordinator_option, client_security)
     p.set_defaults(func=cmd_logs)
@@ -397,6 +397,13 @@ def add_health_parser(coord_sub: argparse._SubParsersAction, *, coordinator_opti
     coordinator_option(p)
     client_security(p)
     p.set_defaults(func=cmd_health)
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
 
 
 def _common(parser: argparse.ArgumentParser,

@@ -259,7 +259,11 @@ class HostAgent:
             self.agent_id = reply.agent_id
             with self._lock:
                 if not self.draining:
-                    self._follow(reply)
+                    try:
+                        self._follow(reply)
+                    except OSError as err:  # e.g. the run's directory cannot be made
+                        logger.error("cannot work for run %s: %s", reply.run.run_id, err)
+                        time.sleep(backoff_pause(3, _RNG))
 
     def _report(self, timeout: float) -> pb.AgentReply:
         cfg = self.config
@@ -333,7 +337,15 @@ class HostAgent:
             self.model_paths[worker] = str(model)
             child_env = launch_environment(env, rank=None, world_size=None)
             child_env["PYTHONUNBUFFERED"] = "1"
-            processes.start(worker, argv, child_env, cwd=cwd)
+            try:
+                processes.start(worker, argv, child_env, cwd=cwd)
+            except OSError as err:  # not on this host (a script's path, torchrun, ...)
+                # A stand-in that says why and fails as the process would have (127, as a
+                # shell's "command not found"): the run's failure accounting sees it.
+                why = f"cannot start {argv[0]!r} on {cfg.host}: {err}"
+                processes.start(worker, [sys.executable, "-c",
+                                         f"import sys; print({why!r}); sys.exit(127)"],
+                                child_env)
         self.run, self.processes = run, processes
 
     def _stop_run(self, why: str) -> None:

@@ -61,6 +61,7 @@ def test_bad_submissions_are_refused_with_the_reason_and_change_nothing(
             (_options(), ["python", "train.py"], "not both"),
             (_options(nonsense=3), [], "unknown run option(s): nonsense"),
             ("[1, 2]", [], "JSON object"),
+            (_options(run_id="../../etc"), [], "use 1-64 letters"),
         ]:
             with pytest.raises(CoordinatorCallError, match=expected.replace("(", r"\(")
                                .replace(")", r"\)")) as caught:
@@ -341,20 +342,30 @@ def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("command", "code", "said"), [
+    (["python", "-c", "import sys; print('giving up'); sys.exit(3)"], 3, "giving up"),
+    (["/no/such/train.sh"], 127, "cannot start '/no/such/train.sh' on node-a"),
+])
 def test_a_run_whose_processes_all_fail_is_failed_with_their_exit_codes(
-        tmp_path: Path) -> None:
+        tmp_path: Path, command: list[str], code: int, said: str) -> None:
+    """The agent starts them again up to max_restarts; then the run fails, naming each
+    process's exit code, and its logs say why (a command missing on the host too)."""
     server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=None)).start()
     client = CoordinatorClient(server.address)
     agent = _agent(server.address, "node-a", tmp_path / "a")
     try:
         run = client.submit_run(json.dumps({"num_workers": 2, "task": "", "max_restarts": 1,
-                                            "protocol": "ripples-random"}),
-                                command=["python", "-c", "import sys; sys.exit(3)"])
+                                            "protocol": "ripples-random"}), command=command)
         _until("the run's end",
                lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING, 120)
         info = client.run_status(run.run_id).run
         assert info.state == pb.RUN_STATE_FAILED
-        assert "node-a/0 exit code 3" in info.stop_reason and "ripples logs" in info.stop_reason
+        assert f"node-a/0 exit code {code}" in info.stop_reason
+        assert "ripples logs" in info.stop_reason
+        lines = [line for batch in client.logs(run.run_id, worker="node-a/1")
+                 for line in batch.lines]
+        assert lines.count(said) == 2 or any(said in line for line in lines), lines
+        assert agent.poll() is None  # the agent serves on
     finally:
         _stop(agent)
         client.close()
