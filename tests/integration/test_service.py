@@ -202,8 +202,14 @@ def test_two_agents_run_two_submitted_runs_back_to_back_with_tls_and_a_token(
         assert waited.returncode == 0, waited.stdout + waited.stderr
         assert "finished" in waited.stdout
 
-        listing = json.loads(_cli("runs", *where, "--json").stdout)
-        runs = {r["name"]: r for r in listing["runs"]}
+        # The agents report each run's model once its processes ended (after its end).
+        deadline = time.monotonic() + 60
+        while True:
+            listing = json.loads(_cli("runs", *where, "--json").stdout)
+            runs = {r["name"]: r for r in listing["runs"]}
+            if all(r["model_path"] for r in runs.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
         assert [runs[n]["state"] for n in ("task-run", "script-run", "waited")] == [
             "finished"] * 3, runs
         # One after the other, in the order submitted.
@@ -332,7 +338,10 @@ def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> 
                  server.service.core.workers.values()}
         assert {("node-b", 0, "left"), ("node-b", 1, "left")} <= ended  # not expired
         assert ("node-a", 1, "expired") in ended  # the killed one; its replacement left
-        assert status.run.model_path.startswith("node-a:")
+        # The agent reports the model once its processes ended (after the run's end).
+        _until("the model's path", lambda: bool(client.run_status(run.run_id).run.model_path),
+               60)
+        assert client.run_status(run.run_id).run.model_path.startswith("node-a:")
     finally:
         for agent in agents.values():
             if agent.poll() is None:
