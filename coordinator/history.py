@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ripples.coordinator.state_store import open_database
 from ripples.v1 import coordinator_pb2 as pb
 
 DB_NAME = "history.db"
@@ -53,16 +54,7 @@ class RunHistory:
 
     def __init__(self, directory: str | Path | None) -> None:
         self.path = Path(directory) / DB_NAME if directory else None
-        try:
-            if self.path is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path) if self.path else ":memory:",
-                                       check_same_thread=False, timeout=10.0)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(SCHEMA)
-        except (OSError, sqlite3.Error) as err:
-            raise OSError(f"cannot keep the run history in {self.path}: {err}") from err
+        self._db = open_database(self.path, SCHEMA, f"keep the run history in {self.path}")
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ counters

@@ -1,10 +1,11 @@
 """The coordinator's state dir: the run's state in an embedded SQLite database (WAL).
 
-`ripples coordinator serve --state-dir DIR` keeps DIR/coordinator.db: the run's last
-snapshot (coordinator/snapshot.py: one row per worker, the run's other state as
-key/value rows), the coordinator's incarnation (it grows at every start on the same
-dir) and the rendezvous store's port, which a restarted coordinator binds again so the
-workers find it where they left it. No external service: SQLite ships with Python.
+`ripples coordinator serve --state-dir DIR` keeps the active run's state in
+DIR/runs/<run id>/coordinator.db: its last snapshot (coordinator/snapshot.py: one row
+per worker, the run's other state as key/value rows). The service's own counters (the
+coordinator's incarnation, the rendezvous store's port, which a restarted coordinator
+binds again so the workers find it where they left it) are in DIR/history.db
+(coordinator/history.py). No external service: SQLite ships with Python.
 
 WAL mode with synchronous=NORMAL: a save is one transaction that a crash of the
 coordinator process never tears (the database is always at the previous or the new
@@ -23,51 +24,35 @@ from typing import Any
 
 DB_NAME = "coordinator.db"
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS workers (worker_id INTEGER PRIMARY KEY, record TEXT NOT NULL);
 """
 
 
+def open_database(path: Path | None, schema: str, what: str) -> sqlite3.Connection:
+    """An SQLite database at `path` (None: in memory) in WAL mode with synchronous=NORMAL
+    (see above), its tables made; OSError saying `what` it was for."""
+    try:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(str(path) if path else ":memory:", check_same_thread=False,
+                             timeout=10.0)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(schema)
+    except (OSError, sqlite3.Error) as err:
+        raise OSError(f"cannot {what}: {err}") from err
+    return db
+
+
 class StateStore:
-    """One coordinator's state dir. Thread-safe: saves may run off the event loop."""
+    """One run's state in the state dir. Thread-safe: saves may run off the event loop."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.path = self.directory / DB_NAME
-            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(SCHEMA)
-        except (OSError, sqlite3.Error) as err:
-            raise OSError(f"cannot use the state dir {self.directory}: {err}") from err
+        self.path = self.directory / DB_NAME
+        self._db = open_database(self.path, SCHEMA, f"use the state dir {self.directory}")
         self._lock = threading.Lock()
-
-    # ------------------------------------------------------------------ meta
-    def _meta(self, key: str) -> str | None:
-        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else str(row[0])
-
-    def _set_meta(self, key: str, value: str) -> None:
-        with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
-
-    def next_incarnation(self) -> int:
-        """This start's incarnation: 1 on a new dir, one more than the last start's."""
-        incarnation = int(self._meta("incarnation") or 0) + 1
-        self._set_meta("incarnation", str(incarnation))
-        return incarnation
-
-    @property
-    def store_port(self) -> int:
-        """The rendezvous store's port of the last start (0: none yet)."""
-        return int(self._meta("store_port") or 0)
-
-    @store_port.setter
-    def store_port(self, port: int) -> None:
-        self._set_meta("store_port", str(port))
 
     # ------------------------------------------------------------------ the run
     def load(self) -> dict[str, Any] | None:

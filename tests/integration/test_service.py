@@ -5,13 +5,14 @@ real agents and worker processes, TLS with certificates made here and a token.""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -21,7 +22,7 @@ from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from tests.integration.helpers import REPO
+from tests.integration.helpers import REPO, ripples_cli, wait_for
 from tests.pki import TOKEN, Pki, make_pki
 
 RIPPLES = [sys.executable, "-m", "ripples.cli"]
@@ -43,10 +44,7 @@ def service(tmp_path: Path) -> Iterator[CoordinatorServer]:
         server.stop()
 
 
-def _cli(*args: str, env: dict[str, str] | None = None,
-         timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RIPPLES, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env=env)
+_cli = functools.partial(ripples_cli, timeout=60.0)
 
 
 # ---------------------------------------------------------------------------- no workers
@@ -291,13 +289,6 @@ def _agent_log(output: Path) -> str:
     return (output.parent / f"{output.name}.log").read_text()
 
 
-def _until(what: str, condition: Callable[[], bool], seconds: float = 120.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:.0f} s"
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> None:
     """An elastic run on two agents: a worker SIGKILLed is started again by its agent and
@@ -315,7 +306,7 @@ def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> 
             status = client.run_status(run.run_id)
             return status.started and min(w.iteration for w in status.workers) > 20
 
-        _until("training", training)
+        wait_for(training, "training", 120)
         victim = _worker_pid("node-a", 1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
@@ -326,11 +317,11 @@ def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> 
                     and w.state != pb.WORKER_STATE_EXPIRED and w.state != pb.WORKER_STATE_FAILED]
             return len(workers) == 5 and bool(back) and back[0].iteration > 0
 
-        _until("the replacement training", replaced)
+        wait_for(replaced, "the replacement training", 120)
         assert _stop(agents["node-b"]) == 0
         assert "drained" in _agent_log(tmp_path / "node-b")
-        _until("the run's end",
-               lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING, 180)
+        wait_for(lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING,
+                 "the run's end", 180)
         status = client.run_status(run.run_id)
         assert status.run.state == pb.RUN_STATE_FINISHED, status.run.stop_reason
         assert server.service is not None  # the run's records, all five of them
@@ -339,8 +330,7 @@ def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> 
         assert {("node-b", 0, "left"), ("node-b", 1, "left")} <= ended  # not expired
         assert ("node-a", 1, "expired") in ended  # the killed one; its replacement left
         # The agent reports the model once its processes ended (after the run's end).
-        _until("the model's path", lambda: bool(client.run_status(run.run_id).run.model_path),
-               60)
+        wait_for(lambda: client.run_status(run.run_id).run.model_path, "the model's path", 60)
         assert client.run_status(run.run_id).run.model_path.startswith("node-a:")
     finally:
         for agent in agents.values():
@@ -365,8 +355,8 @@ def test_a_run_whose_processes_all_fail_is_failed_with_their_exit_codes(
     try:
         run = client.submit_run(json.dumps({"num_workers": 2, "task": "", "max_restarts": 1,
                                             "protocol": "ripples-random"}), command=command)
-        _until("the run's end",
-               lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING, 120)
+        wait_for(lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING,
+                 "the run's end", 120)
         info = client.run_status(run.run_id).run
         assert info.state == pb.RUN_STATE_FAILED
         assert f"node-a/0 exit code {code}" in info.stop_reason
@@ -407,7 +397,7 @@ def test_a_coordinator_killed_and_restarted_keeps_its_runs_agents_and_workers(
             status = client.run_status(first.run_id)
             return status.started and min(w.iteration for w in status.workers) > 20
 
-        _until("training", training)
+        wait_for(training, "training", 120)
         coordinator.kill()
         coordinator.wait()
         time.sleep(1.0)
@@ -416,9 +406,8 @@ def test_a_coordinator_killed_and_restarted_keeps_its_runs_agents_and_workers(
         listing = client.list_runs()
         states = {r.name: r.state for r in listing.runs}
         assert states == {"first": pb.RUN_STATE_RUNNING, "second": pb.RUN_STATE_QUEUED}
-        _until("both runs' end", lambda: all(
-            r.state != pb.RUN_STATE_RUNNING and r.state != pb.RUN_STATE_QUEUED
-            for r in client.list_runs().runs), 240)
+        wait_for(lambda: all(r.state != pb.RUN_STATE_RUNNING and r.state != pb.RUN_STATE_QUEUED
+                             for r in client.list_runs().runs), "both runs' end", 240)
         runs = {r.name: r for r in client.list_runs().runs}
         assert runs["first"].state == pb.RUN_STATE_FINISHED, runs["first"].stop_reason
         assert runs["second"].state == pb.RUN_STATE_FINISHED, runs["second"].stop_reason

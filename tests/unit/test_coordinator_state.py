@@ -44,12 +44,10 @@ def test_a_restored_core_goes_on_with_the_same_run(tmp_path) -> None:  # type: i
     joiner = core.register("node9", 0, "cpu", 99, 109.5)
     saved = snapshot.take(core, now=110.0)
     store = StateStore(tmp_path)
-    assert store.next_incarnation() == 1
     store.save(json.loads(json.dumps(saved)))  # what reaches the disk is plain JSON
     store.close()
 
     store = StateStore(tmp_path)
-    assert store.next_incarnation() == 2
     loaded = store.load()
     assert loaded is not None
     again = snapshot.restore(loaded, now=5000.0, incarnation=2)
