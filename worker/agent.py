@@ -266,14 +266,19 @@ class HostAgent:
                         time.sleep(backoff_pause(3, _RNG))
 
     def _report(self, timeout: float) -> pb.AgentReply:
-        cfg = self.config
         with self._lock:
-            run_id = self.run.run_id if self.run else ""
-            processes = self._process_reports()
-        return self.client.agent_poll(pb.AgentPollRequest(
+            request = self._poll_request(timeout)
+        return self.client.agent_poll(request)
+
+    def _poll_request(self, timeout: float) -> pb.AgentPollRequest:
+        """This host and its current run's processes, as a poll tells them (the caller
+        holds `_lock`)."""
+        cfg = self.config
+        return pb.AgentPollRequest(
             agent_id=self.agent_id, host=cfg.host, slots=cfg.slots, devices=self.devices,
-            memory_bytes=host_memory_bytes(), run_id=run_id, processes=processes,
-            timeout_seconds=timeout, draining=self.draining))
+            memory_bytes=host_memory_bytes(), run_id=self.run.run_id if self.run else "",
+            processes=self._process_reports(), timeout_seconds=timeout,
+            draining=self.draining)
 
     def _process_reports(self) -> list[pb.ProcessReport]:
         processes = self.processes
@@ -362,10 +367,7 @@ class HostAgent:
             logger.warning("%s: stopping its workers", why)
             processes.terminate()
         try:
-            self.client.agent_poll(pb.AgentPollRequest(
-                agent_id=self.agent_id, host=self.config.host, slots=self.config.slots,
-                devices=self.devices, run_id=run.run_id, processes=self._process_reports(),
-                draining=self.draining))
+            self.client.agent_poll(self._poll_request(timeout=0.0))
         except CoordinatorCallError as err:
             logger.warning("could not report run %s's processes: %s", run.run_id, err)
         for line in processes.failures():
