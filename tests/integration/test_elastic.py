@@ -23,7 +23,7 @@ DEADLINE_SECONDS = 180
 # Budgets that outlast the replacement's start-up on a loaded machine (adpsgd never
 # waits for a group, so it runs through iterations several times faster).
 @pytest.mark.parametrize(("protocol", "iterations"), [("ripples-smart", 1500),
-                                                      ("adpsgd", 8000), ("a2cid2", 8000)])
+                                                      ("adpsgd", 16000), ("a2cid2", 8000)])
 def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
         protocol: str, iterations: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
     with running_coordinator(protocol=protocol, num_workers=3, task="digits",
@@ -58,7 +58,13 @@ def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
                 assert w.progress.iteration > iterations_at_kill[w.worker_id]
             assert joiner.rank == victim.rank
             assert core.workers[victim.worker_id].replaced_by == joiner.worker_id
-            wait_for(lambda: joiner.healed, "the replacement to heal")
+            try:
+                wait_for(lambda: joiner.healed or core.stopped, "the replacement to heal")
+                assert joiner.healed, f"the run ended before the heal: {core.stop_reason}"
+            except AssertionError as err:
+                replacement.kill()
+                raise AssertionError(f"{err}; the replacement said:\n"
+                                     f"{replacement.communicate()[0][-3000:]}") from None
             healed_after = time.monotonic() - killed_at
             start_iteration = joiner.progress.iteration
             outputs = finish([workers[0], workers[2], replacement], DEADLINE_SECONDS)
