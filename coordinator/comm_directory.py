@@ -10,7 +10,7 @@ and delivered to every member, so all members' caches agree.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 
@@ -20,14 +20,17 @@ class CommDirectory:
 
     Invariants: a comm id names one member set forever and is never handed out again
     after eviction or retirement; a comm in use by an unfinished group is never evicted.
+    Each worker's comms are kept in its own recency order (a use moves the comm to the
+    end for every member), so an eviction looks at that worker's comms only, never at
+    every comm of the run.
     """
 
     max_comms_per_worker: int = 64
     _next_id: int = 1
     _by_members: dict[tuple[int, ...], int] = field(default_factory=dict)
     _members: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    _lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # least recent first
-    _per_worker: dict[int, set[int]] = field(default_factory=dict)
+    _per_worker: dict[int, OrderedDict[int, None]] = field(default_factory=dict)
+    """Worker -> its cached comm ids, least recently used first."""
     _evictions: dict[int, list[int]] = field(default_factory=dict)  # worker -> comm ids
     num_created: int = 0
     num_reused: int = 0
@@ -36,22 +39,22 @@ class CommDirectory:
         if self.max_comms_per_worker < 1:
             raise ValueError("max_comms_per_worker must be at least 1")
 
-    def acquire(self, members: tuple[int, ...], in_use: set[int]) -> tuple[int, bool]:
+    def acquire(self, members: tuple[int, ...], in_use: Collection[int]) -> tuple[int, bool]:
         """Comm id for `members` and whether members must create it (True) or reuse it."""
         comm_id = self._by_members.get(members)
         if comm_id is not None:
-            self._lru.move_to_end(comm_id)
+            for m in members:
+                self._per_worker[m].move_to_end(comm_id)
             self.num_reused += 1
             return comm_id, False
         comm_id = self._next_id
         self._next_id += 1
         self._by_members[members] = comm_id
         self._members[comm_id] = members
-        self._lru[comm_id] = None
         for m in members:
-            self._per_worker.setdefault(m, set()).add(comm_id)
+            self._per_worker.setdefault(m, OrderedDict())[comm_id] = None
         self.num_created += 1
-        self._evict_over_budget(members, in_use | {comm_id})
+        self._evict_over_budget(members, in_use, comm_id)
         return comm_id, True
 
     def retire(self, comm_id: int) -> None:
@@ -60,14 +63,15 @@ class CommDirectory:
         if members is None:
             return
         del self._by_members[members]
-        self._lru.pop(comm_id, None)
         for m in members:
-            self._per_worker.get(m, set()).discard(comm_id)
+            cached = self._per_worker.get(m)
+            if cached is not None:
+                cached.pop(comm_id, None)
             self._evictions.setdefault(m, []).append(comm_id)
 
     def retire_worker(self, worker: int) -> None:
         """Retire every comm containing a worker that left."""
-        for comm_id in sorted(self._per_worker.pop(worker, set())):
+        for comm_id in sorted(self._per_worker.pop(worker, {})):
             self.retire(comm_id)
         self._evictions.pop(worker, None)
 
@@ -78,11 +82,12 @@ class CommDirectory:
     def cached_by(self, worker: int) -> set[int]:
         return set(self._per_worker.get(worker, ()))
 
-    def _evict_over_budget(self, members: Iterable[int], in_use: set[int]) -> None:
+    def _evict_over_budget(self, members: Iterable[int], in_use: Collection[int],
+                           new: int) -> None:
         for m in members:
-            cached = self._per_worker.get(m, set())
+            cached = self._per_worker.get(m, OrderedDict())
             while len(cached) > self.max_comms_per_worker:
-                victim = next((c for c in self._lru if c in cached and c not in in_use), None)
+                victim = next((c for c in cached if c != new and c not in in_use), None)
                 if victim is None:
                     break  # every cached comm is in use; the bound is exceeded briefly
                 self.retire(victim)

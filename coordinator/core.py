@@ -20,6 +20,7 @@ its schema matched (then training starts and the clock runs), training, stop.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.errors import CoordinatorError
@@ -34,7 +35,7 @@ from ripples.coordinator.progress import ProgressTracker
 from ripples.coordinator.registry import GONE, Progress, Registry, WorkerRecord, WorkerState
 from ripples.coordinator.run_graph import RunGraph
 from ripples.coordinator.schema import Schema, SchemaCheck
-from ripples.coordinator.stop import StateAdoption, StopAgreement, budget_reached
+from ripples.coordinator.stop import BudgetWatch, StateAdoption, StopAgreement
 from ripples.protocols import Coordination, GroupGeneratorSettings
 
 RESTART_STRAGGLER_WINDOWS = 3
@@ -68,6 +69,9 @@ class CoordinatorCore:
                                    progress=self.progress, rng=random.Random(settings.seed),
                                    max_comms_per_worker=settings.max_comms_per_worker)
         self.stopper = StopAgreement(settings.checkpoint_interval)
+        self.budget = BudgetWatch()
+        self._ready_ids: set[int] = set()
+        """Workers that said they are ready (mark_ready counts them before it checks)."""
         self.consensus_id = 0
         """The consensus model wanted now (the Consensus RPC; 0: none)."""
         self.consensus_at = 0
@@ -150,7 +154,7 @@ class CoordinatorCore:
         try:
             self.graph = RunGraph.build(self.settings, self.registry.holders_by_rank())
         except ValueError as err:
-            del self.registry.workers[w.worker_id]
+            self.registry.discard(w.worker_id)
             self.registry.size -= 1
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"the run cannot grow to {self.registry.size + 1} "
@@ -208,15 +212,24 @@ class CoordinatorCore:
             w.schema_digest = schema.digest
         w.progress.planned_iterations = planned_iterations
         w.ready = True
+        self.budget.note(self.registry, w)
+        self._ready_ids.add(worker_id)
         if w.replacement and self.started_at is not None:
             w.state = WorkerState.COMPUTING
-        live = self.live()
         if (self.started_at is None and self.registry.formed and not self.stopped
-                and all(x.ready for x in live)):
-            self.started_at = now - self.resumed_elapsed
-            for x in live:
-                x.state = WorkerState.COMPUTING
+                and len(self._ready_ids) >= self.registry.num_live):
+            # Counted first: a start checks every worker once, not at each of n readies.
+            live = self.live()
+            self._ready_ids = {x.worker_id for x in live if x.ready}
+            if len(self._ready_ids) == len(live):
+                self.started_at = now - self.resumed_elapsed
+                for x in live:
+                    x.state = WorkerState.COMPUTING
         return self.started_at is not None
+
+    def note_ready(self, worker_ids: Iterable[int]) -> None:
+        """Workers ready already (a core restored from a snapshot)."""
+        self._ready_ids.update(worker_ids)
 
     def check_schema(self, worker_id: int, schema: Schema) -> None:
         """The averaged tensors once the optimizer state joined them: refuse a worker
@@ -257,7 +270,7 @@ class CoordinatorCore:
         self.registry.renew(w, now)
         if progress is not None:
             self._record_progress(w, progress, now)
-        return self._check_stop(now)
+        return self._check_stop(now, w)
 
     def leave(
         self, worker_id: int, progress: Progress | None, error: str, now: float,
@@ -451,7 +464,7 @@ class CoordinatorCore:
         if progress is not None:
             self._record_progress(w, progress, now)
         w.progress.iteration = max(w.progress.iteration, iteration)
-        deliveries = self._check_stop(now)
+        deliveries = self._check_stop(now, w)
         if self.stopped:
             return self.groups.decide(w, Outcome.STOP, now, detail=self.stop_reason), deliveries
         decision, more = self.groups.request(w, now, listen=listen)
@@ -506,7 +519,7 @@ class CoordinatorCore:
         if progress is not None:
             self._record_progress(w, progress, now)
         w.progress.iteration = max(w.progress.iteration, iteration)
-        self._check_stop(now)
+        self._check_stop(now, w)
         workers = list(self.registry.workers.values())
         stop_at = self.stopper.checkpoint(w, iteration, workers)
         self.adoption.checkpoint(w, optimizer_state_ready, workers)
@@ -535,10 +548,12 @@ class CoordinatorCore:
         self.stopped_by_failure = failure
         return self.groups.stop(reason, now)
 
-    def _check_stop(self, now: float) -> Deliveries:
+    def _check_stop(self, now: float, touched: WorkerRecord | None = None) -> Deliveries:
+        """Stop on the budget or the target; `touched`: the worker whose report came
+        (the budget's sums are updated with it alone: BudgetWatch)."""
         if self.stopped or self.started_at is None:
             return {}
-        reason = budget_reached(self.registry.counted())
+        reason = self.budget.reached(self.registry, touched)
         if reason:
             return self.stop(reason, now)
         if self.progress.time_to_target is not None:

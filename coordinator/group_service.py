@@ -12,18 +12,66 @@ from __future__ import annotations
 import enum
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ripples.coordinator.comm_directory import CommDirectory
 from ripples.coordinator.errors import CoordinatorError
 from ripples.coordinator.groups import GroupRecord, GroupTable
 from ripples.coordinator.pairing import FifoPairing
-from ripples.coordinator.policies import ClusterView, GroupPolicy, RandomPolicy, make_policy
+from ripples.coordinator.policies import (
+    ClusterView,
+    GroupPolicy,
+    RandomPolicy,
+    SmartPolicy,
+    make_policy,
+    straggler_bound,
+)
 from ripples.coordinator.progress import ProgressTracker
 from ripples.coordinator.registry import GONE, Registry, WorkerRecord, WorkerState
 from ripples.coordinator.run_graph import RunGraph
 from ripples.protocols import Coordination, GroupGeneratorSettings, Role
+
+STRAGGLER_BOUND_REFRESH = 1
+"""The straggler bound is recomputed at least every this many generations (more rarely
+past 64 workers: `GroupService._straggler_bound`)."""
+
+
+_T = TypeVar("_T")
+
+
+class _Field(Mapping[int, _T]):
+    """One attribute of the member workers' records as a read-only mapping (no copy)."""
+
+    def __init__(self, records: Mapping[int, WorkerRecord], members: set[int],
+                 read: Callable[[WorkerRecord], _T | None]) -> None:
+        self._records, self._members, self._read = records, members, read
+
+    def __getitem__(self, worker: int) -> _T:
+        if worker not in self._members:
+            raise KeyError(worker)
+        value = self._read(self._records[worker])
+        if value is None:
+            raise KeyError(worker)
+        return value
+
+    def __iter__(self) -> Iterator[int]:
+        return (w for w in self._members if self._read(self._records[w]) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _RecordFields:
+    """The policies' per-worker mappings, read straight from the records."""
+
+    def __init__(self, records: Mapping[int, WorkerRecord], members: set[int]) -> None:
+        self.request_counts: Mapping[int, int] = _Field(records, members,
+                                                        lambda w: w.request_count)
+        self.node_of: Mapping[int, int] = _Field(records, members, lambda w: w.node)
+        self.own_seconds: Mapping[int, float] = _Field(records, members,
+                                                       lambda w: w.own_seconds)
 
 
 class Outcome(enum.Enum):
@@ -71,7 +119,20 @@ class GroupService:
         self.pairing = FifoPairing() if role.policy == "a2cid2" else None
         self.listening_allowed = role.policy == "adpsgd"
         self.table = GroupTable()
+        self.table.on_idle = self._became_idle
+        self.table.on_busy = self._became_busy
         self.comms = CommDirectory(max_comms_per_worker=max_comms_per_worker)
+        # The policies' view, kept up to date instead of rebuilt per request: the live,
+        # healed workers (id order; rebuilt when the live set changes or a worker heals),
+        # those of them with an empty buffer, and the smart policy's straggler bound.
+        self._members_key: tuple[int, int] = (-1, -1)
+        self._members: list[int] = []
+        self._member_set: set[int] = set()
+        self._idle: set[int] = set()
+        self._num_healed = 0  # heals so far (part of the members' key)
+        self._bound: float | None = None
+        self._bound_age = 0  # generations since the bound was computed
+        self._records = _RecordFields(registry.workers, self._member_set)
         self.recent_groups: deque[GroupRecord] = deque(maxlen=32)
         self.num_pending_waits = 0
         self.pending_wait_seconds = 0.0
@@ -220,8 +281,9 @@ class GroupService:
             )
         if squared_distance is not None and ok:
             self.progress.add_pair_distance(squared_distance)
-        if ok and group is not None and group.heal_donor is not None:
+        if ok and group is not None and group.heal_donor is not None and not w.healed:
             w.healed = True  # the donor was healed already; the joiner is now
+            self._num_healed += 1
         if not ok:
             self.num_failed += 1
             if group is not None:
@@ -277,8 +339,7 @@ class GroupService:
         final average; its comm id is the directory's, so it never collides."""
         group = GroupRecord(group_id=self.table.next_group_id(), members=members,
                             initiator=members[0], created_at=now)
-        group.comm_id, group.create_comm = self.comms.acquire(members,
-                                                              self.table.comm_ids_in_use())
+        self.table.set_comm(group, *self.comms.acquire(members, self.table.comm_ids_in_use()))
         return group
 
     # ------------------------------------------------------------------ helpers
@@ -291,19 +352,51 @@ class GroupService:
         self.comms.retire(comm_id)
         for g in self.table.unfinished():  # in id order: the first one creates the new comm
             if g.comm_id == comm_id and not g.delivered:
-                g.comm_id, g.create_comm = self.comms.acquire(
-                    g.members, self.table.comm_ids_in_use())
+                self.table.set_comm(g, *self.comms.acquire(g.members,
+                                                            self.table.comm_ids_in_use()))
+
+    # ------------------------------------------------------------------ the policies' view
+    def _sync_members(self) -> None:
+        """Rebuild the member index once the live set changed or a worker healed: O(n)
+        then, O(1) per request otherwise."""
+        key = (self.registry.version, self._num_healed)
+        if key == self._members_key:
+            return
+        self._members_key = key
+        members = [x.worker_id for x in self.registry.live_by_id().values() if x.healed]
+        self._members[:] = members
+        self._member_set.clear()
+        self._member_set.update(members)
+        self._idle = {m for m in members if self.table.is_idle(m)}
+        self._bound_age = STRAGGLER_BOUND_REFRESH  # recompute it at the next generation
+
+    def _became_idle(self, worker: int) -> None:
+        if worker in self._member_set:
+            self._idle.add(worker)
+
+    def _became_busy(self, worker: int) -> None:
+        self._idle.discard(worker)
+
+    def _straggler_bound(self) -> float | None:
+        """The smart policy's bound, a median over every member: computed afresh after
+        every n / 64 generations (every one below 64 workers) and on membership changes.
+        Own seconds are moving averages: the bound moves slowly."""
+        self._bound_age += 1
+        if self._bound_age >= max(1, len(self._members) // 64, STRAGGLER_BOUND_REFRESH):
+            self._bound_age = 0
+            self._bound = straggler_bound(self._records.own_seconds, self._member_set)
+        return self._bound
 
     def _generate(self, w: WorkerRecord, now: float) -> list[GroupRecord]:
         assert self.policy is not None
-        live = [x for x in self.registry.live() if x.healed]
+        self._sync_members()
+        records = self._records
         view = ClusterView(
-            live=tuple(x.worker_id for x in live),
-            idle=frozenset(x.worker_id for x in live if self.table.is_idle(x.worker_id)),
-            request_counts={x.worker_id: x.request_count for x in live},
-            node_of={x.worker_id: x.node for x in live},
-            neighbours=self._graph().neighbours,
-            own_seconds={x.worker_id: x.own_seconds for x in live if x.own_seconds is not None},
+            live=self._members, live_set=self._member_set, idle=self._idle,
+            request_counts=records.request_counts, node_of=records.node_of,
+            neighbours=self._graph().neighbours, own_seconds=records.own_seconds,
+            straggler_bound=(self._straggler_bound() if isinstance(self.policy, SmartPolicy)
+                             else None),
         )
         created = []
         for members in self.policy.generate(w.worker_id, view, self.rng):
@@ -326,8 +419,8 @@ class GroupService:
 
     def _add_group(self, members: tuple[int, ...], initiator: int, now: float) -> GroupRecord:
         group = self.table.add(members, initiator, now)
-        group.comm_id, group.create_comm = self.comms.acquire(
-            group.members, self.table.comm_ids_in_use())
+        self.table.set_comm(group, *self.comms.acquire(group.members,
+                                                        self.table.comm_ids_in_use()))
         return group
 
     def _deliver(self, groups: list[GroupRecord], now: float) -> Deliveries:

@@ -6,9 +6,13 @@ Pure code: no threads, sockets or clock (times are passed in). The gRPC shell wr
 from __future__ import annotations
 
 import enum
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+
+
+def _nothing(worker: int) -> None:
+    """The default buffer-change hook."""
 
 
 class GroupState(enum.Enum):
@@ -66,6 +70,12 @@ class GroupTable:
         self._buffers: dict[int, deque[int]] = {}
         self.num_formed = 0
         self.num_conflicts = 0
+        self.on_idle: Callable[[int], None] = _nothing
+        """Called with a worker whose buffer just emptied."""
+        self.on_busy: Callable[[int], None] = _nothing
+        """Called with a worker whose buffer just got its first group."""
+        self._comms_in_use: Counter[int] = Counter()
+        """Comm id -> unfinished groups that use it (`set_comm` keeps it)."""
 
     # ---------------------------------------------------------------- queries
     def buffer(self, worker: int) -> tuple[int, ...]:
@@ -93,8 +103,23 @@ class GroupTable:
     def num_pending(self) -> int:
         return sum(g.state is GroupState.PENDING for g in self._groups.values())
 
-    def comm_ids_in_use(self) -> set[int]:
-        return {g.comm_id for g in self._groups.values()}
+    def comm_ids_in_use(self) -> Collection[int]:
+        """The comm ids of unfinished groups (a live view: O(1))."""
+        return self._comms_in_use.keys()
+
+    def set_comm(self, group: GroupRecord, comm_id: int, create: bool) -> None:
+        """Give an unfinished group its communicator (its comm id counts as in use)."""
+        if group.group_id in self._groups:
+            self._uncount(group.comm_id)
+            self._comms_in_use[comm_id] += 1
+        group.comm_id, group.create_comm = comm_id, create
+
+    def _uncount(self, comm_id: int) -> None:
+        left = self._comms_in_use[comm_id] - 1
+        if left > 0:
+            self._comms_in_use[comm_id] = left
+        else:
+            del self._comms_in_use[comm_id]
 
     # ---------------------------------------------------------------- events
     def next_group_id(self) -> int:
@@ -116,8 +141,14 @@ class GroupTable:
         if any(self._buffers.get(m) for m in ordered):
             self.num_conflicts += 1  # overlaps an unfinished group: serialised behind it
         self._groups[group.group_id] = group
+        self._comms_in_use[group.comm_id] += 1
         for m in ordered:
-            self._buffers.setdefault(m, deque()).append(group.group_id)
+            buf = self._buffers.get(m)
+            if buf is None:
+                buf = self._buffers[m] = deque()
+            if not buf:
+                self.on_busy(m)
+            buf.append(group.group_id)
         self.num_formed += 1
         self._try_lock(group)
         return group
@@ -148,8 +179,11 @@ class GroupTable:
         buf = self._buffers[worker]
         assert buf[0] == group_id, "a delivered group heads its members' buffers"
         buf.popleft()
+        if not buf:
+            self.on_idle(worker)
         if len(group.released) == len(group.members):
             del self._groups[group_id]
+            self._uncount(group.comm_id)
         return self._lock_heads([worker])
 
     def cancel_where(self, worker: int) -> tuple[list[GroupRecord], list[GroupRecord]]:
@@ -184,10 +218,13 @@ class GroupTable:
 
     def _drop(self, group: GroupRecord) -> None:
         del self._groups[group.group_id]
+        self._uncount(group.comm_id)
         for m in group.members:
             buf = self._buffers.get(m)
             if buf is not None and group.group_id in buf:
                 buf.remove(group.group_id)
+                if not buf:
+                    self.on_idle(m)
 
     def _try_lock(self, group: GroupRecord) -> bool:
         if group.state is GroupState.PENDING and all(

@@ -9,23 +9,34 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterView:
-    """What a policy may look at when a worker asks for a group."""
+    """What a policy may look at when a worker asks for a group. The coordinator hands
+    its own up-to-date indexes (read only), so a view costs O(1) to make however many
+    workers there are; a policy's work is then bounded by what it generates."""
 
-    live: tuple[int, ...]  # workers taking part, sorted
-    idle: frozenset[int]  # live workers with an empty group buffer
+    live: Sequence[int]  # workers taking part, sorted
+    idle: Collection[int]  # live workers with an empty group buffer
     request_counts: Mapping[int, int]  # slowdown counters c_w (requests so far)
     node_of: Mapping[int, int]  # worker -> node index
     neighbours: Mapping[int, Sequence[int]] | None = None  # None: complete graph
     own_seconds: Mapping[int, float] = dataclasses.field(default_factory=dict)
     """Recent seconds per iteration that a worker spends on its own (compute and
     collectives, not waiting for peers); absent until it has reported two iterations."""
+    live_set: Collection[int] = ()
+    """`live` for membership tests (default: a set made of it)."""
+    straggler_bound: float | None | Literal["unknown"] = "unknown"
+    """The smart policy's bound on own seconds, if the coordinator keeps it (it is a
+    median over every live worker: recomputed now and then, not at every request)."""
+
+    def __post_init__(self) -> None:
+        if not self.live_set:
+            object.__setattr__(self, "live_set", frozenset(self.live))
 
 
 class GroupPolicy(Protocol):
@@ -43,10 +54,36 @@ class GroupPolicy(Protocol):
 
 
 def _candidates(initiator: int, view: ClusterView) -> list[int]:
-    live = set(view.live)
+    live = view.live_set
     if view.neighbours is None:
         return [w for w in view.live if w != initiator]
     return sorted(w for w in view.neighbours.get(initiator, ()) if w in live and w != initiator)
+
+
+REJECTION_TRIES = 16
+"""Draws per wanted member before `sample_peers` falls back to listing every candidate."""
+
+
+def sample_peers(initiator: int, view: ClusterView, k: int, rng: random.Random,
+                 accept: Callable[[int], bool] = lambda w: True) -> list[int]:
+    """Up to `k` distinct peers of `initiator`, uniformly among the candidates (live
+    neighbours) that `accept` takes, in draw order. On a complete graph it draws live
+    workers at random and rejects the others: O(k) expected while most are acceptable,
+    instead of listing all n (the coordinator at 10,000 workers). After
+    REJECTION_TRIES x k draws it lists the candidates and samples those (exact)."""
+    if view.neighbours is None:
+        live = view.live
+        chosen: list[int] = []
+        for _ in range(REJECTION_TRIES * k):
+            if len(chosen) == k:
+                return chosen
+            w = live[rng.randrange(len(live))]
+            if w != initiator and w not in chosen and accept(w):
+                chosen.append(w)
+        if len(chosen) == k:
+            return chosen
+    eligible = [w for w in _candidates(initiator, view) if accept(w)]
+    return rng.sample(eligible, min(k, len(eligible)))
 
 
 @dataclass(kw_only=True)
@@ -66,11 +103,8 @@ class RandomPolicy:
     def generate(
         self, initiator: int, view: ClusterView, rng: random.Random
     ) -> list[tuple[int, ...]]:
-        others = _candidates(initiator, view)
-        if not others:
-            return []
-        chosen = rng.sample(others, min(self.group_size - 1, len(others)))
-        return [tuple(sorted([initiator, *chosen]))]
+        chosen = sample_peers(initiator, view, self.group_size - 1, rng)
+        return [tuple(sorted([initiator, *chosen]))] if chosen else []
 
 
 STRAGGLER_FACTOR = 2.0
@@ -132,16 +166,22 @@ class SmartPolicy:
 
     @staticmethod
     def _straggler_bound(view: ClusterView) -> float | None:
-        known = [s for w, s in view.own_seconds.items() if w in view.live]
-        return STRAGGLER_FACTOR * statistics.median(known) if known else None
+        if view.straggler_bound != "unknown":
+            return view.straggler_bound
+        return straggler_bound(view.own_seconds, view.live_set)
 
     def generate(
         self, initiator: int, view: ClusterView, rng: random.Random
     ) -> list[tuple[int, ...]]:
-        candidates = _candidates(initiator, view)
         bound = self._straggler_bound(view)
-        eligible = [w for w in candidates if self._passes(initiator, w, view, bound)]
-        idle = [w for w in eligible if w in view.idle]
+
+        def eligible(w: int) -> bool:
+            return self._passes(initiator, w, view, bound)
+
+        if view.neighbours is None:  # the idle set, not every live worker
+            idle = sorted(w for w in view.idle if w != initiator and eligible(w))
+        else:
+            idle = [w for w in _candidates(initiator, view) if w in view.idle and eligible(w)]
         if idle:
             pool = [initiator, *idle]
             groups = self._inter_intra(initiator, pool, view, rng) if self.inter_intra else []
@@ -149,10 +189,8 @@ class SmartPolicy:
                 groups = self._divide(initiator, pool, rng)
             if any(initiator in g for g in groups):
                 return groups
-        if not eligible:
-            return []
-        chosen = rng.sample(eligible, min(self.group_size - 1, len(eligible)))
-        return [tuple(sorted([initiator, *chosen]))]
+        chosen = sample_peers(initiator, view, self.group_size - 1, rng, eligible)
+        return [tuple(sorted([initiator, *chosen]))] if chosen else []
 
     def _divide(
         self, initiator: int, pool: Sequence[int], rng: random.Random
@@ -198,6 +236,13 @@ class SmartPolicy:
         # All Inter groups precede all Intra groups in the global order, so every
         # worker's buffer holds its Inter group first (§5.2).
         return inter + intra
+
+
+def straggler_bound(own_seconds: Mapping[int, float], live: Collection[int]) -> float | None:
+    """The smart policy's bound: STRAGGLER_FACTOR x the median own seconds per iteration
+    of the live workers whose speed is known (None: nobody's yet)."""
+    known = [s for w, s in own_seconds.items() if w in live]
+    return STRAGGLER_FACTOR * statistics.median(known) if known else None
 
 
 def make_policy(

@@ -39,6 +39,9 @@ class ProgressTracker:
         self._everyone = everyone
         self.loss_curve: list[tuple[float, float, float]] = []  # (seconds, loss, iterations)
         self.curve_step = LOSS_CURVE_MIN_STEP_SECONDS
+        self._first_point_retry_at = float("-inf")
+        """The first point waits for every worker's loss: after a try that found one
+        missing, the next try comes a curve step later (each try is O(n))."""
         """Minimum seconds between two points of the curve (doubles at each thinning)."""
         self.time_to_target: float | None = None
         self.iterations_to_target: float | None = None
@@ -57,11 +60,15 @@ class ProgressTracker:
             return  # after the stop, workers leave one by one: their mean is no training loss
         target = self.target_loss
         watching_target = target > 0 and self.time_to_target is None
-        curve_due = not self.loss_curve or elapsed - self.loss_curve[-1][0] >= self.curve_step
+        curve_due = (elapsed >= self._first_point_retry_at if not self.loss_curve
+                     else elapsed - self.loss_curve[-1][0] >= self.curve_step)
         if not (watching_target or curve_due):
             return  # progress arrives with every group request: keep the common case O(1)
         mean = self.mean_loss()
         if mean is None:
+            # Not every worker reported a loss yet (before the first point): try again a
+            # curve step later, not at every report (10,000 workers' first requests).
+            self._first_point_retry_at = elapsed + self.curve_step
             return
         reached = watching_target and mean <= target
         mean_iterations = self.mean_iterations()
@@ -69,7 +76,7 @@ class ProgressTracker:
             self.time_to_target = elapsed
             self.iterations_to_target = mean_iterations
         # Rate-limited, except for the point that reaches the target: the curve must show it.
-        if reached or curve_due:
+        if reached or curve_due or not self.loss_curve:
             self.loss_curve.append((elapsed, mean, mean_iterations))
             if len(self.loss_curve) > LOSS_CURVE_MAX_POINTS:
                 self._thin_curve()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import overload
 
 from ripples.coordinator.errors import CoordinatorError
 
@@ -44,6 +45,31 @@ class Progress:
     checkpoint_step: int = 0  # the newest step it holds a checkpoint of (0: none)
 
 
+class _LiveState:
+    """`WorkerRecord.state`: setting it keeps its registry's index of live workers
+    current, so that the hot paths (a group request, a heartbeat) never scan every
+    worker that ever registered to find the live ones (O(1) instead of O(n) per event
+    at 10,000 workers)."""
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> WorkerState: ...
+    @overload
+    def __get__(self, obj: WorkerRecord, objtype: type | None = None) -> WorkerState: ...
+
+    def __get__(self, obj: WorkerRecord | None, objtype: type | None = None) -> WorkerState:
+        if obj is None:  # the dataclass's default
+            return WorkerState.REGISTERED
+        state: WorkerState = obj.__dict__["_state"]
+        return state
+
+    def __set__(self, obj: WorkerRecord, value: WorkerState) -> None:
+        old = obj.__dict__.get("_state")
+        obj.__dict__["_state"] = value
+        registry = obj.__dict__.get("_registry")
+        if registry is not None and (old in GONE) != (value in GONE):
+            registry._moved(obj)
+
+
 @dataclass(kw_only=True)
 class WorkerRecord:
     worker_id: int
@@ -54,7 +80,7 @@ class WorkerRecord:
     node: int
     lease_expires_at: float
     rank: int = -1
-    state: WorkerState = WorkerState.REGISTERED
+    state: _LiveState = _LiveState()
     request_count: int = 0
     progress: Progress = field(default_factory=Progress)
     error: str = ""
@@ -105,6 +131,13 @@ class Registry:
         """Elastic runs grow up to this many ranks (scale-up: `_grow`)."""
         self.lease_seconds = lease_seconds
         self.workers: dict[int, WorkerRecord] = {}
+        """Every record, by id (add and remove them with `add` and `discard`)."""
+        self._live: dict[int, WorkerRecord] = {}
+        """The live ones, in id order (kept by WorkerRecord.state's setter)."""
+        self._slots: dict[tuple[str, int], WorkerRecord] = {}
+        """(host, local rank) -> the newest record that registered there."""
+        self.version = 0
+        """Bumped whenever the set of live workers changes (caches key on it)."""
         self.formed = False
         """Every expected worker registered; ranks are assigned and final."""
         self.size = num_workers
@@ -155,26 +188,26 @@ class Registry:
                     f"the run already has its {self.size} workers (max_workers "
                     f"{self.max_workers}); a replacement joins once a member has left or "
                     "its lease expired")
-        elif len(self.live()) >= self.num_workers:
+        elif len(self._live) >= self.num_workers:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
                 f"the run already has its {self.num_workers} workers; "
                 "start a new coordinator for a new run",
             )
-        for w in self.live():
-            if w.host == host and w.local_rank == local_rank:
-                raise CoordinatorError(
-                    "FAILED_PRECONDITION",
-                    f"host {host} local rank {local_rank} is already registered as worker "
-                    f"{w.worker_id}; give each worker on a host its own --local-rank",
-                )
+        w = self._slots.get((host, local_rank))
+        if w is not None and w.state not in GONE:
+            raise CoordinatorError(
+                "FAILED_PRECONDITION",
+                f"host {host} local rank {local_rank} is already registered as worker "
+                f"{w.worker_id}; give each worker on a host its own --local-rank",
+            )
         node = self._nodes.setdefault(host, len(self._nodes))
         worker_id = self._next_worker_id
         self._next_worker_id += 1
         record = WorkerRecord(worker_id=worker_id, host=host, local_rank=local_rank,
                               device=device, pid=pid, node=node,
                               lease_expires_at=now + self.lease_seconds)
-        self.workers[worker_id] = record
+        self.add(record)
         if vacant is not None:
             self._take_over(record, vacant)
         elif self.formed:
@@ -186,8 +219,12 @@ class Registry:
         anew: each member takes over the
         part of the departed member that held its rank before (`_continue`), with its
         slowdown counter; none heals: every member restores the run's checkpoints."""
+        departed: dict[int, WorkerRecord] = {}  # rank -> its first departed holder
+        for x in self.workers.values():
+            if x.state in GONE and x.rank >= 0 and x.replaced_by is None:
+                departed.setdefault(x.rank, x)
         for w in members:
-            previous = self.vacant_member(rank=w.rank)
+            previous = departed.get(w.rank)
             if previous is not None:
                 self._continue(w, previous)
                 w.request_count = previous.request_count
@@ -257,7 +294,44 @@ class Registry:
 
     @property
     def complete(self) -> bool:
-        return len(self.live()) == self.num_workers
+        return len(self._live) == self.num_workers
+
+    def add(self, record: WorkerRecord) -> None:
+        """Keep `record` (a registration, or a record restored from a snapshot)."""
+        self.workers[record.worker_id] = record
+        record.__dict__["_registry"] = self
+        self._slots[(record.host, record.local_rank)] = record
+        if record.state not in GONE:
+            self._moved(record)
+
+    def discard(self, worker_id: int) -> None:
+        """Forget a record (a registration undone)."""
+        record = self.workers.pop(worker_id)
+        record.__dict__.pop("_registry", None)
+        if self._live.pop(worker_id, None) is not None:
+            self.version += 1
+
+    def _moved(self, record: WorkerRecord) -> None:
+        """`record` became live or departed (WorkerRecord.state's setter)."""
+        self.version += 1
+        if record.state in GONE:
+            self._live.pop(record.worker_id, None)
+            return
+        newest = next(reversed(self._live), -1) if self._live else -1
+        self._live[record.worker_id] = record
+        if record.worker_id < newest:  # back from the departed (rare): keep id order
+            self._live = dict(sorted(self._live.items()))
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def is_live(self, worker_id: int) -> bool:
+        return worker_id in self._live
+
+    def live_by_id(self) -> dict[int, WorkerRecord]:
+        """The live workers by id, in id order (the registry's own index: read only)."""
+        return self._live
 
     def form(self) -> list[WorkerRecord]:
         """Fix the membership: nodes numbered by host name in natural order (node2
@@ -287,13 +361,17 @@ class Registry:
                 if w.lease_expires_at + (0.0 if w.ready else grace) < now]
 
     def live(self) -> list[WorkerRecord]:
-        return [w for w in self.workers.values() if w.state not in GONE]
+        """The live workers in id order (a copy of the index)."""
+        return list(self._live.values())
 
     def num_nodes(self) -> int:
         return len({w.node for w in self.live()})
 
     def worker(self, worker_id: int) -> WorkerRecord:
         """A live worker; NOT_FOUND for an unknown or departed one."""
+        w = self._live.get(worker_id)
+        if w is not None:
+            return w
         w = self.workers.get(worker_id)
         if w is None:
             raise CoordinatorError("NOT_FOUND", f"unknown worker id {worker_id}; register first")

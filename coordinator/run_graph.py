@@ -52,13 +52,15 @@ class RunGraph:
         role = settings.role
         graph = cls(spectral_gap=topology.spectral_gap(),
                     edges_always_used=role.needs_every_worker)
-        if role.coordination is Coordination.STATIC:
+        static = role.coordination is Coordination.STATIC
+        if static:
             graph.edges = _static_edges(settings.workers_per_node, by_rank)
-        else:
+        elif not topology.complete:
             graph.edges = sorted((min(by_rank[i], by_rank[j]), max(by_rank[i], by_rank[j]))
                                  for i, j in topology.edges())
         n = len(by_rank)
-        if n >= 2 and len(graph.edges) == n * (n - 1) // 2:
+        if (topology.complete and not static) or (
+                n >= 2 and len(graph.edges) == n * (n - 1) // 2):
             graph.complete, graph.edges = True, []
         if settings.topology != "complete":
             graph.neighbours = {by_rank[r]: tuple(by_rank[j] for j in ns)

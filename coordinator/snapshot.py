@@ -84,7 +84,7 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: flo
     registry = core.registry
     for fields in snapshot["workers"]:
         w = _record(fields, now + settings.lease_seconds, started)
-        registry.workers[w.worker_id] = w
+        registry.add(w)
     r = snapshot["registry"]
     registry.formed = r["formed"]
     registry._nodes = dict(r["nodes"])
@@ -101,6 +101,7 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: flo
         core.restart_began_at = now
     if not started:  # the training time before a restart round (or 0 before any start)
         core.resumed_elapsed = restarts.get("elapsed", 0.0)
+    core.note_ready(w.worker_id for w in registry.live() if w.ready)
     if registry.formed:
         core.graph = RunGraph.build(settings, registry.holders_by_rank())
     core.progress.num_workers = registry.size

@@ -4,7 +4,7 @@ after which the optimizer state joins the averaged state."""
 
 from __future__ import annotations
 
-from ripples.coordinator.registry import GONE, WorkerRecord
+from ripples.coordinator.registry import GONE, Registry, WorkerRecord
 
 
 class StopAgreement:
@@ -82,3 +82,51 @@ def budget_reached(workers: list[WorkerRecord]) -> str | None:
     done = sum(w.progress.iteration for w in workers)
     budget = sum(planned) + sum(w.progress.iteration for w in workers if w.state in GONE)
     return f"iteration budget reached ({done} iterations)" if done >= budget else None
+
+
+class BudgetWatch:
+    """`budget_reached` in O(1) per event: the stop rule holds exactly when the live
+    workers' iterations reach their planned total (the departed ones' iterations count
+    on both sides of budget_reached's comparison), so these two sums over the live
+    workers are kept, each updated with the one worker an event names. They are summed
+    afresh whenever the live set changes (`Registry.version`), and a budget they find
+    reached is confirmed by `budget_reached` itself before the run stops."""
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._seen: dict[int, tuple[int, int]] = {}  # worker id -> (iteration, planned)
+        self._iterations = 0
+        self._planned = 0
+        self._unplanned = 0  # live workers without a budget (a user's loop may plan none)
+
+    def reached(self, registry: Registry, touched: WorkerRecord | None) -> str | None:
+        self.note(registry, touched)
+        if self._unplanned or not self._seen or self._iterations < self._planned:
+            return None
+        return budget_reached(registry.counted())
+
+    def note(self, registry: Registry, touched: WorkerRecord | None) -> None:
+        """`touched`'s iteration or budget may have changed."""
+        if registry.version != self._version:
+            self._recount(registry)
+        elif touched is not None and registry.is_live(touched.worker_id):
+            self._update(touched)
+
+    def _recount(self, registry: Registry) -> None:
+        self._version = registry.version
+        self._seen.clear()
+        self._iterations = self._planned = self._unplanned = 0
+        for w in registry.live_by_id().values():
+            self._update(w)
+
+    def _update(self, w: WorkerRecord) -> None:
+        iteration, planned = w.progress.iteration, w.progress.planned_iterations
+        old = self._seen.get(w.worker_id)
+        if old is not None:
+            self._iterations -= old[0]
+            self._planned -= old[1]
+            self._unplanned -= old[1] == 0
+        self._seen[w.worker_id] = (iteration, planned)
+        self._iterations += iteration
+        self._planned += planned
+        self._unplanned += planned == 0

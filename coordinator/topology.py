@@ -57,10 +57,23 @@ class Topology:
 
     name: str
     neighbours: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...] | None = None
+    """A circulant graph (ring, ring-based, exponential): rank i's neighbours are
+    i +- each offset (mod n). Its spectrum has a closed form (a discrete Fourier
+    transform), so the spectral gap and A2CiD2's constants cost O(n) instead of a dense
+    n x n eigendecomposition (minutes and gigabytes at 10,000 workers)."""
 
     @property
     def num_workers(self) -> int:
         return len(self.neighbours)
+
+    @property
+    def complete(self) -> bool:
+        """Every pair of ranks is an edge."""
+        return False
+
+    def neighbours_of(self, rank: int) -> tuple[int, ...]:
+        return self.neighbours[rank]
 
     def edges(self) -> list[Edge]:
         return [(i, j) for i, ns in enumerate(self.neighbours) for j in ns if i < j]
@@ -83,18 +96,40 @@ class Topology:
 
     def spectral_gap(self) -> float:
         """1 - lambda_2(E[W]) of uniform pairwise gossip (module docstring)."""
-        eigenvalues = np.linalg.eigvalsh(self.laplacian())
-        return float(max(0.0, eigenvalues[1]) / self.num_workers)
+        return float(max(0.0, self._lambda_2()) / self.num_workers)
+
+    def _lambda_2(self) -> float:
+        """The algebraic connectivity of `laplacian()`."""
+        if self.offsets is not None:
+            return float(_circulant_spectrum(self.num_workers, self.offsets)[1:].min())
+        self._check_dense()
+        return float(np.linalg.eigvalsh(self.laplacian())[1])
+
+    def _max_half_resistance(self) -> float:
+        """chi_2 of `laplacian()`: the largest half effective resistance over edges."""
+        if self.offsets is not None:
+            return max(_circulant_half_resistance(self.num_workers, self.offsets, s)
+                       for s in self.offsets)
+        self._check_dense()
+        pinv = np.linalg.pinv(self.laplacian(), hermitian=True)
+        return max(0.5 * float(pinv[i, i] + pinv[j, j] - 2 * pinv[i, j])
+                   for i, j in self.edges())
+
+    def _check_dense(self) -> None:
+        if self.num_workers > DENSE_SPECTRUM_LIMIT:
+            raise ValueError(
+                f"the {self.name} topology on {self.num_workers} workers: its spectrum needs "
+                f"a dense {self.num_workers} x {self.num_workers} eigendecomposition; above "
+                f"{DENSE_SPECTRUM_LIMIT} workers use complete, ring, ring-based or "
+                "exponential (closed forms)")
 
     def a2cid2_constants(self, rate_com: float) -> A2cid2Constants:
-        """chi_1, chi_2, eta and alpha~ for `rate_com` averagings per gradient step."""
+        """chi_1, chi_2, eta and alpha~ for `rate_com` averagings per gradient step
+        (the communication Laplacian is rate_com x `laplacian()`)."""
         if rate_com <= 0:
             raise ValueError(f"rate_com must be positive, got {rate_com}")
-        lap = rate_com * self.laplacian()
-        chi_1 = 1.0 / float(np.linalg.eigvalsh(lap)[1])
-        pinv = np.linalg.pinv(lap, hermitian=True)
-        chi_2 = max(0.5 * float(pinv[i, i] + pinv[j, j] - 2 * pinv[i, j])
-                    for i, j in self.edges())
+        chi_1 = 1.0 / (rate_com * self._lambda_2())
+        chi_2 = self._max_half_resistance() / rate_com
         return A2cid2Constants(
             chi_1=chi_1, chi_2=chi_2, eta=1.0 / (2.0 * math.sqrt(chi_1 * chi_2)),
             alpha=0.5, alpha_tilde=0.5 * math.sqrt(chi_1 / chi_2))
@@ -122,7 +157,8 @@ class Topology:
         return tuple(colour)
 
     @classmethod
-    def from_edges(cls, name: str, num_workers: int, edges: Sequence[Edge]) -> Topology:
+    def from_edges(cls, name: str, num_workers: int, edges: Sequence[Edge], *,
+                   offsets: tuple[int, ...] | None = None) -> Topology:
         """A topology from undirected edges; ValueError if an edge is out of range, a self
         loop, or the graph is disconnected. Duplicate edges count once."""
         if num_workers < 2:
@@ -136,7 +172,8 @@ class Topology:
                 raise ValueError(f"{name}: edge ({i}, {j}) is a self loop")
             sets[i].add(j)
             sets[j].add(i)
-        topology = cls(name=name, neighbours=tuple(tuple(sorted(s)) for s in sets))
+        topology = cls(name=name, neighbours=tuple(tuple(sorted(s)) for s in sets),
+                       offsets=offsets)
         components = topology.components()
         if len(components) > 1:
             shown = "; ".join(
@@ -165,6 +202,86 @@ class Topology:
                         stack.append(j)
             found.append(sorted(members))
         return found
+
+
+DENSE_SPECTRUM_LIMIT = 4096
+"""Above this many workers, a topology without a closed-form spectrum is refused where
+its spectrum is needed (a dense eigendecomposition of n x n: 4096 takes ~30 s here)."""
+
+
+class CompleteTopology(Topology):
+    """The complete graph, held as its size: its n(n-1) neighbour entries are listed
+    only on request (`neighbours`, `edges`: small graphs); the coordinator asks
+    `complete` instead (100,000 workers have 5e9 pairs). With every degree n - 1 the
+    Laplacian is (n I - J) / (n - 1): lambda_2 = n / (n - 1); its pseudo-inverse is
+    (n - 1) / n x (I - J / n), so every half effective resistance is (n - 1) / n."""
+
+    def __init__(self, num_workers: int) -> None:
+        object.__setattr__(self, "name", "complete")
+        object.__setattr__(self, "offsets", None)
+        object.__setattr__(self, "_n", num_workers)
+
+    @property
+    def num_workers(self) -> int:
+        return int(self._n)  # type: ignore[attr-defined]
+
+    @property
+    def complete(self) -> bool:
+        return True
+
+    @property  # type: ignore[misc]
+    def neighbours(self) -> tuple[tuple[int, ...], ...]:  # type: ignore[override]
+        """Every other rank, for each rank: O(n^2), for small graphs (tests, tools)."""
+        return tuple(self.neighbours_of(i) for i in range(self.num_workers))
+
+    def neighbours_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(r for r in range(self.num_workers) if r != rank)
+
+    def edges(self) -> list[Edge]:
+        n = self.num_workers
+        return [(i, j) for i in range(n) for j in range(i + 1, n)]
+
+    def degree(self, rank: int) -> int:
+        return self.num_workers - 1
+
+    def _lambda_2(self) -> float:
+        n = self.num_workers
+        return n / (n - 1)
+
+    def _max_half_resistance(self) -> float:
+        n = self.num_workers
+        return (n - 1) / n
+
+    def two_colouring(self) -> tuple[int, ...] | None:
+        return (0, 1) if self.num_workers == 2 else None
+
+    def components(self) -> list[list[int]]:
+        return [list(range(self.num_workers))]
+
+    def __repr__(self) -> str:
+        return f"CompleteTopology({self.num_workers})"
+
+
+def _circulant_spectrum(n: int, offsets: tuple[int, ...]) -> np.ndarray:
+    """Eigenvalues of `laplacian()` of the circulant graph with these offsets (each
+    worker has degree d = 2 |offsets|, or one less for offset n / 2): for k = 0..n-1,
+    lambda_k = (1/d) sum over its neighbours' offsets s of (1 - cos(2 pi k s / n))."""
+    k = np.arange(n)
+    degree = sum(1 if 2 * s == n else 2 for s in offsets)
+    total = np.zeros(n)
+    for s in offsets:
+        term = 1.0 - np.cos(2.0 * np.pi * k * s / n)
+        total += term if 2 * s == n else 2.0 * term
+    return total / degree
+
+
+def _circulant_half_resistance(n: int, offsets: tuple[int, ...], s: int) -> float:
+    """Half the effective resistance between ranks i and i + s of that graph:
+    R = (1/n) sum over k != 0 of (2 - 2 cos(2 pi k s / n)) / lambda_k."""
+    spectrum = _circulant_spectrum(n, offsets)[1:]
+    k = np.arange(1, n)
+    resistance = float(((2.0 - 2.0 * np.cos(2.0 * np.pi * k * s / n)) / spectrum).sum() / n)
+    return 0.5 * resistance
 
 
 def _ring(ranks: Sequence[int]) -> list[Edge]:
@@ -213,12 +330,15 @@ def build_topology(name: str, num_workers: int, *, nodes: Sequence[int] | None =
     if n < 2:
         raise ValueError(f"a topology needs at least 2 workers, got {n}")
     ranks = list(range(n))
+    offsets: tuple[int, ...] | None = None
     if name == "complete":
-        found = [(i, j) for i in ranks for j in ranks if i < j]
+        return CompleteTopology(n)
     elif name == "ring":
         found = _ring(ranks)
+        offsets = (1,) if n > 2 else None
     elif name == "ring-based":
         found = _ring_based(ranks)
+        offsets = (1, n // 2) if n > 4 else None
     elif name == "double-ring":
         if n % 2 or n < 4:
             raise ValueError(f"double-ring joins two equal rings node to node: it needs an "
@@ -234,6 +354,9 @@ def build_topology(name: str, num_workers: int, *, nodes: Sequence[int] | None =
         while hop < n:
             found += [(i, (i + hop) % n) for i in ranks]
             hop *= 2
+        # Offsets s and n - s are the same edges: the circulant's set is the smaller ones.
+        hops = {min(1 << k, n - (1 << k)) for k in range(n.bit_length()) if 1 << k < n}
+        offsets = tuple(sorted(hops))
     elif name == "hierarchical":
         node_of = list(nodes) if nodes is not None else ranks
         if len(node_of) != n:
@@ -255,4 +378,4 @@ def build_topology(name: str, num_workers: int, *, nodes: Sequence[int] | None =
         found = list(edges)
     else:
         raise ValueError(f"unknown topology {name!r}; choose one of {', '.join(TOPOLOGIES)}")
-    return Topology.from_edges(name, n, found)
+    return Topology.from_edges(name, n, found, offsets=offsets)

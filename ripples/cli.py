@@ -8,6 +8,7 @@
     ripples dashboard serve ...                 the live web dashboard of a run
     ripples schedule ...                        print the static schedule
     ripples chaos ...                           seeded fault-injection trials of real runs
+    ripples simulate ...                        simulated workers drive the real coordinator core
 
 After `--` comes the user's training script, which every worker runs (written against
 `import ripples`: docs/library.md); without it the workers run the built-in task.
@@ -33,6 +34,7 @@ from ripples.config_file import (
     leaf_parsers,
 )
 from ripples.config_file import apply as apply_config
+from ripples.sim import cli as sim_cli
 
 ENV_COORDINATOR = "RIPPLES_COORDINATOR"
 # Fields of RunSettings that the CLI sets under other names or not at all.
@@ -438,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "workers of real runs, check nothing is lost")
     chaos.add_arguments(chaos_parser)
     chaos_parser.set_defaults(func=chaos.run_command)
+
+    simulate = sub.add_parser("simulate", help="a discrete-event simulation: up to 100,000 "
+                              "simulated workers drive the real coordinator core (docs/scale.md)")
+    sim_cli.add_arguments(simulate)
+    simulate.set_defaults(func=sim_cli.run_command)
 
     config = sub.add_parser("config", help="configuration files (--config FILE.toml)")
     config_sub = config.add_subparsers(dest="config_command", required=True)

@@ -146,8 +146,8 @@ def test_fifo_pairing_joins_only_neighbours_oldest_first(
         if offer and w not in pairing:
             busy.discard(w)
             queue = pairing.waiting()
-            partner = pairing.offer(w, graph.neighbours[w])
-            first = next((q for q in queue if q in graph.neighbours[w]), None)
+            partner = pairing.offer(w, graph.neighbours_of(w))
+            first = next((q for q in queue if q in graph.neighbours_of(w)), None)
             assert partner == first  # the neighbour that waited longest, or none
             if partner is not None:
                 assert partner not in busy and partner not in pairing
@@ -159,7 +159,7 @@ def test_fifo_pairing_joins_only_neighbours_oldest_first(
         queued = pairing.waiting()
         assert len(set(queued)) == len(queued)
         for a in queued:  # no two waiting workers could have been paired
-            assert not any(b in graph.neighbours[a] for b in queued if b != a)
+            assert not any(b in graph.neighbours_of(a) for b in queued if b != a)
 
 
 def test_fifo_pairing_offers_and_withdrawals() -> None:

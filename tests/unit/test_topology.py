@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from ripples.coordinator.config import RunSettings
-from ripples.coordinator.topology import TOPOLOGIES, Topology, build_topology, parse_edge_list
+from ripples.coordinator.topology import (
+    DENSE_SPECTRUM_LIMIT,
+    TOPOLOGIES,
+    Topology,
+    build_topology,
+    parse_edge_list,
+)
 
 BUILT_IN = [t for t in TOPOLOGIES if t != "file"]
 
@@ -133,3 +139,29 @@ def test_run_settings_refuse_topologies_that_cannot_work() -> None:
     with pytest.raises(ValueError, match="needs topology_file"):
         RunSettings(protocol="a2cid2", topology="file")
     RunSettings.build(protocol="adpsgd", adpsgd_mode="bipartite", topology="ring", num_workers=6)
+
+
+@pytest.mark.parametrize("name", ["ring", "ring-based", "exponential", "complete"])
+@pytest.mark.parametrize("n", [5, 6, 8, 13, 16])
+def test_closed_form_spectra_equal_the_dense_eigendecomposition(name: str, n: int) -> None:
+    """Circulant graphs and the complete graph skip the dense n x n eigendecomposition
+    (the coordinator at 10,000+ workers): their closed forms must give the same numbers."""
+    fast = build_topology(name, n)
+    dense = Topology(name=name, neighbours=tuple(
+        tuple(j for j in range(n) if j != i and (min(i, j), max(i, j)) in set(fast.edges()))
+        for i in range(n)))
+    assert fast.spectral_gap() == pytest.approx(dense.spectral_gap(), rel=1e-9)
+    for rate in (0.5, 2.0):
+        a, b = fast.a2cid2_constants(rate), dense.a2cid2_constants(rate)
+        assert (a.chi_1, a.chi_2, a.eta, a.alpha_tilde) == pytest.approx(
+            (b.chi_1, b.chi_2, b.eta, b.alpha_tilde), rel=1e-9)
+
+
+def test_large_topologies_without_a_closed_form_are_refused_where_their_spectrum_is_needed(
+        ) -> None:
+    big = build_topology("complete", 100_000)
+    assert big.complete and big.spectral_gap() == pytest.approx(1 / 99_999)
+    assert build_topology("ring", 50_000).spectral_gap() > 0
+    wide = build_topology("double-ring", 2 * (DENSE_SPECTRUM_LIMIT // 2 + 1))
+    with pytest.raises(ValueError, match="dense"):
+        wide.spectral_gap()

@@ -1,0 +1,19 @@
+"""`ripples simulate`: the coordinator's real pure core driven by simulated workers.
+
+A discrete-event simulation with a fake clock, no processes and no sockets: thousands
+to a hundred thousand simulated workers ask the real `CoordinatorCore` for groups,
+heartbeat and release as the real workers do, while models of compute time, links and
+averaging (sim/models.py) stand in for the GPUs. It answers how far one coordinator
+goes, and how the protocols compare at scales no test cluster has (docs/scale.md).
+"""
+
+from ripples.sim.engine import SIM_PROTOCOLS, SimConfig, SimResult, simulate
+from ripples.sim.models import (
+    SIM_SCENARIOS,
+    CommModel,
+    ComputeModel,
+    ConsensusModel,
+)
+
+__all__ = ["SIM_PROTOCOLS", "SIM_SCENARIOS", "CommModel", "ComputeModel", "ConsensusModel",
+           "SimConfig", "SimResult", "simulate"]

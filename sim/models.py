@@ -1,0 +1,212 @@
+"""What the simulator assumes of the cluster: compute times, links, and the model.
+
+Three models, each a small dataclass with a documented formula (docs/scale.md):
+
+- `ComputeModel`: seconds of one training iteration of worker `rank` (a base step time,
+  a heterogeneity scenario, multiplicative jitter);
+- `CommModel`: seconds of one P-Reduce (ring all-reduce, alpha-beta) over a group, or of
+  one gossip exchange (a group of two), plus the coordinator round trip and the cost of
+  building a new communicator;
+- `ConsensusModel`: each worker holds a vector; a local step pulls it towards its own
+  optimum (heterogeneous data) plus noise; a group sets its members to their average.
+  The spread of the vectors (consensus distance) is what averaging fights.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from ripples.bench.scenarios import SCENARIOS
+
+SIM_SCENARIOS: tuple[str, ...] = (*SCENARIOS, "lognormal", "slow-fraction")
+"""Compute-time scenarios: the benchmark's (homogeneous, slow-2x/4x/5x/10x: worker 0
+that many times slower; random-6x: each worker 6x slower with probability 1/n per
+iteration), `lognormal` (long-tailed per-iteration times) and `slow-fraction` (a fraction
+of the workers slower by a factor)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeModel:
+    """Seconds of one iteration: `step_seconds` x the scenario's factor x jitter."""
+
+    scenario: str = "homogeneous"
+    step_seconds: float = 0.1
+    """One iteration of an unslowed worker (the task's measured step time)."""
+    jitter: float = 0.05
+    """Relative spread of every iteration's time (log-normal, sigma = jitter)."""
+    lognormal_sigma: float = 0.5
+    """`lognormal`: sigma of the per-iteration log-normal factor (median 1)."""
+    slow_fraction: float = 0.1
+    """`slow-fraction`: this fraction of the workers (the lowest ranks) is slowed."""
+    slow_factor: float = 4.0
+    """`slow-fraction`: by this factor."""
+
+    def __post_init__(self) -> None:
+        if self.scenario not in SIM_SCENARIOS:
+            raise ValueError(f"unknown scenario {self.scenario!r}; choose one of "
+                             f"{', '.join(SIM_SCENARIOS)}")
+        if not self.step_seconds > 0:
+            raise ValueError(f"step_seconds must be positive, got {self.step_seconds}")
+        if not 0 <= self.jitter <= 2:
+            raise ValueError(f"jitter must be in [0, 2], got {self.jitter}")
+        if not 0 <= self.slow_fraction <= 1:
+            raise ValueError(f"slow_fraction must be in [0, 1], got {self.slow_fraction}")
+        if not self.slow_factor >= 1 or not self.lognormal_sigma >= 0:
+            raise ValueError("slow_factor must be >= 1 and lognormal_sigma >= 0")
+
+    def slowed(self, num_workers: int) -> frozenset[int]:
+        """The ranks slowed in every iteration."""
+        if self.scenario == "slow-fraction":
+            return frozenset(range(math.ceil(self.slow_fraction * num_workers)))
+        if self.scenario in SCENARIOS:
+            return SCENARIOS[self.scenario].slowed_ranks()
+        return frozenset()
+
+    def sampler(self, num_workers: int, rng: random.Random) -> ComputeSampler:
+        return ComputeSampler(self, num_workers, rng)
+
+
+class ComputeSampler:
+    """Draws iteration times of one simulated run (seeded)."""
+
+    def __init__(self, model: ComputeModel, num_workers: int, rng: random.Random) -> None:
+        self.model = model
+        self.rng = rng
+        self.slowed = model.slowed(num_workers)
+        bench = SCENARIOS.get(model.scenario)
+        self.factor = model.slow_factor if model.scenario == "slow-fraction" else (
+            bench.factor if bench is not None else 1.0)
+        self.random_slowdown = bench is not None and bench.random
+        self.p_random = 1.0 / num_workers
+
+    def seconds(self, rank: int) -> float:
+        m = self.model
+        t = m.step_seconds
+        if rank in self.slowed:
+            t *= self.factor
+        elif self.random_slowdown and self.rng.random() < self.p_random:
+            t *= self.factor
+        if m.scenario == "lognormal":
+            t *= self.rng.lognormvariate(0.0, m.lognormal_sigma)
+        if m.jitter:
+            t *= self.rng.lognormvariate(0.0, m.jitter)
+        return t
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommModel:
+    """Seconds of a collective over `g` members (ring all-reduce, alpha-beta):
+
+        2 (g - 1) alpha + 2 (g - 1) / g x model_bytes / bandwidth
+
+    with the inter-host bandwidth when the group spans hosts, the intra-host one when
+    it does not; plus `setup_seconds` when the group builds a new communicator and the
+    coordinator's round trip `rpc_seconds` before it starts."""
+
+    model_bytes: float = 4 * 25_000_000
+    """Bytes averaged (parameters and, by default, the optimizer state): ResNet-50-like."""
+    inter_host_bandwidth: float = 1.25e9
+    """Bytes per second between hosts (10 Gbit/s)."""
+    intra_host_bandwidth: float = 50e9
+    """Bytes per second between workers of one host (NVLink/PCIe class)."""
+    alpha_seconds: float = 50e-6
+    """Latency of one ring step."""
+    setup_seconds: float = 0.0
+    """Building a new communicator (0: communicators are cached, as after warm-up)."""
+    rpc_seconds: float = 0.001
+    """The coordinator's round trip for one group request."""
+
+    def __post_init__(self) -> None:
+        for name in ("model_bytes", "inter_host_bandwidth", "intra_host_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        for name in ("alpha_seconds", "setup_seconds", "rpc_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must not be negative")
+
+    def allreduce_seconds(self, g: int, *, spans_hosts: bool) -> float:
+        if g < 2:
+            return 0.0
+        bandwidth = self.inter_host_bandwidth if spans_hosts else self.intra_host_bandwidth
+        return 2 * (g - 1) * self.alpha_seconds + 2 * (g - 1) / g * self.model_bytes / bandwidth
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsensusModel:
+    """Each worker i holds x_i in R^dim. A local step is
+
+        x_i <- x_i - lr (x_i - b_i) + noise N(0, noise^2 I)
+
+    (SGD on 1/2 ||x - b_i||^2 with gradient noise), with b_i ~ N(0, heterogeneity^2 I)
+    fixed per worker: the optimum of the whole run is mean(b). A group replaces each
+    member's vector by the members' average (of the values at the collective's start,
+    as a delta, so that steps taken meanwhile by a gossip worker stay). The consensus
+    distance is mean_i ||x_i - mean(x)||^2."""
+
+    dim: int = 8
+    lr: float = 0.05
+    noise: float = 0.01
+    heterogeneity: float = 1.0
+    """Spread of the workers' own optima (non-i.i.d. data)."""
+
+    def __post_init__(self) -> None:
+        if self.dim < 1:
+            raise ValueError("dim must be at least 1")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        if self.noise < 0 or self.heterogeneity < 0:
+            raise ValueError("noise and heterogeneity must not be negative")
+
+
+class ConsensusState:
+    """The vectors of one simulated run (numpy, one row per rank)."""
+
+    def __init__(self, model: ConsensusModel, num_workers: int, seed: int) -> None:
+        self.model = model
+        self.rng = np.random.default_rng(seed)
+        self.x = np.zeros((num_workers, model.dim))
+        self.optimum = self.rng.normal(0.0, model.heterogeneity, (num_workers, model.dim))
+        self.target = self.optimum.mean(axis=0)
+        self._noise = np.empty(0)
+        self._noise_at = 0
+
+    def step(self, rank: int) -> None:
+        m = self.model
+        row = self.x[rank]
+        row += m.lr * (self.optimum[rank] - row)
+        if m.noise:
+            row += m.noise * self._next_noise()
+
+    def _next_noise(self) -> np.ndarray:
+        # Drawn in blocks: one numpy call per step costs more than the step itself.
+        dim = self.model.dim
+        if self._noise_at + dim > self._noise.size:
+            self._noise = self.rng.standard_normal(dim * 4096)
+            self._noise_at = 0
+        out = self._noise[self._noise_at:self._noise_at + dim]
+        self._noise_at += dim
+        return out
+
+    def snapshot(self, ranks: list[int]) -> np.ndarray:
+        return self.x[ranks].copy()
+
+    def average(self, ranks: list[int], snapshot: np.ndarray) -> None:
+        """Each member moves by (mean of the snapshot - its own snapshot)."""
+        self.x[ranks] += snapshot.mean(axis=0) - snapshot
+
+    def set_all_to_mean(self) -> None:
+        self.x[:] = self.x.mean(axis=0)
+
+    def distance(self) -> float:
+        return float(((self.x - self.x.mean(axis=0)) ** 2).sum(axis=1).mean())
+
+    def gap(self) -> float:
+        """||mean(x) - optimum||^2: how far the average model is from the run's optimum."""
+        return float(((self.x.mean(axis=0) - self.target) ** 2).sum())
+
+    def loss(self, rank: int) -> float:
+        return float(0.5 * ((self.x[rank] - self.optimum[rank]) ** 2).sum())

@@ -1,0 +1,128 @@
+"""The simulator (`ripples simulate`): the real core driven by simulated workers.
+
+Small runs with a fixed seed, so every figure is deterministic; the claims are the ones
+the models imply (an all-reduce iteration is the slowest compute plus the ring), and the
+papers' orderings that the real core must reproduce (Ripples' smart Group Generator
+shrugs off a straggler that slows all-reduce down)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ripples.sim import (
+    SIM_PROTOCOLS,
+    CommModel,
+    ComputeModel,
+    ConsensusModel,
+    SimConfig,
+    simulate,
+)
+from tests.integration.helpers import ripples_cli
+
+
+def run(protocol: str, *, workers: int = 8, iterations: int = 60, scenario: str = "homogeneous",
+        jitter: float = 0.05, **extra: object):  # type: ignore[no-untyped-def]
+    return simulate(SimConfig(protocol=protocol, workers=workers, iterations=iterations,
+                              compute=ComputeModel(scenario=scenario, jitter=jitter),
+                              measure_memory=False, **extra))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("protocol", SIM_PROTOCOLS)
+def test_every_protocol_runs_to_the_cores_own_budget_stop(protocol: str) -> None:
+    result = run(protocol)
+    assert result.stop_reason.startswith("iteration budget reached"), result.stop_reason
+    # The core stops once the workers' total reaches the budget; it hears of the
+    # iterations at the next request or heartbeat (gossip's compute loop runs on between
+    # them), so a few more are made meanwhile.
+    assert 8 * 60 <= result.iterations <= 8 * 60 * 1.1
+    assert result.sim_seconds > 0 and math.isfinite(result.seconds_per_epoch)
+    assert 0.99 < result.compute_fraction + result.wait_fraction + (
+        0.0 if protocol in ("adpsgd", "a2cid2") else result.comm_fraction) < 1.01
+    if protocol != "allreduce":
+        assert result.groups > 0 and result.group_requests >= result.groups
+        assert result.decisions_per_second > 0
+        assert result.mean_group_size >= 2
+
+
+def test_allreduce_iteration_is_the_slowest_compute_plus_one_ring() -> None:
+    comm = CommModel()
+    result = run("allreduce", scenario="slow-5x", jitter=0.0, comm=comm)
+    ring = comm.allreduce_seconds(8, spans_hosts=True)
+    assert result.seconds_per_iteration == pytest.approx(5 * 0.1 + ring, rel=1e-9)
+    # The seven others wait 4 steps' worth for the straggler each iteration.
+    compute, wait = 0.5 + 7 * 0.1, 7 * 0.4
+    assert result.wait_fraction == pytest.approx(wait / (compute + wait + 8 * ring), rel=1e-6)
+
+
+def test_the_smart_group_generator_shrugs_off_a_straggler_that_slows_allreduce() -> None:
+    allreduce = run("allreduce", scenario="slow-5x", iterations=40)
+    smart = run("ripples-smart", scenario="slow-5x", iterations=40)
+    # Ripples §7.4: with one worker 5x slower, all-reduce runs at the straggler's pace;
+    # the smart GG's fast workers do not wait for it.
+    assert smart.seconds_per_epoch < 0.5 * allreduce.seconds_per_epoch
+    assert smart.wait_fraction < allreduce.wait_fraction
+
+
+def test_averaging_holds_the_workers_together() -> None:
+    # Without averaging the workers drift towards their own optima: mean squared distance
+    # from the mean tends to (1 - 1/n) x dim x heterogeneity^2 = 7.
+    lonely = ConsensusModel()
+    for protocol in ("ripples-smart", "adpsgd", "a2cid2"):
+        result = run(protocol, iterations=100, consensus=lonely)
+        assert result.consensus_distance < 1.0, (protocol, result.consensus_distance)
+    assert run("allreduce").consensus_distance < 1e-20
+    curve = run("adpsgd").consensus_curve
+    assert len(curve) >= 10 and curve[0] == (0.0, 0.0)
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another() -> None:
+    first, again = run("ripples-random", seed=3), run("ripples-random", seed=3)
+    assert (first.sim_seconds, first.groups) == (again.sim_seconds, again.groups)
+    assert run("ripples-random", seed=4).sim_seconds != first.sim_seconds
+
+
+def test_hosts_of_several_workers_average_faster_inside_a_host() -> None:
+    comm = CommModel()
+    assert comm.allreduce_seconds(4, spans_hosts=False) < comm.allreduce_seconds(
+        4, spans_hosts=True) / 10
+    result = run("ripples-smart", workers=16, workers_per_host=4,
+                 run_options={"inter_intra": True})
+    assert result.stop_reason.startswith("iteration budget reached")
+
+
+def test_the_core_memory_per_worker_is_measured() -> None:
+    result = simulate(SimConfig(protocol="ripples-smart", workers=64, iterations=5))
+    assert 100 < result.core_bytes_per_worker < 100_000
+
+
+def test_bad_configurations_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="the simulator runs"):
+        SimConfig(protocol="hop")
+    with pytest.raises(ValueError, match="unknown scenario"):
+        ComputeModel(scenario="slow")
+    with pytest.raises(ValueError, match="group_size"):
+        SimConfig(run_options={"group_size": 1}).settings()
+
+
+def test_simulate_command_prints_json_and_a_table(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = ripples_cli("simulate", "--workers", "8,16", "--protocol", "ripples-smart,adpsgd",
+                      "--iterations", "20", "--json", "--no-measure-memory",
+                      "--plot", str(tmp_path / "c.png"))
+    assert out.returncode == 0, out.stderr
+    runs = json.loads(out.stdout)["runs"]
+    assert [(r["protocol"], r["workers"]) for r in runs] == [
+        ("ripples-smart", 8), ("adpsgd", 8), ("ripples-smart", 16), ("adpsgd", 16)]
+    for r in runs:
+        assert r["seconds_per_epoch"] > 0 and r["decisions_per_second"] > 0
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    table = ripples_cli("simulate", "--workers", "8", "--protocol", "allreduce",
+                        "--iterations", "5", "--scenario", "slow-5x")
+    assert table.returncode == 0, table.stderr
+    assert "allreduce" in table.stdout and "s/epoch" in table.stdout
+    bad = ripples_cli("simulate", "--protocol", "hop")
+    assert bad.returncode == 2 and "the simulator runs" in bad.stderr
+    bad = ripples_cli("simulate", "--set", "group_size=1")
+    assert bad.returncode == 2 and "group_size" in bad.stderr
