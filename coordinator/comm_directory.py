@@ -9,7 +9,6 @@ and delivered to every member, so all members' caches agree.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -29,8 +28,10 @@ class CommDirectory:
     _next_id: int = 1
     _by_members: dict[tuple[int, ...], int] = field(default_factory=dict)
     _members: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    _per_worker: dict[int, OrderedDict[int, None]] = field(default_factory=dict)
-    """Worker -> its cached comm ids, least recently used first."""
+    _per_worker: dict[int, list[int]] = field(default_factory=dict)
+    """Worker -> its cached comm ids, least recently used first. A list: at most
+    max_comms_per_worker ids, moved in O(that) on use, at an eighth of the memory of an
+    ordered dict (64 comms x 100,000 workers)."""
     _evictions: dict[int, list[int]] = field(default_factory=dict)  # worker -> comm ids
     num_created: int = 0
     num_reused: int = 0
@@ -44,7 +45,9 @@ class CommDirectory:
         comm_id = self._by_members.get(members)
         if comm_id is not None:
             for m in members:
-                self._per_worker[m].move_to_end(comm_id)
+                cached = self._per_worker[m]
+                cached.remove(comm_id)  # to the end: most recently used
+                cached.append(comm_id)
             self.num_reused += 1
             return comm_id, False
         comm_id = self._next_id
@@ -52,7 +55,7 @@ class CommDirectory:
         self._by_members[members] = comm_id
         self._members[comm_id] = members
         for m in members:
-            self._per_worker.setdefault(m, OrderedDict())[comm_id] = None
+            self._per_worker.setdefault(m, []).append(comm_id)
         self.num_created += 1
         self._evict_over_budget(members, in_use, comm_id)
         return comm_id, True
@@ -65,13 +68,13 @@ class CommDirectory:
         del self._by_members[members]
         for m in members:
             cached = self._per_worker.get(m)
-            if cached is not None:
-                cached.pop(comm_id, None)
+            if cached is not None and comm_id in cached:
+                cached.remove(comm_id)
             self._evictions.setdefault(m, []).append(comm_id)
 
     def retire_worker(self, worker: int) -> None:
         """Retire every comm containing a worker that left."""
-        for comm_id in sorted(self._per_worker.pop(worker, {})):
+        for comm_id in sorted(self._per_worker.pop(worker, [])):
             self.retire(comm_id)
         self._evictions.pop(worker, None)
 
@@ -85,7 +88,7 @@ class CommDirectory:
     def _evict_over_budget(self, members: Iterable[int], in_use: Collection[int],
                            new: int) -> None:
         for m in members:
-            cached = self._per_worker.get(m, OrderedDict())
+            cached = self._per_worker.get(m, [])
             while len(cached) > self.max_comms_per_worker:
                 victim = next((c for c in cached if c != new and c not in in_use), None)
                 if victim is None:

@@ -132,6 +132,7 @@ class GroupService:
         self._num_healed = 0  # heals so far (part of the members' key)
         self._bound: float | None = None
         self._bound_age = 0  # generations since the bound was computed
+        self._bound_stale = True
         self._records = _RecordFields(registry.workers, self._member_set)
         self.recent_groups: deque[GroupRecord] = deque(maxlen=32)
         self.num_pending_waits = 0
@@ -226,8 +227,11 @@ class GroupService:
         w.state = WorkerState.WAITING
         w.wait_started_at = now
         self.pairing.withdraw(w.worker_id)  # defensive: one place in the queue per worker
-        neighbours = self.neighbours_of(w.worker_id)
-        if not neighbours:
+        # On a complete graph every queued worker is a live neighbour (a worker leaves
+        # the queue when it leaves the run): no list of all n to build per request.
+        complete = self._graph().neighbours is None
+        neighbours = None if complete else self.neighbours_of(w.worker_id)
+        if (self.registry.num_live < 2) if complete else not neighbours:
             return self.decide(w, Outcome.NO_GROUP, now, detail="no live neighbour"), {}
         partner = self.pairing.offer(w.worker_id, neighbours)
         if partner is None:
@@ -368,7 +372,7 @@ class GroupService:
         self._member_set.clear()
         self._member_set.update(members)
         self._idle = {m for m in members if self.table.is_idle(m)}
-        self._bound_age = STRAGGLER_BOUND_REFRESH  # recompute it at the next generation
+        self._bound_stale = True  # recompute it at the next generation
 
     def _became_idle(self, worker: int) -> None:
         if worker in self._member_set:
@@ -382,8 +386,9 @@ class GroupService:
         every n / 64 generations (every one below 64 workers) and on membership changes.
         Own seconds are moving averages: the bound moves slowly."""
         self._bound_age += 1
-        if self._bound_age >= max(1, len(self._members) // 64, STRAGGLER_BOUND_REFRESH):
-            self._bound_age = 0
+        if self._bound_stale or self._bound_age >= max(STRAGGLER_BOUND_REFRESH,
+                                                       len(self._members) // 64):
+            self._bound_age, self._bound_stale = 0, False
             self._bound = straggler_bound(self._records.own_seconds, self._member_set)
         return self._bound
 

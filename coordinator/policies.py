@@ -71,7 +71,7 @@ def sample_peers(initiator: int, view: ClusterView, k: int, rng: random.Random,
     workers at random and rejects the others: O(k) expected while most are acceptable,
     instead of listing all n (the coordinator at 10,000 workers). After
     REJECTION_TRIES x k draws it lists the candidates and samples those (exact)."""
-    if view.neighbours is None:
+    if view.neighbours is None and view.live:
         live = view.live
         chosen: list[int] = []
         for _ in range(REJECTION_TRIES * k):

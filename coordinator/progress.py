@@ -39,10 +39,10 @@ class ProgressTracker:
         self._everyone = everyone
         self.loss_curve: list[tuple[float, float, float]] = []  # (seconds, loss, iterations)
         self.curve_step = LOSS_CURVE_MIN_STEP_SECONDS
+        """Minimum seconds between two points of the curve (doubles at each thinning)."""
         self._first_point_retry_at = float("-inf")
         """The first point waits for every worker's loss: after a try that found one
         missing, the next try comes a curve step later (each try is O(n))."""
-        """Minimum seconds between two points of the curve (doubles at each thinning)."""
         self.time_to_target: float | None = None
         self.iterations_to_target: float | None = None
         self.pair_sq_distances: deque[float] = deque(

@@ -252,6 +252,7 @@ class Registry:
                                    planned_iterations=previous.progress.planned_iterations,
                                    checkpoint_step=previous.progress.checkpoint_step)
         previous.replaced_by = record.worker_id
+        self.version += 1  # its iteration count changed outside its own reports
 
     def _take_over(self, record: WorkerRecord, vacant: WorkerRecord) -> None:
         """A replacement continues `vacant`'s part (`_continue`) with a slowdown counter
@@ -308,6 +309,8 @@ class Registry:
         """Forget a record (a registration undone)."""
         record = self.workers.pop(worker_id)
         record.__dict__.pop("_registry", None)
+        if self._slots.get((record.host, record.local_rank)) is record:
+            del self._slots[(record.host, record.local_rank)]
         if self._live.pop(worker_id, None) is not None:
             self.version += 1
 

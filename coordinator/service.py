@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from ripples import consensus
-from ripples.coordinator import snapshot
+from ripples.coordinator import heap, snapshot
 from ripples.coordinator.core import (
     GONE,
     CoordinatorCore,
@@ -192,6 +192,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # the saved state is the running run's, not a run stopped by the shutdown.
             await self.save_state()
         self._resolve(self.core.stop("coordinator shutting down", self.clock()))
+        heap.release()
 
     async def _reap_leases(self) -> None:
         """One round of the lease reaper: remove the workers whose lease ran out."""
@@ -218,6 +219,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if core.started_at is not None and not self._started.is_set():
             logger.info("all %d workers ready: training starts", len(core.live()))
             self._started.set()
+            heap.settle()
         elif core.started_at is None and not core.stopped:
             self._started.clear()
 

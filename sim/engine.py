@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 import random
 import time
 import tracemalloc
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ripples.coordinator import heap
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore, GroupDecision, Outcome, Progress
 from ripples.coordinator.groups import GroupRecord
@@ -80,9 +82,11 @@ class SimConfig:
     """Points of the consensus-distance curve over the run."""
     max_sim_seconds: float = 1e7
     """Simulated-time bound: a run that has not stopped by then ends as `stalled`."""
-    measure_memory: bool = True
-    """Measure the core's memory per worker (tracemalloc over its build and first
-    requests: slower; the simulation proper runs untraced)."""
+    measure_memory: bool = False
+    """Trace the run's allocations (tracemalloc) to report the core's bytes per worker:
+    what the coordinator's code allocated and still holds at the stop (registry, graph,
+    group table, communicator directory, progress). About 3x slower, so the run's
+    decisions per second are not reported (0)."""
 
     def __post_init__(self) -> None:
         if self.protocol not in SIM_PROTOCOLS:
@@ -147,6 +151,7 @@ class SimResult:
     heartbeats_per_second: float
     """Heartbeats taken per second of core time spent on them."""
     core_bytes_per_worker: float
+    """Bytes the core holds per worker at the stop (0: not measured; measure_memory)."""
     consensus_distance: float
     """mean_i ||x_i - mean(x)||^2 at the stop (the ConsensusModel)."""
     optimum_gap: float
@@ -230,15 +235,7 @@ class Simulation:
 
     def _setup(self) -> CoordinatorCore:
         cfg = self.config
-        if cfg.measure_memory:
-            tracemalloc.start()
-            try:
-                core = self._build_core()
-                self.core_bytes_per_worker = tracemalloc.get_traced_memory()[0] / cfg.workers
-            finally:
-                tracemalloc.stop()
-        else:
-            core = self._build_core()
+        core = self._build_core()
         k = cfg.workers_per_host
         for rec in sorted(core.live(), key=lambda x: x.rank):
             w = _Worker(rec.rank, rec.worker_id, rec.rank // k)
@@ -248,8 +245,31 @@ class Simulation:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SimResult:
+        if not self.config.measure_memory:
+            return self._run()
+        tracemalloc.start()
+        try:
+            result = self._run()
+            held = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(True, f"*{os.sep}coordinator{os.sep}*")])
+        finally:
+            tracemalloc.stop()
+        result.core_bytes_per_worker = sum(t.size for t in held.traces) / self.config.workers
+        result.decisions_per_second = result.heartbeats_per_second = 0.0
+        return result
+
+    def _run(self) -> SimResult:
+        self.core = self._setup()
+        heap.settle()  # as the service does once training starts
+        try:
+            return self._loop()
+        finally:
+            heap.release()
+
+    def _loop(self) -> SimResult:
         started = time.perf_counter()
-        self.core = core = self._setup()
+        core = self.core
+        assert core is not None
         cfg = self.config
         if self.coordination is Coordination.LOCKSTEP:
             return self._run_lockstep(started)

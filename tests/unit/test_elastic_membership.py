@@ -243,3 +243,14 @@ def test_scale_up_waits_while_a_member_is_late_with_its_heartbeat() -> None:
     core.expire_leases(10.5)
     new = core.register("node9", 0, "cpu", 900, 11.0)
     assert core.workers[new].rank == core.workers[ids[2]].rank  # it replaces, not grows
+
+
+def test_a_joiner_the_graph_cannot_take_may_register_again_once_a_rank_frees() -> None:
+    """A refused scale-up is undone whole: the same host and local rank can join later
+    (as a replacement) instead of being taken for a worker that is still there."""
+    core, ids = _started("ripples-random", n=4, topology="double-ring", max_workers=5)
+    with pytest.raises(CoordinatorError, match="cannot grow to 5 workers"):
+        core.register("node9", 0, "cpu", 200, 1.0)
+    core.leave(ids[1], None, "", 2.0)
+    joiner = core.register("node9", 0, "cpu", 201, 3.0)
+    assert core.workers[joiner].rank == core.workers[ids[1]].rank

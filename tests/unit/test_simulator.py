@@ -7,6 +7,7 @@ shrugs off a straggler that slows all-reduce down)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -20,6 +21,7 @@ from ripples.sim import (
     SimConfig,
     simulate,
 )
+from ripples.sim.engine import Simulation
 from tests.integration.helpers import ripples_cli
 
 
@@ -27,7 +29,7 @@ def run(protocol: str, *, workers: int = 8, iterations: int = 60, scenario: str 
         jitter: float = 0.05, **extra: object):  # type: ignore[no-untyped-def]
     return simulate(SimConfig(protocol=protocol, workers=workers, iterations=iterations,
                               compute=ComputeModel(scenario=scenario, jitter=jitter),
-                              measure_memory=False, **extra))  # type: ignore[arg-type]
+                              **extra))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("protocol", SIM_PROTOCOLS)
@@ -94,8 +96,12 @@ def test_hosts_of_several_workers_average_faster_inside_a_host() -> None:
 
 
 def test_the_core_memory_per_worker_is_measured() -> None:
-    result = simulate(SimConfig(protocol="ripples-smart", workers=64, iterations=5))
-    assert 100 < result.core_bytes_per_worker < 100_000
+    plain = run("ripples-smart", workers=64, iterations=10)
+    traced = run("ripples-smart", workers=64, iterations=10, measure_memory=True)
+    assert plain.core_bytes_per_worker == 0 and plain.decisions_per_second > 0
+    assert 500 < traced.core_bytes_per_worker < 100_000
+    # Tracing does not change what is simulated.
+    assert (traced.sim_seconds, traced.groups) == (plain.sim_seconds, plain.groups)
 
 
 def test_bad_configurations_are_refused_with_the_reason() -> None:
@@ -109,7 +115,7 @@ def test_bad_configurations_are_refused_with_the_reason() -> None:
 
 def test_simulate_command_prints_json_and_a_table(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = ripples_cli("simulate", "--workers", "8,16", "--protocol", "ripples-smart,adpsgd",
-                      "--iterations", "20", "--json", "--no-measure-memory",
+                      "--iterations", "20", "--json",
                       "--plot", str(tmp_path / "c.png"))
     assert out.returncode == 0, out.stderr
     runs = json.loads(out.stdout)["runs"]
@@ -126,3 +132,21 @@ def test_simulate_command_prints_json_and_a_table(tmp_path) -> None:  # type: ig
     assert bad.returncode == 2 and "the simulator runs" in bad.stderr
     bad = ripples_cli("simulate", "--set", "group_size=1")
     assert bad.returncode == 2 and "group_size" in bad.stderr
+
+
+def test_a_run_freezes_its_heap_while_it_trains_and_releases_it_after() -> None:
+    """coordinator/heap.py: the service freezes the run's long-lived objects when training
+    starts (the collector skips them) and unfreezes them when the run ends, so that a
+    finished run's objects can be collected again; the simulator does the same."""
+    seen: list[int] = []
+    sim = Simulation(SimConfig(protocol="ripples-smart", workers=16, iterations=5))
+    original = sim._on_sample
+
+    def sample(every: float) -> None:
+        seen.append(gc.get_freeze_count())
+        original(every)
+
+    sim._on_sample = sample  # type: ignore[method-assign]
+    sim.run()
+    assert seen and min(seen) > 0  # frozen while the run trained
+    assert gc.get_freeze_count() == 0  # and released after
