@@ -63,7 +63,8 @@ class CoordinatorCore:
                                         target_loss=settings.target_loss,
                                         live=self.registry.live,
                                         everyone=self.registry.counted,
-                                        lockstep=settings.restarts)
+                                        lockstep=settings.restarts,
+                                        version=lambda: self.registry.version)
         self.groups = GroupService(self.role, settings.settings(GroupGeneratorSettings),
                                    registry=self.registry, graph=lambda: self.graph,
                                    progress=self.progress, rng=random.Random(settings.seed),

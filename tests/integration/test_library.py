@@ -187,7 +187,9 @@ def test_the_schedule_follows_the_runs_global_step_on_a_slow_worker(tmp_path: Pa
     slow = seen[2][-1]
     # The straggler made fewer steps than the run's average worker: its schedule follows
     # the run (global_step), not its own count, and its learning rate decayed accordingly.
-    assert slow["global_step"] > slow["step"] * 1.5, slow
+    # (1.7x-1.9x on an idle machine; global_step comes with heartbeats, which lag under
+    # load: 1.4x once in a full test run.)
+    assert slow["global_step"] > slow["step"] * 1.25, slow
     assert slow["lr"] == pytest.approx(0.05 / (1 + slow["global_step"] / 50), rel=0.05)
     fast = seen[0][-1]
     assert fast["global_step"] <= fast["step"]

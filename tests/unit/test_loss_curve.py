@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ripples.coordinator.progress import LOSS_CURVE_MAX_POINTS, ProgressTracker
 from ripples.coordinator.registry import Progress, WorkerRecord
 
@@ -47,3 +49,27 @@ def test_an_unevenly_spaced_curve_restored_from_a_snapshot_is_bounded_too() -> N
     times = [t for t, _, _ in tracker.loss_curve]
     assert len(times) <= LOSS_CURVE_MAX_POINTS
     assert times == sorted(set(times)) and times[0] == 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_running_mean_finds_the_target_at_the_same_report_as_the_full_mean(
+        seed: int) -> None:
+    """With the registry's version the target check is O(1) per report (a running sum of
+    the live losses): it must reach the target at exactly the report the full mean does,
+    and leave the same curve."""
+    import random
+
+    rng = random.Random(seed)
+    n = 50
+    reports = [(rng.randrange(n), 3.0 * (1 - i / 4000) + rng.random()) for i in range(4000)]
+    results = []
+    for version in (None, lambda: 0):
+        workers = [WorkerRecord(worker_id=i, host="node0", local_rank=i, device="cpu", pid=i,
+                                node=0, lease_expires_at=0.0) for i in range(n)]
+        tracker = ProgressTracker(num_workers=n, target_loss=1.2, live=lambda ws=workers: ws,
+                                  everyone=lambda ws=workers: ws, version=version)
+        for i, (w, loss) in enumerate(reports):
+            tracker.record(workers[w], Progress(iteration=i, loss=loss), elapsed=i * 0.01)
+        results.append((tracker.time_to_target, tracker.loss_curve))
+    assert results[0][0] is not None
+    assert results[0] == results[1]
