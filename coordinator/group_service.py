@@ -33,11 +33,6 @@ from ripples.coordinator.registry import GONE, Registry, WorkerRecord, WorkerSta
 from ripples.coordinator.run_graph import RunGraph
 from ripples.protocols import Coordination, GroupGeneratorSettings, Role
 
-STRAGGLER_BOUND_REFRESH = 1
-"""The straggler bound is recomputed at least every this many generations (more rarely
-past 64 workers: `GroupService._straggler_bound`)."""
-
-
 _T = TypeVar("_T")
 
 
@@ -386,8 +381,7 @@ class GroupService:
         every n / 64 generations (every one below 64 workers) and on membership changes.
         Own seconds are moving averages: the bound moves slowly."""
         self._bound_age += 1
-        if self._bound_stale or self._bound_age >= max(STRAGGLER_BOUND_REFRESH,
-                                                       len(self._members) // 64):
+        if self._bound_stale or self._bound_age >= max(1, len(self._members) // 64):
             self._bound_age, self._bound_stale = 0, False
             self._bound = straggler_bound(self._records.own_seconds, self._member_set)
         return self._bound

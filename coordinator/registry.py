@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -220,9 +221,8 @@ class Registry:
         part of the departed member that held its rank before (`_continue`), with its
         slowdown counter; none heals: every member restores the run's checkpoints."""
         departed: dict[int, WorkerRecord] = {}  # rank -> its first departed holder
-        for x in self.workers.values():
-            if x.state in GONE and x.rank >= 0 and x.replaced_by is None:
-                departed.setdefault(x.rank, x)
+        for x in self._unreplaced_departed():
+            departed.setdefault(x.rank, x)
         for w in members:
             previous = departed.get(w.rank)
             if previous is not None:
@@ -234,14 +234,17 @@ class Registry:
                 if held:
                     w.progress.iteration = min(w.progress.iteration, held)
 
-    def vacant_member(self, rank: int | None = None) -> WorkerRecord | None:
-        """The departed member of lowest rank (or of `rank`) whose rank nobody holds
-        now and nobody took over, or None."""
-        held = {w.rank for w in self.live()} if rank is None else set()
-        gone = [w for w in self.workers.values() if w.state in GONE and w.rank >= 0
-                and w.replaced_by is None and w.rank not in held
-                and (rank is None or w.rank == rank)]
+    def vacant_member(self) -> WorkerRecord | None:
+        """The departed member of lowest rank whose rank nobody holds now and nobody
+        took over, or None."""
+        held = {w.rank for w in self._live.values()}
+        gone = [w for w in self._unreplaced_departed() if w.rank not in held]
         return min(gone, key=lambda w: w.rank, default=None)
+
+    def _unreplaced_departed(self) -> Iterator[WorkerRecord]:
+        """Departed members (they held a rank) that no worker took over, in id order."""
+        return (w for w in self.workers.values()
+                if w.state in GONE and w.rank >= 0 and w.replaced_by is None)
 
     def _continue(self, record: WorkerRecord, previous: WorkerRecord) -> None:
         """`record` continues `previous`'s part: its rank (so its data shard) and its
