@@ -15,12 +15,15 @@ from tests.integration.helpers import ripples_cli, running_coordinator, start_wo
 pytestmark = pytest.mark.slow
 
 
-
 @pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce"])
 def test_the_consensus_model_of_a_running_run_is_written_on_demand(
         protocol: str, tmp_path: Path) -> None:
+    # Groups of 2 of the 3 workers: after any P-Reduce one worker's model differs from
+    # the others' (groups of 3 would average all of them, and all three could publish
+    # between that P-Reduce and their next step: a distance of exactly 0).
     with running_coordinator(protocol=protocol, num_workers=3, task="digits",
-                             iterations=3000, lease_seconds=4.0, seed=1) as server:
+                             iterations=3000, lease_seconds=4.0, seed=1,
+                             group_size=2) as server:
         core = server.service.core  # type: ignore[union-attr]
         workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1")
                    for r in range(3)]
