@@ -3,8 +3,9 @@
     ripples simulate --workers 1000 --protocol ripples-smart --scenario slow-5x
     ripples simulate --workers 64,1000 --protocol allreduce,ripples-smart,adpsgd --json
     ripples simulate --workers 1000 --protocol ripples-smart,adpsgd --plot consensus.png
+    ripples simulate --workers 10000 --shards 1,10 --service-seconds 0.0002  # flat vs sharded
 
-Every (protocol, workers) pair is one simulated run of the same scenario and seed.
+Every (protocol, workers, shards) is one simulated run of the same scenario and seed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ripples.sim.engine import SIM_PROTOCOLS, SimConfig, SimResult, simulate
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("protocol", "protocol", "{}"),
     ("workers", "workers", "{}"),
+    ("shards", "shards", "{}"),
     ("s/epoch", "seconds_per_epoch", "{:.3f}"),
     ("s/iter", "seconds_per_iteration", "{:.4f}"),
     ("wait", "wait_fraction", "{:.1%}"),
@@ -29,6 +31,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("group size", "mean_group_size", "{:.2f}"),
     ("consensus", "consensus_distance", "{:.3g}"),
     ("decisions/s", "decisions_per_second", "{:,.0f}"),
+    ("coord RPC/s", "coordinator_rpcs_per_second", "{:,.0f}"),
+    ("coord busy", "coordinator_utilization", "{:.0%}"),
     ("heartbeats/s", "heartbeats_per_second", "{:,.0f}"),
     ("B/worker", "core_bytes_per_worker", "{:,.0f}"),
     ("wall s", "wall_seconds", "{:.1f}"),
@@ -83,7 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a run option as `ripples run` takes it (group_size=4, "
                              "topology=ring, rate_com=2, heartbeat_interval_seconds=1); "
                              "repeatable")
-    add_dataclass_arguments(parser, SimConfig, skip={"protocol", "workers", "run_options"})
+    parser.add_argument("--shards", type=_int_list, default=[1],
+                        help="1: one coordinator (flat); S: S shard coordinators and a root "
+                             "one of their heads (docs/scale.md); comma-separated to compare "
+                             "(default: 1)")
+    add_dataclass_arguments(parser, SimConfig,
+                            skip={"protocol", "workers", "run_options", "shards"})
     parser.add_argument("--json", action="store_true",
                         help="print the results as JSON (one object with a list `runs`)")
     parser.add_argument("--plot", default="",
@@ -92,9 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configs(args: argparse.Namespace) -> list[SimConfig]:
     base: SimConfig = dataclass_from_args(SimConfig, args, protocol=args.protocol[0],
-                                          workers=args.workers[0],
+                                          workers=args.workers[0], shards=args.shards[0],
                                           run_options=dict(args.run_options))
-    return [replace(base, protocol=p, workers=n) for n in args.workers for p in args.protocol]
+    return [replace(base, protocol=p, workers=n, shards=s)
+            for n in args.workers for s in args.shards for p in args.protocol]
 
 
 def format_table(results: list[SimResult]) -> str:
@@ -118,7 +128,8 @@ def write_plot(results: list[SimResult], path: str) -> None:
     for r in results:
         xs = [t for t, _ in r.consensus_curve]
         ys = [max(d, 1e-12) for _, d in r.consensus_curve]
-        ax.plot(xs, ys, label=f"{r.protocol} ({r.workers} workers)")
+        shards = f", {r.shards} shards" if r.shards > 1 else ""
+        ax.plot(xs, ys, label=f"{r.protocol} ({r.workers} workers{shards})")
     ax.set_yscale("log")
     ax.set_xlabel("simulated seconds")
     ax.set_ylabel("consensus distance")
@@ -141,7 +152,8 @@ def run_command(args: argparse.Namespace) -> int:
     results = []
     for config in runs:
         if not args.json:
-            print(f"simulating {config.protocol} with {config.workers} workers "
+            shards = f" in {config.shards} shards" if config.shards > 1 else ""
+            print(f"simulating {config.protocol} with {config.workers} workers{shards} "
                   f"({config.compute.scenario}) ...", file=sys.stderr, flush=True)
         results.append(simulate(config))
     if args.plot:

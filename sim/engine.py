@@ -39,7 +39,14 @@ from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore, GroupDecision, Outcome, Progress
 from ripples.coordinator.groups import GroupRecord
 from ripples.protocols import Coordination, GossipSettings
-from ripples.sim.models import CommModel, ComputeModel, ConsensusModel, ConsensusState
+from ripples.sim.models import (
+    CommModel,
+    ComputeModel,
+    ConsensusModel,
+    ConsensusState,
+    SharedCores,
+    shared_finish_times,
+)
 from ripples.worker.protocols.gossip.protocol import (
     LISTEN_POLL_SECONDS,
     MAX_BACKLOG_STEPS,
@@ -57,7 +64,8 @@ REAP_INTERVAL_SECONDS = 1.0
 """How often the simulated service expires leases (coordinator/service.py's reaper)."""
 
 # Event kinds (ints: the heap compares tuples).
-_COMPUTE, _GROUP_END, _TIMEOUT, _COMM_NEXT, _HEARTBEAT, _REAP, _SAMPLE = range(7)
+(_COMPUTE, _GROUP_END, _TIMEOUT, _COMM_NEXT, _HEARTBEAT, _REAP, _SAMPLE, _CPU_END,
+ _SERVED) = range(9)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +90,20 @@ class SimConfig:
     """Points of the consensus-distance curve over the run."""
     max_sim_seconds: float = 1e7
     """Simulated-time bound: a run that has not stopped by then ends as `stalled`."""
+    shards: int = 1
+    """1: one coordinator for every worker (flat). S > 1: the hierarchical design
+    (docs/scale.md): the hosts are cut into S shards of consecutive hosts, each with a
+    coordinator core of its own, and the first worker of each shard is its head: every
+    `inter_period`-th iteration the head asks a root coordinator (a core of the S heads,
+    the same code) for a group of heads instead. Group protocols (ripples-random,
+    ripples-smart) only."""
+    inter_period: int = 4
+    """Sharded: a head's every inter_period-th group is an inter-shard one."""
+    service_seconds: float = 0.0
+    """Coordinator time per RPC (a group request, a release, a heartbeat, an ended wait):
+    each coordinator serves its RPCs one at a time, so a busy one answers late (0: at
+    once; the coordinator is never the bottleneck). The gRPC service measured here
+    answers about 4,800 group requests/s at 1,024 streams: about 200 us each."""
     measure_memory: bool = False
     """Trace the run's allocations (tracemalloc) to report the core's bytes per worker:
     what the coordinator's code allocated and still holds at the stop (registry, graph,
@@ -100,12 +122,26 @@ class SimConfig:
             raise ValueError("iterations and epoch_iterations must be at least 1")
         if self.samples < 2:
             raise ValueError("samples must be at least 2")
+        if self.shards < 1 or self.inter_period < 1:
+            raise ValueError("shards and inter_period must be at least 1")
+        if not self.service_seconds >= 0:
+            raise ValueError("service_seconds must not be negative")
+        hosts = math.ceil(self.workers / self.workers_per_host)
+        if self.shards > 1:
+            if self.protocol not in ("ripples-random", "ripples-smart"):
+                raise ValueError("shards > 1 simulates the Group Generator's hierarchy: "
+                                 f"ripples-random or ripples-smart, not {self.protocol}")
+            if self.workers // self.shards < 2 or self.shards > hosts:
+                raise ValueError(f"{self.shards} shards of {self.workers} workers on {hosts} "
+                                 "hosts: each shard needs a host and 2 workers at least")
 
-    def settings(self) -> RunSettings:
+    def settings(self, num_workers: int = 0, iterations: int = 0) -> RunSettings:
+        """The run's settings (of one shard's core, or the root's, with the arguments)."""
         options: dict[str, object] = {
-            "protocol": self.protocol, "task": "simulated", "num_workers": self.workers,
+            "protocol": self.protocol, "task": "simulated",
+            "num_workers": num_workers or self.workers,
             "min_workers": 1, "workers_per_node": self.workers_per_host,
-            "iterations": self.iterations, "seed": self.seed,
+            "iterations": iterations or self.iterations, "seed": self.seed,
             **self.run_options}
         settings = RunSettings.build(**options)
         settings.validate()
@@ -134,6 +170,10 @@ class SimResult:
     comm_fraction: float
     """Of the workers' time: in collectives (for gossip, on the communication thread,
     which overlaps compute)."""
+    compute_seconds_per_iteration: float
+    """Seconds of one iteration's compute (an injected slowdown's sleep included)."""
+    wait_seconds_per_iteration: float
+    comm_seconds_per_iteration: float
     averagings_per_iteration: float
     """Group memberships (a worker in a group or exchange) per iteration of a worker."""
     conflict_fraction: float
@@ -152,6 +192,12 @@ class SimResult:
     """Heartbeats taken per second of core time spent on them."""
     core_bytes_per_worker: float
     """Bytes the core holds per worker at the stop (0: not measured; measure_memory)."""
+    shards: int
+    coordinator_rpcs_per_second: float
+    """RPCs per simulated second at the busiest coordinator: the load it must serve."""
+    coordinator_utilization: float
+    """Of the busiest coordinator: the fraction of simulated time serving RPCs
+    (service_seconds x its RPCs / the run's time; 0 when service_seconds is 0)."""
     consensus_distance: float
     """mean_i ||x_i - mean(x)||^2 at the stop (the ConsensusModel)."""
     optimum_gap: float
@@ -167,12 +213,15 @@ class SimResult:
 
 
 class _Worker:
-    __slots__ = ("rank", "wid", "host", "iteration", "compute_s", "wait_s", "comm_s", "partner_s",
+    __slots__ = ("rank", "wid", "host", "shard", "root_wid", "core_at",
+                 "iteration", "compute_s", "wait_s", "comm_s", "partner_s",
                  "wait_since", "token", "listen", "owed", "done", "more", "credit",
-                 "comm_idle", "in_group")
+                 "comm_idle", "in_group", "compute_started", "factor")
 
-    def __init__(self, rank: int, wid: int, host: int) -> None:
-        self.rank, self.wid, self.host = rank, wid, host
+    def __init__(self, rank: int, wid: int, host: int, shard: int = 0) -> None:
+        self.rank, self.wid, self.host, self.shard = rank, wid, host, shard
+        self.root_wid = -1  # a head's id in the root core (-1: not a head)
+        self.core_at = shard  # the core of its current request or group
         self.iteration = 0
         self.compute_s = self.wait_s = self.comm_s = 0.0
         self.partner_s = 0.0  # gossip: the communication thread's waits for a partner
@@ -185,10 +234,13 @@ class _Worker:
         self.credit: StepCredit | None = None
         self.comm_idle = False  # a2cid2: the communication thread waits for owed work
         self.in_group = False
+        self.compute_started = 0.0  # shared cores: when this iteration's work began
+        self.factor = 1.0  # shared cores: this iteration's slowdown (a sleep after it)
 
 
 class Simulation:
-    """One run: the core, the simulated workers, the event heap."""
+    """One run: the cores (one, or a shard's each and the root's), the simulated
+    workers, the event heap."""
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
@@ -198,6 +250,8 @@ class Simulation:
         self.compute = config.compute.sampler(config.workers, self.rng)
         self.comm = config.comm
         self.model = ConsensusState(config.consensus, config.workers, config.seed)
+        self.shared = SharedCores(config.compute.cores) if config.compute.cores else None
+        self._shared_token = 0
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -205,8 +259,9 @@ class Simulation:
         self.num_requests = 0
         self.num_heartbeats = 0
         self.num_waits = 0
-        self.groups: dict[int, tuple[list[int], float]] = {}  # group id -> ranks, start
-        self._snapshots: dict[int, np.ndarray] = {}  # group id -> members' vectors at start
+        # (group id, core index) -> member ranks, start; and the members' vectors then
+        self.groups: dict[tuple[int, int], tuple[list[int], float]] = {}
+        self._snapshots: dict[tuple[int, int], np.ndarray] = {}
         self.group_sizes: list[int] = []
         self.curve: list[tuple[float, float]] = []
         self.events = 0
@@ -216,32 +271,83 @@ class Simulation:
         self.coordination = self.role.coordination
         self.core_bytes_per_worker = 0.0
         self.workers: list[_Worker] = []
-        self.by_wid: dict[int, _Worker] = {}
-        self.core: CoordinatorCore | None = None
+        self.cores: list[CoordinatorCore] = []
+        """The shards' cores, then (sharded) the root's."""
+        self.by_wid: list[dict[int, _Worker]] = []
+        """Per core: its worker ids' simulated workers."""
+        self.root = -1  # the root core's index (sharded runs)
+        self.rpcs: list[int] = []  # per core: RPCs served
+        self._free_at: list[float] = []  # per core: when it is done with its queue
 
     # ------------------------------------------------------------------ set-up
-    def _build_core(self) -> CoordinatorCore:
-        """A core with every worker registered and ready, training started at 0."""
+    def _build_core(self, num_workers: int, iterations: int, hosts: list[int]
+                    ) -> CoordinatorCore:
+        """A core with its workers (on `hosts`, one per worker) registered and ready,
+        training started at 0."""
         cfg = self.config
-        core = CoordinatorCore(self.settings, now=0.0)
+        core = CoordinatorCore(cfg.settings(num_workers, iterations), now=0.0)
         k = cfg.workers_per_host
-        for r in range(cfg.workers):
-            core.register(f"h{r // k}", r % k, "cpu", r + 1, 0.0)
+        for i, host in enumerate(hosts):
+            core.register(f"h{host}", i % k, "cpu", i + 1, 0.0)
         for w in core.live():
-            core.mark_ready(w.worker_id, cfg.iterations, 0.0)
+            core.mark_ready(w.worker_id, iterations, 0.0)
         if core.stopped:
             raise ValueError(f"the simulated run cannot start: {core.stop_reason}")
         return core
 
-    def _setup(self) -> CoordinatorCore:
+    def _setup(self) -> None:
         cfg = self.config
-        core = self._build_core()
         k = cfg.workers_per_host
-        for rec in sorted(core.live(), key=lambda x: x.rank):
-            w = _Worker(rec.rank, rec.worker_id, rec.rank // k)
-            self.workers.append(w)
-            self.by_wid[rec.worker_id] = w
-        return core
+        num_hosts = math.ceil(cfg.workers / k)
+        # Shard s: the hosts h with h * S // num_hosts == s (consecutive hosts).
+        shard_of_host = [h * cfg.shards // num_hosts for h in range(num_hosts)]
+        for s in range(cfg.shards):
+            ranks = [r for r in range(cfg.workers) if shard_of_host[r // k] == s]
+            core = self._build_core(len(ranks), cfg.iterations, [r // k for r in ranks])
+            by_rank = sorted(core.live(), key=lambda x: x.rank)
+            index: dict[int, _Worker] = {}
+            for r, rec in zip(ranks, by_rank, strict=True):
+                w = _Worker(r, rec.worker_id, r // k, s)
+                self.workers.append(w)
+                index[rec.worker_id] = w
+            self.cores.append(core)
+            self.by_wid.append(index)
+        self.workers.sort(key=lambda w: w.rank)
+        if cfg.shards > 1:  # the root: a core of the shards' heads (their first workers)
+            heads = [min(index.values(), key=lambda w: w.rank) for index in self.by_wid]
+            root = self._build_core(len(heads), 2**62, list(range(len(heads))))
+            self.root = len(self.cores)
+            index = {}
+            for head, rec in zip(heads, sorted(root.live(), key=lambda x: x.rank), strict=True):
+                head.root_wid = rec.worker_id
+                index[rec.worker_id] = head
+            self.cores.append(root)
+            self.by_wid.append(index)
+        self.rpcs = [0] * len(self.cores)
+        self._free_at = [0.0] * len(self.cores)
+
+    @property
+    def core(self) -> CoordinatorCore:
+        """The first shard's core (the only one of a flat run)."""
+        return self.cores[0]
+
+    def _wid(self, w: _Worker, core: int) -> int:
+        return w.root_wid if core == self.root else w.wid
+
+    def _stopped(self) -> bool:
+        """A shard that reached its budget ends the run (the shards advance together)."""
+        return any(c.stopped for i, c in enumerate(self.cores) if i != self.root)
+
+    def _serve(self, core: int) -> float:
+        """One RPC at `core`: the seconds until it is answered (its queue, then its
+        service time; 0 without a service time)."""
+        self.rpcs[core] += 1
+        service = self.config.service_seconds
+        if not service:
+            return 0.0
+        done = max(self.now, self._free_at[core]) + service
+        self._free_at[core] = done
+        return done - self.now
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SimResult:
@@ -259,7 +365,7 @@ class Simulation:
         return result
 
     def _run(self) -> SimResult:
-        self.core = self._setup()
+        self._setup()
         heap.settle()  # as the service does once training starts
         try:
             return self._loop()
@@ -268,8 +374,6 @@ class Simulation:
 
     def _loop(self) -> SimResult:
         started = time.perf_counter()
-        core = self.core
-        assert core is not None
         cfg = self.config
         if self.coordination is Coordination.LOCKSTEP:
             return self._run_lockstep(started)
@@ -291,18 +395,20 @@ class Simulation:
             _TIMEOUT: self._on_timeout, _COMM_NEXT: lambda r, _: self._comm_next(
                 self.workers[r]),
             _HEARTBEAT: self._on_heartbeat, _REAP: lambda _a, _b: self._on_reap(),
-            _SAMPLE: lambda _a, _b: self._on_sample(sample_every)}
-        heap = self.heap
-        while heap and not core.stopped:
-            t, _, kind, a, b = heapq.heappop(heap)
+            _SAMPLE: lambda _a, _b: self._on_sample(sample_every),
+            _CPU_END: self._on_cpu_end, _SERVED: self._on_served}
+        events = self.heap
+        while events and not self._stopped():
+            t, _, kind, a, b = heapq.heappop(events)
             if t > cfg.max_sim_seconds:
                 break
             self.now = t
             self.events += 1
             handlers[kind](a, b)
-        stop_reason = core.stop_reason if core.stopped else (
+        stopped = [c for i, c in enumerate(self.cores) if i != self.root and c.stopped]
+        stop_reason = stopped[0].stop_reason if stopped else (
             f"stalled: no stop within {cfg.max_sim_seconds:g} simulated seconds"
-            if heap else "stalled: no event left (every worker waits)")
+            if events else "stalled: no event left (every worker waits)")
         return self._result(stop_reason, started)
 
     def _sample_interval(self) -> float:
@@ -312,9 +418,38 @@ class Simulation:
 
     def _compute(self, w: _Worker) -> None:
         """The worker starts its next iteration."""
-        seconds = self.compute.seconds(w.rank)
-        w.compute_s += seconds
-        self._push(seconds, _COMPUTE, w.rank)
+        work, factor = self.compute.draw(w.rank)
+        if self.shared is None:
+            w.compute_s += work * factor
+            self._push(work * factor, _COMPUTE, w.rank)
+            return
+        w.compute_started, w.factor = self.now, factor
+        self.shared.start(self.now, w.rank, work)
+        self._schedule_shared()
+
+    def _schedule_shared(self) -> None:
+        """One event at the next end of work on the shared cores (earlier ones are void)."""
+        assert self.shared is not None
+        self._shared_token += 1
+        delay = self.shared.next_end()
+        if delay is not None:
+            self._push(delay, _CPU_END, 0, self._shared_token)
+
+    def _on_cpu_end(self, _: int, token: int) -> None:
+        """Shared cores: iterations whose work is done; a slowed one sleeps on."""
+        assert self.shared is not None
+        if token != self._shared_token:
+            return
+        for rank in self.shared.finish(self.now):
+            w = self.workers[rank]
+            took = self.now - w.compute_started
+            slept = (w.factor - 1.0) * took
+            w.compute_s += took + slept
+            if slept > 0:
+                self._push(slept, _COMPUTE, rank)
+            else:
+                self._on_compute(rank, 0)
+        self._schedule_shared()
 
     def _push(self, delay: float, kind: int, a: int = 0, b: int = 0) -> None:
         self.seq += 1
@@ -327,28 +462,46 @@ class Simulation:
 
     # ------------------------------------------------------------------ core calls
     def _request(self, w: _Worker, *, listen: bool = False) -> None:
-        assert self.core is not None
+        """The worker asks its current core (w.core_at) for a group; the reply comes when
+        the core has served it."""
         w.listen = listen
+        if w.wait_since is None:
+            w.wait_since = self.now
+        delay = self._serve(w.core_at)
+        if delay:
+            w.token += 1  # no timeout runs while the request is queued
+            self._push(delay, _SERVED, w.rank, w.token)
+        else:
+            self._ask(w)
+
+    def _on_served(self, rank: int, token: int) -> None:
+        w = self.workers[rank]
+        if w.token == token and not w.done:
+            self._ask(w)
+
+    def _ask(self, w: _Worker) -> None:
+        at = w.core_at
+        core = self.cores[at]
         progress = self._progress(w)
         t0 = time.perf_counter()
-        decision, deliveries = self.core.request_group(w.wid, w.iteration, self.now, progress,
-                                                       listen=listen)
+        decision, deliveries = core.request_group(self._wid(w, at), w.iteration, self.now,
+                                                  progress, listen=w.listen)
         self.core_seconds["group"] += time.perf_counter() - t0
         self.num_requests += 1
         if decision is None:
             self.num_waits += 1
-            w.wait_since = self.now
             w.token += 1
             poll = (GROUP_POLL_SECONDS if self.coordination is Coordination.GROUPS
-                    else LISTEN_POLL_SECONDS if listen else REQUEST_WAIT_SECONDS)
+                    else LISTEN_POLL_SECONDS if w.listen else REQUEST_WAIT_SECONDS)
             self._push(poll, _TIMEOUT, w.rank, w.token)
-        self._deliver(deliveries)
+        self._deliver(at, deliveries)
         if decision is not None:
             self._decided(w, decision)
 
-    def _deliver(self, deliveries: dict[int, GroupDecision]) -> None:
+    def _deliver(self, at: int, deliveries: dict[int, GroupDecision]) -> None:
+        index = self.by_wid[at]
         for wid, decision in deliveries.items():
-            w = self.by_wid.get(wid)
+            w = index.get(wid)
             if w is not None:
                 self._decided(w, decision)
 
@@ -365,7 +518,7 @@ class Simulation:
             assert d.group is not None
             w.more = d.more
             w.in_group = True
-            self._start_group(d.group)
+            self._start_group(w.core_at, d.group)
         elif outcome is Outcome.STOP:
             w.done = True
         elif outcome is Outcome.RETRY:
@@ -380,20 +533,21 @@ class Simulation:
                 w.owed = max(0, w.owed - 1)
             self._push(LISTEN_POLL_SECONDS, _COMM_NEXT, w.rank)
 
-    def _start_group(self, g: GroupRecord) -> None:
-        if g.group_id in self.groups:
+    def _start_group(self, at: int, g: GroupRecord) -> None:
+        key = (g.group_id, at)
+        if key in self.groups:
             return
-        ranks = [self.by_wid[m].rank for m in g.members]
+        index = self.by_wid[at]
+        ranks = [index[m].rank for m in g.members]
         k = self.config.workers_per_host
         spans = len({r // k for r in ranks}) > 1
         seconds = (self.comm.rpc_seconds
                    + (self.comm.setup_seconds if g.create_comm else 0.0)
                    + self.comm.allreduce_seconds(len(ranks), spans_hosts=spans))
-        self.groups[g.group_id] = (ranks, self.now)
+        self.groups[key] = (ranks, self.now)
         self.group_sizes.append(len(ranks))
-        snapshot = self.model.snapshot(ranks)
-        self._snapshots[g.group_id] = snapshot
-        self._push(seconds, _GROUP_END, g.group_id)
+        self._snapshots[key] = self.model.snapshot(ranks)
+        self._push(seconds, _GROUP_END, g.group_id, at)
 
     # ------------------------------------------------------------------ events
     def _on_compute(self, rank: int, _: int) -> None:
@@ -403,6 +557,9 @@ class Simulation:
         w.iteration += 1
         self.model.step(rank)
         if self.coordination is Coordination.GROUPS:
+            # A head's every inter_period-th group is with the other shards' heads.
+            inter = w.root_wid >= 0 and w.iteration % self.config.inter_period == 0
+            w.core_at = self.root if inter else w.shard
             self._request(w)
             return
         # Gossip: the compute loop goes on; the step owes averagings.
@@ -414,21 +571,22 @@ class Simulation:
             w.comm_idle = False
             self._comm_next(w)
 
-    def _on_group_end(self, group_id: int, _: int) -> None:
-        assert self.core is not None
-        ranks, started = self.groups.pop(group_id)
-        snapshot = self._snapshots.pop(group_id)
+    def _on_group_end(self, group_id: int, at: int) -> None:
+        ranks, started = self.groups.pop((group_id, at))
+        snapshot = self._snapshots.pop((group_id, at))
         self.model.average(ranks, snapshot)
         seconds = self.now - started
         members = [self.workers[r] for r in ranks]
         deliveries: dict[int, GroupDecision] = {}
+        core = self.cores[at]
         t0 = time.perf_counter()
         for w in members:
             w.comm_s += seconds
             w.in_group = False
-            deliveries.update(self.core.release(w.wid, group_id, True, "", self.now))
+            self._serve(at)  # the release takes the coordinator's time; nobody waits on it
+            deliveries.update(core.release(self._wid(w, at), group_id, True, "", self.now))
         self.core_seconds["group"] += time.perf_counter() - t0
-        self._deliver(deliveries)
+        self._deliver(at, deliveries)
         for w in members:
             if w.done:
                 continue
@@ -444,12 +602,13 @@ class Simulation:
             self._comm_next(w)
 
     def _on_timeout(self, rank: int, token: int) -> None:
-        assert self.core is not None
         w = self.workers[rank]
         if w.token != token or w.done:
             return
+        at = w.core_at
+        self._serve(at)
         t0 = time.perf_counter()
-        decision = self.core.abandon_wait(w.wid, self.now)
+        decision = self.cores[at].abandon_wait(self._wid(w, at), self.now)
         self.core_seconds["group"] += time.perf_counter() - t0
         self._decided(w, decision)
 
@@ -466,24 +625,25 @@ class Simulation:
             w.comm_idle = True
 
     def _on_heartbeat(self, rank: int, _: int) -> None:
-        assert self.core is not None
         w = self.workers[rank]
         if w.done:
             return
         progress = self._progress(w)
-        t0 = time.perf_counter()
-        deliveries = self.core.heartbeat(w.wid, progress, self.now)
-        self.core_seconds["heartbeat"] += time.perf_counter() - t0
-        self.num_heartbeats += 1
-        self._deliver(deliveries)
+        for at in (w.shard, self.root) if w.root_wid >= 0 else (w.shard,):
+            self._serve(at)
+            t0 = time.perf_counter()
+            deliveries = self.cores[at].heartbeat(self._wid(w, at), progress, self.now)
+            self.core_seconds["heartbeat"] += time.perf_counter() - t0
+            self.num_heartbeats += 1
+            self._deliver(at, deliveries)
         self._push(self.settings.heartbeat_interval_seconds, _HEARTBEAT, rank)
 
     def _on_reap(self) -> None:
-        assert self.core is not None
-        t0 = time.perf_counter()
-        deliveries = self.core.expire_leases(self.now)
-        self.core_seconds["other"] += time.perf_counter() - t0
-        self._deliver(deliveries)
+        for at, core in enumerate(self.cores):
+            t0 = time.perf_counter()
+            deliveries = core.expire_leases(self.now)
+            self.core_seconds["other"] += time.perf_counter() - t0
+            self._deliver(at, deliveries)
         self._push(REAP_INTERVAL_SECONDS, _REAP)
 
     def _on_sample(self, every: float) -> None:
@@ -492,7 +652,6 @@ class Simulation:
 
     @property
     def _passive(self) -> frozenset[int]:
-        assert self.core is not None
         return self.core.graph.passive
 
     # ------------------------------------------------------------------ allreduce
@@ -505,8 +664,12 @@ class Simulation:
         ring = self.comm.allreduce_seconds(n, spans_hosts=spans)
         sample_every = self._sample_interval()
         next_sample = 0.0
+        cores = cfg.compute.cores
         for _ in range(cfg.iterations):
-            times = [self.compute.seconds(w.rank) for w in self.workers]
+            draws = [self.compute.draw(w.rank) for w in self.workers]
+            took = (shared_finish_times([work for work, _ in draws], cores) if cores
+                    else [work for work, _ in draws])
+            times = [t * factor for t, (_, factor) in zip(took, draws, strict=True)]
             slowest = max(times)
             for w, t in zip(self.workers, times, strict=True):
                 w.compute_s += t
@@ -547,6 +710,9 @@ class Simulation:
             seconds_per_iteration=self.now / mean_iterations if mean_iterations else math.inf,
             compute_fraction=compute / busy, wait_fraction=wait / busy,
             comm_fraction=comm / busy,
+            compute_seconds_per_iteration=compute / total if total else 0.0,
+            wait_seconds_per_iteration=wait / total if total else 0.0,
+            comm_seconds_per_iteration=comm / total if total else 0.0,
             averagings_per_iteration=sum(self.group_sizes) / total if total else 0.0,
             conflict_fraction=self.num_waits / self.num_requests if self.num_requests else 0.0,
             group_requests=self.num_requests, groups=len(self.group_sizes),
@@ -557,6 +723,10 @@ class Simulation:
             heartbeats_per_second=(self.num_heartbeats / heartbeat_core
                                    if heartbeat_core else 0.0),
             core_bytes_per_worker=self.core_bytes_per_worker,
+            shards=cfg.shards,
+            coordinator_rpcs_per_second=max(self.rpcs, default=0) / self.now if self.now else 0.0,
+            coordinator_utilization=(max(self.rpcs, default=0) * cfg.service_seconds / self.now
+                                     if self.now else 0.0),
             consensus_distance=self.model.distance(), optimum_gap=self.model.gap(),
             consensus_curve=self.curve, wall_seconds=time.perf_counter() - started,
             events=self.events)

@@ -14,6 +14,7 @@ Three models, each a small dataclass with a documented formula (docs/scale.md):
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass
@@ -44,6 +45,12 @@ class ComputeModel:
     """`slow-fraction`: this fraction of the workers (the lowest ranks) is slowed."""
     slow_factor: float = 4.0
     """`slow-fraction`: by this factor."""
+    cores: float = 0.0
+    """0: every worker has its own device. Above 0: the workers share this many cores
+    (processor sharing: k computing workers progress at min(1, cores / k) each), and a
+    slowed iteration computes at the shared rate, then sleeps (factor - 1) x the seconds
+    it took, as the benchmark's injected slowdown does (worker/slowdown.py). This is
+    what benchmark workers on one small machine see (docs/scale.md, validation)."""
 
     def __post_init__(self) -> None:
         if self.scenario not in SIM_SCENARIOS:
@@ -57,6 +64,8 @@ class ComputeModel:
             raise ValueError(f"slow_fraction must be in [0, 1], got {self.slow_fraction}")
         if not self.slow_factor >= 1 or not self.lognormal_sigma >= 0:
             raise ValueError("slow_factor must be >= 1 and lognormal_sigma >= 0")
+        if not self.cores >= 0:
+            raise ValueError(f"cores must not be negative, got {self.cores}")
 
     def slowed(self, num_workers: int) -> frozenset[int]:
         """The ranks slowed in every iteration."""
@@ -84,17 +93,77 @@ class ComputeSampler:
         self.p_random = 1.0 / num_workers
 
     def seconds(self, rank: int) -> float:
+        work, factor = self.draw(rank)
+        return work * factor
+
+    def draw(self, rank: int) -> tuple[float, float]:
+        """One iteration of `rank`: its unslowed seconds (its work, with jitter and the
+        long tail) and the slowdown factor of this iteration."""
         m = self.model
         t = m.step_seconds
+        factor = 1.0
         if rank in self.slowed:
-            t *= self.factor
+            factor = self.factor
         elif self.random_slowdown and self.rng.random() < self.p_random:
-            t *= self.factor
+            factor = self.factor
         if m.scenario == "lognormal":
             t *= self.rng.lognormvariate(0.0, m.lognormal_sigma)
         if m.jitter:
             t *= self.rng.lognormvariate(0.0, m.jitter)
-        return t
+        return t, factor
+
+
+class SharedCores:
+    """Processor sharing of `cores` among the workers computing now: each of k runs at
+    min(1, cores / k). A virtual clock `v` advances at that rate; a job started at v0
+    with work w ends when v reaches v0 + w (one heap, O(log n) per start and end)."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = cores
+        self.v = 0.0
+        self.t = 0.0
+        self.jobs: list[tuple[float, int, int]] = []  # (v at the end, seq, key)
+        self._seq = 0
+
+    def rate(self) -> float:
+        k = len(self.jobs)
+        return min(1.0, self.cores / k) if k else 1.0
+
+    def advance(self, now: float) -> None:
+        self.v += (now - self.t) * self.rate()
+        self.t = now
+
+    def start(self, now: float, key: int, work: float) -> None:
+        self.advance(now)
+        self._seq += 1
+        heapq.heappush(self.jobs, (self.v + work, self._seq, key))
+
+    def next_end(self) -> float | None:
+        """Real seconds from the last advance until the next job ends (None: no job)."""
+        if not self.jobs:
+            return None
+        return max(0.0, self.jobs[0][0] - self.v) / self.rate()
+
+    def finish(self, now: float) -> list[int]:
+        """Advance to `now` and take the jobs that ended by then."""
+        self.advance(now)
+        done = []
+        while self.jobs and self.jobs[0][0] <= self.v + 1e-9:
+            done.append(heapq.heappop(self.jobs)[2])
+        return done
+
+
+def shared_finish_times(works: list[float], cores: float) -> list[float]:
+    """Seconds until each job ends when all start together on `cores` shared cores."""
+    order = sorted(range(len(works)), key=works.__getitem__)
+    out = [0.0] * len(works)
+    t = done_work = 0.0
+    for i, j in enumerate(order):
+        k = len(works) - i
+        t += (works[j] - done_work) / min(1.0, cores / k)
+        done_work = works[j]
+        out[j] = t
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ from ripples.sim import (
     simulate,
 )
 from ripples.sim.engine import Simulation
+from ripples.sim.models import SharedCores, shared_finish_times
 from tests.integration.helpers import ripples_cli
 
 
@@ -57,6 +58,47 @@ def test_allreduce_iteration_is_the_slowest_compute_plus_one_ring() -> None:
     # The seven others wait 4 steps' worth for the straggler each iteration.
     compute, wait = 0.5 + 7 * 0.1, 7 * 0.4
     assert result.wait_fraction == pytest.approx(wait / (compute + wait + 8 * ring), rel=1e-6)
+
+
+def test_shared_cores_divide_the_machine_among_the_workers_computing() -> None:
+    # Three jobs of 1, 2 and 4 s of work on 2 cores: all three at 2/3 until the first ends
+    # (1.5 s), then two at full speed.
+    assert shared_finish_times([4.0, 1.0, 2.0], 2.0) == pytest.approx([4.5, 1.5, 2.5])
+    cores = SharedCores(2.0)
+    for key, work in enumerate([4.0, 1.0, 2.0]):
+        cores.start(0.0, key, work)
+    ends = []
+    while (delay := cores.next_end()) is not None:
+        now = cores.t + delay
+        ends += [(key, now) for key in cores.finish(now)]
+    assert [k for k, _ in ends] == [1, 2, 0]
+    assert [t for _, t in ends] == pytest.approx([1.5, 2.5, 4.5])
+    # A job that starts later shares from then on: 1 s alone on 1 core, then halved.
+    one = SharedCores(1.0)
+    one.start(0.0, 0, 2.0)
+    one.start(1.0, 1, 1.0)
+    assert one.next_end() == pytest.approx(2.0)  # both have 1 s of work left, at 1/2
+
+
+def test_workers_sharing_cores_compute_slower_and_a_slowed_one_sleeps() -> None:
+    # Eight lock-step workers on 2 cores: each iteration is 8 x 0.1 s of work at 2 cores.
+    shared = simulate(SimConfig(protocol="allreduce", workers=8, iterations=20,
+                                compute=ComputeModel(jitter=0.0, cores=2.0)))
+    ring = CommModel().allreduce_seconds(8, spans_hosts=True)
+    assert shared.seconds_per_iteration == pytest.approx(0.4 + ring, rel=1e-9)
+    # Worker 0 5x slower: its work shares the cores, then it sleeps 4x the time it took.
+    slow = simulate(SimConfig(protocol="allreduce", workers=8, iterations=20, compute=ComputeModel(
+        scenario="slow-5x", jitter=0.0, cores=2.0)))
+    assert slow.seconds_per_iteration == pytest.approx(5 * 0.4 + ring, rel=1e-9)
+    # A group protocol whose workers wait for groups leaves the cores to the others:
+    # compute per iteration is below the 0.4 s of eight workers always computing.
+    smart = simulate(SimConfig(protocol="ripples-random", workers=8, iterations=60,
+                               compute=ComputeModel(jitter=0.05, cores=2.0)))
+    assert smart.wait_fraction > 0.2
+    assert 0.1 < smart.compute_seconds_per_iteration < 0.4
+    assert smart.seconds_per_iteration == pytest.approx(
+        smart.compute_seconds_per_iteration + smart.wait_seconds_per_iteration
+        + smart.comm_seconds_per_iteration, rel=0.05)
 
 
 def test_the_smart_group_generator_shrugs_off_a_straggler_that_slows_allreduce() -> None:
@@ -150,3 +192,42 @@ def test_a_run_freezes_its_heap_while_it_trains_and_releases_it_after() -> None:
     sim.run()
     assert seen and min(seen) > 0  # frozen while the run trained
     assert gc.get_freeze_count() == 0  # and released after
+
+
+def test_a_sharded_run_splits_the_coordinators_load_and_mixes_through_heads() -> None:
+    flat = simulate(SimConfig(protocol="ripples-smart", workers=64, workers_per_host=4,
+                              iterations=40, seed=2))
+    sim = Simulation(SimConfig(protocol="ripples-smart", workers=64, workers_per_host=4,
+                               iterations=40, seed=2, shards=4, inter_period=2))
+    sharded = sim.run()
+    assert sharded.shards == 4 and sharded.stop_reason.startswith("iteration budget reached")
+    # Four shard cores of 16 workers each (4 hosts each), and a root of their 4 heads.
+    assert [c.settings.num_workers for c in sim.cores] == [16, 16, 16, 16, 4]
+    heads = [w for w in sim.workers if w.root_wid >= 0]
+    assert [w.rank for w in heads] == [0, 16, 32, 48]
+    # The busiest coordinator serves about a quarter of the flat one's RPCs.
+    assert sharded.coordinator_rpcs_per_second < 0.4 * flat.coordinator_rpcs_per_second
+    # Heads carry the shards' models to each other: the root formed groups, and the
+    # models stay together (without the root the shards would drift to their own optima).
+    root = sim.cores[sim.root]
+    assert root.table.num_formed > 0
+    apart = simulate(SimConfig(protocol="ripples-smart", workers=64, workers_per_host=4,
+                               iterations=40, seed=2, shards=4, inter_period=10**9))
+    assert sharded.consensus_distance < apart.consensus_distance
+
+
+def test_a_coordinator_serves_one_rpc_at_a_time_when_it_has_a_service_time() -> None:
+    fast = simulate(SimConfig(protocol="ripples-smart", workers=64, iterations=20))
+    # 64 workers send ~500 RPCs per simulated second (a request and a release per
+    # iteration of ~0.4 s, two heartbeats); at 5 ms each the coordinator could answer 200:
+    # it is busy all the time and its replies come late.
+    slow = simulate(SimConfig(protocol="ripples-smart", workers=64, iterations=20,
+                              service_seconds=0.005))
+    assert fast.coordinator_utilization == 0.0
+    assert slow.coordinator_utilization > 0.8  # busy but for the start and the end
+    assert slow.seconds_per_iteration > 1.5 * fast.seconds_per_iteration
+    assert slow.wait_fraction > fast.wait_fraction
+    with pytest.raises(ValueError, match="each shard needs a host and 2 workers"):
+        SimConfig(protocol="ripples-smart", workers=8, shards=9)
+    with pytest.raises(ValueError, match="ripples-random or ripples-smart"):
+        SimConfig(protocol="adpsgd", workers=64, shards=4)
