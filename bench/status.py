@@ -11,12 +11,16 @@ serialising it, and measures its size.
     python -m ripples.bench.status --workers 64,1000,4000 --protocols allreduce
 
 Prints, per protocol and number of workers, the median milliseconds to build the reply
-(`run_status()`) and to serialise it, and the serialised size in kB.
+(`run_status()`) and to serialise it, and the serialised size in kB; then the dashboard's
+side: after `--polls` polls of a run in which every worker makes an iteration between
+two polls, the size of the snapshot the dashboard sends to each open page at every poll
+(JSON) and the median milliseconds of folding one status into it (`RunView.update`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -25,8 +29,11 @@ from dataclasses import dataclass
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore, Progress
 from ripples.coordinator.service import CoordinatorService
+from ripples.dashboard.view import RunView
 
 WORKERS_PER_NODE = 8
+POLL_SECONDS = 0.5
+"""The dashboard's poll interval (DashboardConfig.poll_interval_seconds)."""
 REPORT_SECONDS = 0.1
 """Simulated time between two progress reports (each from the next worker in turn)."""
 
@@ -38,6 +45,8 @@ class StatusCost:
     build_ms: float
     serialise_ms: float
     kilobytes: float
+    snapshot_kilobytes: float = 0.0
+    view_ms: float = 0.0
 
 
 def training_service(protocol: str, num_workers: int, run_seconds: float) -> CoordinatorService:
@@ -71,7 +80,7 @@ def training_service(protocol: str, num_workers: int, run_seconds: float) -> Coo
 
 
 def measure(protocol: str, num_workers: int, run_seconds: float,
-            repeats: int = 20) -> StatusCost:
+            repeats: int = 20, polls: int = 0) -> StatusCost:
     service = training_service(protocol, num_workers, run_seconds)
     build, serialise = [], []
     size = 0
@@ -83,9 +92,34 @@ def measure(protocol: str, num_workers: int, run_seconds: float,
         t2 = time.perf_counter()
         build.append(t1 - t0)
         serialise.append(t2 - t1)
+    snapshot_kb, view_ms = dashboard_snapshot(service, run_seconds, polls)
     return StatusCost(protocol=protocol, workers=num_workers,
                       build_ms=statistics.median(build) * 1e3,
-                      serialise_ms=statistics.median(serialise) * 1e3, kilobytes=size / 1e3)
+                      serialise_ms=statistics.median(serialise) * 1e3, kilobytes=size / 1e3,
+                      snapshot_kilobytes=snapshot_kb, view_ms=view_ms)
+
+
+def dashboard_snapshot(service: CoordinatorService, run_seconds: float,
+                       polls: int) -> tuple[float, float]:
+    """The dashboard's snapshot (kB of JSON) after `polls` polls, every worker one
+    iteration further at each, and the median ms of one `RunView.update`."""
+    core = service.core
+    view = RunView()
+    snapshot: dict[str, object] = {}
+    times = []
+    for poll in range(polls):
+        now = run_seconds + poll * POLL_SECONDS
+        for w in core.live():
+            iteration = w.progress.iteration + 1
+            core.heartbeat(w.worker_id, Progress(iteration=iteration, loss=2.0 / iteration,
+                                                 samples=32 * iteration, compute_seconds=now),
+                           now)
+        status = service.run_status()
+        t0 = time.perf_counter()
+        snapshot = view.update(status, now)
+        times.append(time.perf_counter() - t0)
+    return (len(json.dumps(snapshot, separators=(",", ":"))) / 1e3,
+            statistics.median(times) * 1e3 if times else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,19 +134,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulated training time before the status is taken (default "
                              "3600: the loss curve of an hour's run)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls (median)")
+    parser.add_argument("--polls", type=int, default=600,
+                        help="dashboard polls before its snapshot is measured (default 600: "
+                             "5 minutes at the dashboard's 0.5 s; 0: skip the dashboard)")
     args = parser.parse_args(argv)
     try:
         levels = [int(w) for w in args.workers.split(",")]
     except ValueError:
         parser.error(f"--workers must be comma-separated integers, got {args.workers!r}")
-    if any(w < 2 for w in levels) or args.run_seconds < 0 or args.repeats < 1:
-        parser.error("need >= 2 workers per level, --run-seconds >= 0 and --repeats >= 1")
-    print(f"{'protocol':<14} {'workers':>7} {'build':>10} {'serialise':>10} {'size':>10}")
+    if (any(w < 2 for w in levels) or args.run_seconds < 0 or args.repeats < 1
+            or args.polls < 0):
+        parser.error("need >= 2 workers per level, --run-seconds >= 0, --repeats >= 1 and "
+                     "--polls >= 0")
+    print(f"{'protocol':<14} {'workers':>7} {'build':>10} {'serialise':>10} {'size':>10} "
+          f"{'dashboard':>10} {'view':>10}")
     for protocol in args.protocols.split(","):
         for level in levels:
-            c = measure(protocol, level, args.run_seconds, args.repeats)
+            c = measure(protocol, level, args.run_seconds, args.repeats, args.polls)
             print(f"{c.protocol:<14} {c.workers:>7} {c.build_ms:>8.2f}ms "
-                  f"{c.serialise_ms:>8.2f}ms {c.kilobytes:>8.1f}kB", flush=True)
+                  f"{c.serialise_ms:>8.2f}ms {c.kilobytes:>8.1f}kB "
+                  f"{c.snapshot_kilobytes:>8.1f}kB {c.view_ms:>8.2f}ms", flush=True)
     return 0
 
 

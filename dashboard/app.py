@@ -248,11 +248,13 @@ def create_app(config: DashboardConfig) -> FastAPI:
              responses={404: {"description": "No such worker in this run"}})
     async def worker(worker_id: Annotated[int, Path(ge=0, description="Worker id")]
                      ) -> dict[str, Any]:
-        workers = poller.snapshot.get("workers", [])
-        for w in workers:
-            if w["worker_id"] == worker_id:
-                return w  # type: ignore[no-any-return]
-        known = ", ".join(str(w["worker_id"]) for w in workers) or "none yet"
+        rows = poller.view.rows if poller.snapshot.get("connected") else {
+            w["worker_id"]: w for w in poller.snapshot.get("workers", [])}
+        if worker_id in rows:
+            return rows[worker_id]
+        ids = sorted(rows)
+        known = (", ".join(map(str, ids)) if len(ids) <= 16
+                 else f"{len(ids):,} workers, ids {ids[0]} to {ids[-1]}") or "none yet"
         raise HTTPException(404, f"no worker {worker_id} in this run (known: {known})")
 
     @app.get("/api/loss", response_model=list[LossPoint], summary="Mean training loss curve")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from ripples.dashboard.view import MAX_COMPLETE_GRAPH_WORKERS
+from ripples.dashboard.view import MAX_COMPLETE_GRAPH_WORKERS, MAX_HOST_NODES, MAX_WORKER_DETAIL
 
 
 class RunInfo(BaseModel):
@@ -68,6 +68,34 @@ class Edge(BaseModel):
                                       "group (1 = now, 0 = forgotten) for generated groups")
 
 
+class HostNode(BaseModel):
+    """A node of the aggregated topology: one host, or a run of consecutive hosts."""
+
+    label: str = Field(description="The host's name, or the first and last of the run")
+    hosts: int
+    workers: int
+    live: int
+    slow: int = Field(description="Live workers below half the median speed")
+    min_iteration: int | None = Field(description="The live worker furthest behind")
+    mean_iteration: float
+    mean_loss: float | None
+
+
+class NodeEdge(BaseModel):
+    a: int = Field(description="Index into `nodes`")
+    b: int
+    weight: float = Field(description="The brightest of the worker pairs it stands for")
+    pairs: int = Field(description="Worker pairs between the two nodes it stands for")
+
+
+class TopologyView(BaseModel):
+    mode: str = Field(description="`workers`: the snapshot's workers, hosts and edges are "
+                                  "drawn; `hosts`: past "
+                                  f"{MAX_WORKER_DETAIL} workers, these nodes and edges")
+    nodes: list[HostNode] = Field(description=f"At most {MAX_HOST_NODES}")
+    edges: list[NodeEdge]
+
+
 class GroupView(BaseModel):
     group_id: int
     members: list[int]
@@ -88,8 +116,14 @@ class Snapshot(BaseModel):
     coordinator: str
     updated_at: float = Field(description="Unix time of this snapshot")
     run: RunInfo | None
-    workers: list[WorkerView]
-    hosts: list[HostView]
+    workers: list[WorkerView] = Field(description=f"Every worker up to {MAX_WORKER_DETAIL}; "
+                                                  "past it that many, the departed, the slow "
+                                                  "and the furthest behind first")
+    workers_total: int = Field(description="Workers the status lists (departed included)")
+    workers_live: int
+    workers_note: str = Field(description="Why `workers` lists fewer than workers_total")
+    topology: TopologyView
+    hosts: list[HostView] = Field(description="Empty in the `hosts` topology mode")
     edges: list[Edge]
     edges_note: str = Field(description="What the topology drawing leaves out (a complete "
                                         "graph's pairs above "

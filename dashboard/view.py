@@ -27,6 +27,14 @@ MAX_CURVE_POINTS = 600
 # A complete graph (the coordinator sends a flag, not its pairs) is drawn pair by pair up
 # to this many live workers (496 pairs); beyond, a note replaces the unreadable mesh.
 MAX_COMPLETE_GRAPH_WORKERS = 32
+# Up to this many workers the page shows each one: a node of the topology, a row of the
+# table, a loss curve. Past it the snapshot stays bounded (docs/scale.md): the topology
+# aggregates workers by host, the table lists this many (the departed, the slow and the
+# furthest behind first) and no per-worker curve is kept.
+MAX_WORKER_DETAIL = 64
+# Past a size, the topology's nodes are hosts; past this many hosts, runs of consecutive
+# hosts (sorted by name) share a node.
+MAX_HOST_NODES = 128
 
 STATE_NAMES = {
     pb.WORKER_STATE_REGISTERED: "registered",
@@ -65,6 +73,8 @@ class RunView:
         self._run_id = ""
         self._workers: dict[int, _WorkerHistory] = {}
         self._edges: dict[tuple[int, int], float] = {}  # pair -> last time seen averaging
+        self.rows: dict[int, dict[str, Any]] = {}
+        """Every worker's row of the last status, listed in the snapshot or not."""
 
     def _reset_if_new_run(self, run_id: str) -> None:
         """A coordinator restarted with a new run: forget the old run's history."""
@@ -72,6 +82,7 @@ class RunView:
             self._run_id = run_id
             self._workers.clear()
             self._edges.clear()
+            self.rows = {}
 
     def update(self, status: pb.RunStatus, now: float) -> dict[str, Any]:
         """Fold one status into the history; returns the snapshot (JSON-able)."""
@@ -100,9 +111,22 @@ class RunView:
                 "preduce_seconds": round(w.progress.preduce_seconds, 3),
                 "error": w.error, "metrics_address": w.metrics_address,
             })
-        hosts: dict[str, list[int]] = {}
-        for w in workers:
-            hosts.setdefault(w["host"], []).append(w["worker_id"])
+        self.rows = {w["worker_id"]: w for w in workers}
+        detail = len(workers) <= MAX_WORKER_DETAIL
+        live = sum(w["state"] not in GONE_STATES for w in workers)
+        if detail:
+            hosts: dict[str, list[int]] = {}
+            for w in workers:
+                hosts.setdefault(w["host"], []).append(w["worker_id"])
+            topology: dict[str, Any] = {"mode": "workers", "nodes": [], "edges": []}
+            listed, workers_note = workers, ""
+        else:
+            hosts = {}
+            topology = self._host_topology(status, workers, now)
+            listed = sorted(workers, key=_notable)[:MAX_WORKER_DETAIL]
+            workers_note = (f"{len(listed)} of {len(workers):,} workers listed: the departed, "
+                            "the slow and the furthest behind first (/api/workers/ID shows "
+                            "any one)")
         c = status.config
         return {
             "connected": True,
@@ -133,26 +157,99 @@ class RunView:
                 "restarting": status.restarting,
                 "metrics_address": status.metrics_address,
             },
-            "workers": workers,
+            "workers": listed,
+            "workers_total": len(workers),
+            "workers_live": live,
+            "workers_note": workers_note,
             "hosts": [{"host": h, "worker_ids": ids} for h, ids in hosts.items()],
-            "edges": self._edge_list(status, now),
-            "edges_note": _edges_note(status),
+            "edges": self._edge_list(status, now) if detail else [],
+            "edges_note": _edges_note(status) if detail else topology.pop("note"),
+            "topology": topology,
             "active_groups": [_group(g) for g in status.active_groups],
             "recent_groups": [_group(g) for g in list(status.recent_groups)[-16:]],
             "loss_curve": [{"seconds": round(p.seconds, 3), "loss": p.loss}
                            for p in status.loss_curve],
             "worker_loss_curves": {
                 str(wid): [{"seconds": s, "loss": v} for s, v in h.curve]
-                for wid, h in self._workers.items()},
+                for wid, h in self._workers.items()} if detail else {},
         }
+
+    def _host_topology(self, status: pb.RunStatus, workers: list[dict[str, Any]],
+                       now: float) -> dict[str, Any]:
+        """The topology past MAX_WORKER_DETAIL workers: one node per host (or per run of
+        consecutive hosts past MAX_HOST_NODES), edges between nodes whose workers
+        averaged together lately or share an edge of the run's graph."""
+        names = sorted({w["host"] for w in workers})
+        per_node = -(-len(names) // MAX_HOST_NODES)
+        node_of = {h: i // per_node for i, h in enumerate(names)}
+        nodes: list[dict[str, Any]] = []
+        for i in range(0, len(names), per_node):
+            chunk = names[i:i + per_node]
+            nodes.append({"label": chunk[0] if len(chunk) == 1 else f"{chunk[0]} … {chunk[-1]}",
+                          "hosts": len(chunk), "workers": 0, "live": 0, "slow": 0,
+                          "min_iteration": None, "mean_iteration": 0.0, "mean_loss": None})
+        loss_sums = [[0.0, 0] for _ in nodes]
+        node_by_worker: dict[int, int] = {}
+        for w in workers:
+            i = node_of[w["host"]]
+            node_by_worker[w["worker_id"]] = i
+            n = nodes[i]
+            n["workers"] += 1
+            if w["state"] in GONE_STATES:
+                continue
+            n["live"] += 1
+            n["slow"] += w["slow"]
+            n["mean_iteration"] += w["iteration"]
+            it = n["min_iteration"]
+            n["min_iteration"] = w["iteration"] if it is None else min(it, w["iteration"])
+            if w["loss"] is not None:
+                loss_sums[i][0] += w["loss"]
+                loss_sums[i][1] += 1
+        for n, (total, count) in zip(nodes, loss_sums, strict=True):
+            n["mean_iteration"] = round(n["mean_iteration"] / n["live"], 1) if n["live"] else 0.0
+            n["mean_loss"] = total / count if count else None
+        weights: dict[tuple[int, int], list[float]] = {}
+
+        def add(a: int, b: int, weight: float) -> None:
+            na, nb = node_by_worker.get(a), node_by_worker.get(b)
+            if na is None or nb is None or na == nb:
+                return
+            key = (min(na, nb), max(na, nb))
+            entry = weights.setdefault(key, [0.0, 0])
+            entry[0] = max(entry[0], weight)
+            entry[1] += 1
+
+        everything = status.topology_complete and status.edges_always_used
+        if not everything:
+            for e in status.topology_edges:
+                add(e.a, e.b, 1.0 if status.edges_always_used else self._recency((e.a, e.b), now))
+            listed = {(min(e.a, e.b), max(e.a, e.b)) for e in status.topology_edges}
+            for pair in self._edges:
+                if pair not in listed:
+                    add(*pair, self._recency(pair, now))
+        unit = "host" if per_node == 1 else f"run of {per_node} hosts"
+        note = f"{len(workers):,} workers drawn by {unit} ({len(nodes)} nodes)"
+        if everything:
+            note += "; every worker averages with every other each iteration"
+        elif not status.topology_edges:
+            note += (f"; lines: workers of two nodes averaged together in the last "
+                     f"{EDGE_MEMORY_SECONDS:.0f} s")
+        return {"mode": "hosts", "note": note, "nodes": nodes,
+                "edges": [{"a": a, "b": b, "weight": round(w, 3), "pairs": k}
+                          for (a, b), (w, k) in sorted(weights.items())]}
 
     def _record_progress(self, status: pb.RunStatus, now: float) -> dict[int, float | None]:
         """Per worker: the iterations/s over the last SPEED_WINDOW_SECONDS (None until two
-        polls have seen it training), and a loss-curve point per poll with a new iteration.
+        polls have seen it training), and a loss-curve point per poll with a new iteration
+        (up to MAX_WORKER_DETAIL workers).
         Workers the status no longer lists (long departed) are forgotten."""
         listed = {w.worker_id for w in status.workers}
         for wid in self._workers.keys() - listed:
             del self._workers[wid]
+        detail = len(listed) <= MAX_WORKER_DETAIL  # past it, no per-worker loss curve
+        if not detail:
+            for h in self._workers.values():
+                h.curve.clear()
         speeds: dict[int, float | None] = {}
         for w in status.workers:
             h = self._workers.setdefault(w.worker_id, _WorkerHistory())
@@ -168,7 +265,8 @@ class RunView:
                 h.samples.popleft()
             (t0, i0), i1 = h.samples[0], h.samples[-1][1]
             speeds[w.worker_id] = (i1 - i0) / (now - t0) if now - t0 > 0.2 else None
-            if new_iteration and (not h.curve or h.curve[-1][0] < status.elapsed_seconds):
+            if (detail and new_iteration
+                    and (not h.curve or h.curve[-1][0] < status.elapsed_seconds)):
                 h.curve.append((round(status.elapsed_seconds, 3), w.loss))
         return speeds
 
@@ -213,6 +311,13 @@ class RunView:
         return round(max(0.0, 1 - (now - seen) / EDGE_MEMORY_SECONDS), 3)
 
 
+def _notable(worker: dict[str, Any]) -> tuple[int, int, int]:
+    """Order of the listed workers past MAX_WORKER_DETAIL: the departed, then the slow,
+    then the furthest behind."""
+    rank = 0 if worker["state"] in GONE_STATES else 1 if worker["slow"] else 2
+    return rank, worker["iteration"], worker["worker_id"]
+
+
 def _live_ids(status: pb.RunStatus) -> set[int]:
     return {w.worker_id for w in status.workers if STATE_NAMES.get(w.state) not in GONE_STATES}
 
@@ -233,7 +338,11 @@ def _edges_note(status: pb.RunStatus) -> str:
 def disconnected(error: str, last: dict[str, Any] | None) -> dict[str, Any]:
     """The snapshot while the coordinator cannot be reached: the last known state, marked
     with `error` (which names the coordinator)."""
-    snapshot = dict(last) if last else {"run": None, "workers": [], "hosts": [], "edges": [],
+    snapshot = dict(last) if last else {"run": None, "workers": [], "workers_total": 0,
+                                        "workers_live": 0, "workers_note": "",
+                                        "topology": {"mode": "workers", "nodes": [],
+                                                     "edges": []},
+                                        "hosts": [], "edges": [],
                                         "edges_note": "", "active_groups": [],
                                         "recent_groups": [], "loss_curve": [],
                                         "worker_loss_curves": {}}

@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -180,6 +181,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- status
 _WORKER_STATES = {v: k.removeprefix("WORKER_STATE_").lower()
                   for k, v in pb.WorkerState.items()}
+_GONE = (pb.WORKER_STATE_LEFT, pb.WORKER_STATE_EXPIRED, pb.WORKER_STATE_FAILED)
+STATUS_MAX_WORKER_ROWS = 32
+"""`ripples status` lists every worker up to this many; past it, a count per state and
+this many rows (a terminal page at 1,000 workers)."""
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -238,7 +243,16 @@ def render_status(status: pb.RunStatus) -> str:
         lines.append(f"  restart rounds: {status.num_restarts}")
     if status.workers:
         rows = [["RANK", "WORKER", "ID", "STATE", "ITERATION", "LOSS", "ERROR"]]
-        for w in sorted(status.workers, key=lambda w: (w.rank, w.worker_id)):
+        shown = sorted(status.workers, key=lambda w: (w.rank, w.worker_id))
+        if len(shown) > STATUS_MAX_WORKER_ROWS:  # the departed and furthest behind first
+            states = Counter(_WORKER_STATES[w.state] for w in shown)
+            lines.append("  workers: " + ", ".join(f"{n} {state}"
+                                                   for state, n in sorted(states.items())))
+            lines.append(f"  listed: {STATUS_MAX_WORKER_ROWS} of {len(shown)}, those that left "
+                         "or failed and those furthest behind first (--json lists every one)")
+            shown = sorted(shown, key=lambda w: (w.state not in _GONE, w.iteration,
+                                                 w.worker_id))[:STATUS_MAX_WORKER_ROWS]
+        for w in shown:
             rows.append([str(w.rank), f"{w.host}/{w.local_rank}", str(w.worker_id),
                          _WORKER_STATES[w.state], str(w.iteration),
                          f"{w.loss:.4f}" if w.loss else "-", w.error or ""])

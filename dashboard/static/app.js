@@ -38,9 +38,47 @@ function layout(snapshot) {
   return {pos, boxes};
 }
 
+// Past MAX_WORKER_DETAIL workers the snapshot's topology is by host: one node per host
+// (or per run of hosts), live/total workers and the slow ones in it, lines between nodes
+// whose workers averaged together lately.
+function drawHostTopology(svg, t, note) {
+  const n = t.nodes.length;
+  const cols = Math.max(1, Math.ceil(Math.sqrt(n * W / H)));
+  const rows = Math.max(1, Math.ceil(n / cols));
+  const bw = W / cols, bh = (H - 20) / rows;
+  const r = Math.max(6, Math.min(bw, bh) / 2 - 6);
+  const pos = t.nodes.map((_, i) => ({x: (i % cols) * bw + bw / 2,
+                                      y: Math.floor(i / cols) * bh + bh / 2}));
+  for (const e of t.edges) {
+    const a = pos[e.a], b = pos[e.b];
+    if (!a || !b) continue;
+    svg.append(el("line", {class: "edge", x1: a.x, y1: a.y, x2: b.x, y2: b.y,
+                           "stroke-width": 1 + 2 * e.weight, "stroke-opacity": 0.1 + 0.5 * e.weight,
+                           "data-a": e.a, "data-b": e.b}));
+  }
+  t.nodes.forEach((node, i) => {
+    const classes = ["host-node"];
+    if (node.slow) classes.push("slow");
+    if (node.live < node.workers) classes.push("degraded");
+    const g = el("g", {class: classes.join(" "), "data-node": i,
+                       transform: `translate(${pos[i].x},${pos[i].y})`});
+    g.append(el("title", {}, `${node.label}: ${node.live}/${node.workers} workers live, ` +
+                             `${node.slow} slow, iteration ${fmt(node.mean_iteration, 1)} ` +
+                             `(lowest ${node.min_iteration ?? "–"}), loss ${fmt(node.mean_loss, 4)}`));
+    g.append(el("circle", {r}));
+    if (r >= 18) {
+      g.append(el("text", {class: "wid", y: -2}, node.label.length > 12 ? node.label.slice(0, 11) + "…" : node.label));
+      g.append(el("text", {y: 12}, `${node.live}/${node.workers}` + (node.slow ? ` · ${node.slow} slow` : "")));
+    }
+    svg.append(g);
+  });
+  svg.append(el("text", {class: "edges-note", x: W / 2, y: H - 4}, note));
+}
+
 function drawTopology(s) {
   const svg = document.getElementById("topology-svg");
   svg.replaceChildren();
+  if (s.topology && s.topology.mode === "hosts") { drawHostTopology(svg, s.topology, s.edges_note); return; }
   const {pos, boxes} = layout(s);
   for (const b of boxes) {
     svg.append(el("rect", {class: "host-box", x: b.x, y: b.y, width: b.w, height: b.h, rx: 10}));
@@ -141,6 +179,7 @@ function drawCounters(s) {
 function drawWorkers(s) {
   const tbody = document.querySelector("#workers tbody");
   tbody.replaceChildren();
+  document.getElementById("workers-note").textContent = s.workers_note || "";
   for (const w of s.workers) {
     const tr = document.createElement("tr");
     tr.dataset.workerId = w.worker_id;
@@ -220,7 +259,7 @@ function drawHeader(s) {
   }
   document.getElementById("run-info").textContent = r
     ? (r.name ? `${r.name} (${r.run_id}) · ${r.state} · ` : "") +
-      `${r.protocol} · ${r.task} · ${s.workers.length}/${r.num_workers} workers · ` +
+      `${r.protocol} · ${r.task} · ${s.workers_total ?? s.workers.length}/${r.num_workers} workers · ` +
       (r.started ? `${fmt(r.elapsed_seconds, 1)} s` : "waiting for workers") +
       ` · mean loss ${fmt(r.mean_loss, 4)}` + (r.target_loss ? ` (target ${r.target_loss})` : "") +
       (r.stopped ? ` · stopped: ${r.stop_reason}` : "") + ` · coordinator ${s.coordinator}`

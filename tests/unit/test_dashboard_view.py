@@ -5,6 +5,8 @@ from __future__ import annotations
 from ripples.dashboard.view import (
     EDGE_MEMORY_SECONDS,
     MAX_COMPLETE_GRAPH_WORKERS,
+    MAX_HOST_NODES,
+    MAX_WORKER_DETAIL,
     RunView,
     disconnected,
 )
@@ -152,3 +154,56 @@ def test_a_sparse_topology_shows_every_edge_brightest_where_pairs_averaged() -> 
     hop.topology_edges.extend(status.topology_edges)
     hop.edges_always_used = True
     assert {e["weight"] for e in RunView().update(hop, now=0.0)["edges"]} == {1.0}
+
+
+def _big_status(n: int, per_host: int, *, failed: tuple[int, ...] = (),
+                groups: list[tuple[int, ...]] | None = None) -> pb.RunStatus:
+    workers = [pb.WorkerStatus(worker_id=w, host=f"h{w // per_host:04d}",
+                               local_rank=w % per_host, rank=w, iteration=100 + w % 7, loss=1.0,
+                               error="boom" if w in failed else "",
+                               state=pb.WORKER_STATE_FAILED if w in failed
+                               else pb.WORKER_STATE_COMPUTING)
+               for w in range(n)]
+    return pb.RunStatus(config=pb.RunConfig(run_id="big", protocol="ripples-smart",
+                                            num_workers=n, workers_per_node=per_host),
+                        workers=workers, started=True, elapsed_seconds=10.0,
+                        topology_complete=True,
+                        recent_groups=[pb.Group(group_id=i + 1, members=list(g),
+                                                state=pb.GROUP_STATE_FINISHED)
+                                       for i, g in enumerate(groups or [])])
+
+
+def test_past_the_detail_limit_the_snapshot_is_by_host_and_bounded() -> None:
+    import json
+
+    view = RunView()
+    small = view.update(_big_status(MAX_WORKER_DETAIL, 8), now=0.0)
+    assert small["topology"]["mode"] == "workers" and len(small["workers"]) == MAX_WORKER_DETAIL
+    # 1,000 workers on 125 hosts of 8: one node per host, lines between hosts whose workers
+    # averaged together, the table bounded with the failed worker first, no worker curves.
+    status = _big_status(1000, 8, failed=(517,), groups=[(0, 9, 10), (16, 17)])
+    for t in range(3):
+        snapshot = view.update(status, now=float(t))
+    topology = snapshot["topology"]
+    assert topology["mode"] == "hosts" and len(topology["nodes"]) == 125
+    assert topology["nodes"][0] == {"label": "h0000", "hosts": 1, "workers": 8, "live": 8,
+                                    "slow": 0, "min_iteration": 100, "mean_iteration": 102.6,
+                                    "mean_loss": 1.0}
+    assert topology["nodes"][64]["live"] == 7  # worker 517 failed
+    assert topology["edges"] == [{"a": 0, "b": 1, "weight": 1.0, "pairs": 2}]  # (0,9), (0,10)
+    assert snapshot["hosts"] == [] and snapshot["edges"] == []
+    assert snapshot["edges_note"].startswith("1,000 workers drawn by host (125 nodes)")
+    assert snapshot["workers_total"] == 1000 and snapshot["workers_live"] == 999
+    assert len(snapshot["workers"]) == MAX_WORKER_DETAIL
+    assert snapshot["workers"][0]["worker_id"] == 517
+    assert snapshot["workers_note"].startswith(f"{MAX_WORKER_DETAIL} of 1,000 workers listed")
+    assert snapshot["worker_loss_curves"] == {}
+    assert view.rows[999]["iteration"] == 100 + 999 % 7  # every worker still answers the API
+    assert len(json.dumps(snapshot)) < 64_000
+    # 5,000 workers, one per host: runs of hosts share a node, at most MAX_HOST_NODES.
+    huge = RunView().update(_big_status(5000, 1), now=0.0)
+    nodes = huge["topology"]["nodes"]
+    assert len(nodes) <= MAX_HOST_NODES and sum(n["workers"] for n in nodes) == 5000
+    assert nodes[0]["label"] == "h0000 … h0039" and nodes[0]["hosts"] == 40
+    assert huge["edges_note"].startswith("5,000 workers drawn by run of 40 hosts")
+    assert len(json.dumps(huge)) < 64_000

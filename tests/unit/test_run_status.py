@@ -44,9 +44,19 @@ def test_departed_workers_beyond_the_run_size_drop_out_of_the_status() -> None:
 
 def test_the_status_bench_reports_time_and_size(capsys: pytest.CaptureFixture[str]) -> None:
     assert status_bench.main(["--workers", "4", "--protocols", "allreduce,ripples-smart",
-                              "--run-seconds", "5", "--repeats", "2"]) == 0
+                              "--run-seconds", "5", "--repeats", "2", "--polls", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].split() == ["protocol", "workers", "build", "serialise", "size"]
+    assert lines[0].split() == ["protocol", "workers", "build", "serialise", "size",
+                                "dashboard", "view"]
     assert [line.split()[:2] for line in lines[1:]] == [["allreduce", "4"],
                                                          ["ripples-smart", "4"]]
-    assert all(line.endswith("kB") for line in lines[1:])
+    assert all(line.split()[4].endswith("kB") and line.split()[5].endswith("kB")
+               for line in lines[1:])
+    # The dashboard's snapshot of 4 workers after 3 polls: rows, curves of 3 points.
+    assert all(float(line.split()[5].removesuffix("kB")) > 1 for line in lines[1:])
+
+
+def test_the_dashboard_snapshot_of_a_thousand_workers_stays_bounded() -> None:
+    service = status_bench.training_service("ripples-smart", 1000, run_seconds=60.0)
+    kilobytes, _ = status_bench.dashboard_snapshot(service, 60.0, polls=20)
+    assert kilobytes < 64
