@@ -16,6 +16,11 @@ Prints, per level of concurrency, group requests per second and two latencies:
   ask, who waits for nobody): the coordinator's own response time under this load;
 - request: every request's round trip, which also includes waiting for the group's
   other members to ask (in this closed loop, mostly queueing behind the other workers).
+
+and where the machine's CPU went in the window (from /proc): the cores the coordinator's
+process used and the client processes' (the load generator's own cost), and the
+coordinator's CPU time per request: 1 / that is what the service would answer with a
+core of its own, whatever the generator costs.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -62,6 +69,12 @@ class LoadResult:
     request_p50_ms: float
     request_p99_ms: float
     groups_per_second: float
+    server_cores: float
+    """CPU seconds of the coordinator's process per second of the window."""
+    client_cores: float
+    """CPU seconds of the load generator's processes per second of the window."""
+    server_us_per_request: float
+    """The coordinator's CPU microseconds per group request (its releases included)."""
 
 
 Sample = tuple[int, float, float]  # (group id or 0, sent, answered), monotonic clock
@@ -120,6 +133,15 @@ def _client_process(address: str, indices: list[int], interval: float, out: mp.Q
     asyncio.run(_client_main(address, indices, interval, out))
 
 
+def _cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -151,7 +173,9 @@ def measure(num_workers: int, cfg: LoadConfig) -> LoadResult:
         start = time.monotonic() + cfg.warmup_seconds
         end = start + cfg.measure_seconds
         formed_at_start = _formed_after(client, start)
+        cpu_at_start = (_cpu_seconds(), sum(_cpu_seconds(p.pid) for p in procs if p.pid))
         formed_at_end = _formed_after(client, end)
+        cpu_at_end = (_cpu_seconds(), sum(_cpu_seconds(p.pid) for p in procs if p.pid))
         client.stop_run("benchmark over")
         samples = [x for _ in procs for x in out.get(timeout=60)]
     finally:
@@ -175,6 +199,10 @@ def measure(num_workers: int, cfg: LoadConfig) -> LoadResult:
         request_p50_ms=_percentile(requests, 0.5) * 1e3,
         request_p99_ms=_percentile(requests, 0.99) * 1e3,
         groups_per_second=(formed_at_end - formed_at_start) / cfg.measure_seconds,
+        server_cores=(cpu_at_end[0] - cpu_at_start[0]) / cfg.measure_seconds,
+        client_cores=(cpu_at_end[1] - cpu_at_start[1]) / cfg.measure_seconds,
+        server_us_per_request=((cpu_at_end[0] - cpu_at_start[0]) / len(requests) * 1e6
+                               if requests else float("nan")),
     )
 
 
@@ -208,12 +236,15 @@ def main(argv: list[str] | None = None) -> int:
                      client_processes=args.client_processes, measure_seconds=args.seconds,
                      offered_rate=args.rate)
     print(f"{'workers':>7} {'requests/s':>11} {'groups/s':>9} {'service p50':>12} "
-          f"{'p99':>8} {'request p50':>12} {'p99':>8}")
+          f"{'p99':>8} {'request p50':>12} {'p99':>8} {'server cores':>12} "
+          f"{'client cores':>12} {'server us/req':>13}")
     for level in cfg.workers:
         r = measure(level, cfg)
         print(f"{r.workers:>7} {r.requests_per_second:>11.0f} {r.groups_per_second:>9.0f} "
               f"{r.service_p50_ms:>10.2f}ms {r.service_p99_ms:>6.2f}ms "
-              f"{r.request_p50_ms:>10.2f}ms {r.request_p99_ms:>6.2f}ms", flush=True)
+              f"{r.request_p50_ms:>10.2f}ms {r.request_p99_ms:>6.2f}ms "
+              f"{r.server_cores:>12.2f} {r.client_cores:>12.2f} "
+              f"{r.server_us_per_request:>13.0f}", flush=True)
     return 0
 
 

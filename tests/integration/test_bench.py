@@ -105,6 +105,9 @@ def test_coordinator_load_benchmark_counts_requests_and_latencies() -> None:
     assert 0 < result.service_p50_ms <= result.service_p99_ms
     assert result.service_p50_ms <= result.request_p99_ms
     assert result.groups_per_second > 0
+    # Where the CPU went: the coordinator's process and the load generator's both worked.
+    assert result.server_cores > 0 and result.client_cores > 0
+    assert 0 < result.server_us_per_request < 1e6
 
 
 def test_service_benchmark_times_handovers_against_workers_started_by_hand(
