@@ -296,11 +296,31 @@ class GroupService:
     # ------------------------------------------------------------------ membership events
     def remove(self, w: WorkerRecord, state: WorkerState, now: float) -> Deliveries:
         """`w` is gone: cancel its groups and tell the peers that waited on them."""
+        stranded: Deliveries = {}
         if self.pairing is not None:
             self.pairing.withdraw(w.worker_id)
+            stranded = self._strand_isolated(now, f"worker {w.worker_id} {state.value}")
         self.comms.retire_worker(w.worker_id)  # before the deliveries, which carry evictions
-        return self._cancel(lambda: self.table.cancel_where(w.worker_id), now,
-                            f"worker {w.worker_id} {state.value}")
+        deliveries = self._cancel(lambda: self.table.cancel_where(w.worker_id), now,
+                                  f"worker {w.worker_id} {state.value}")
+        return {**stranded, **deliveries}
+
+    def _strand_isolated(self, now: float, why: str) -> Deliveries:
+        """A2CiD2 on a graph: a queued worker whose last live neighbour just left can
+        never be paired; answer it NO_GROUP (it trains on alone and asks again later, as
+        a worker without live neighbours is answered when it asks) rather than leave it
+        waiting for nobody."""
+        assert self.pairing is not None
+        if self._graph().neighbours is None:
+            return {}  # complete: any queued worker pairs with the next one to come
+        deliveries: Deliveries = {}
+        for waiting in self.pairing.waiting():
+            if not self.neighbours_of(waiting):
+                self.pairing.withdraw(waiting)
+                peer = self.registry.worker(waiting)
+                deliveries[waiting] = self.decide(peer, Outcome.NO_GROUP, now, detail=(
+                    f"no live neighbour: {why}"))
+        return deliveries
 
     def _cancel(self, cancel: Callable[[], tuple[list[GroupRecord], list[GroupRecord]]],
                 now: float, why: str) -> Deliveries:

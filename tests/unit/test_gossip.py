@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_coordinator_core import PROPERTY_SETTINGS, Simulation, SimWorker
 
@@ -342,6 +342,10 @@ gossip_run_st = st.builds(
 @PROPERTY_SETTINGS
 @given(run=gossip_run_st, choices=st.lists(st.integers(0, 10**6), min_size=1, max_size=300),
        listen_bits=st.lists(st.booleans(), max_size=8))
+# Found by this property: worker 1 of an a2cid2 ring of 6 waits for a partner, then both
+# its neighbours (0 and 2) leave: it must be answered, not left waiting for nobody.
+@example(run=RunSettings.build(protocol="a2cid2", num_workers=6, topology="ring", seed=0,
+                               iterations=10**6), choices=[6, 0, 6], listen_bits=[])
 def test_gossip_pairs_join_neighbours_once_at_a_time_and_never_deadlock(
         run: RunSettings, choices: list[int], listen_bits: list[bool]) -> None:
     sim = GossipSimulation(run, listen_bits)
