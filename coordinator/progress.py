@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from ripples.coordinator.live_sums import LiveSums
 from ripples.coordinator.registry import Progress, WorkerRecord
 
 LOSS_CURVE_MIN_STEP_SECONDS = 0.2
@@ -31,47 +32,6 @@ TARGET_SLACK = 1e-9
 checked exactly."""
 
 
-class _LossSums:
-    """The live workers' mean loss in O(1) per report: a running sum updated with the
-    reporting worker, summed afresh when the live set changes (its `version`) and every
-    10 n updates (no rounding drift builds up)."""
-
-    def __init__(self, version: Callable[[], int]) -> None:
-        self._version_of = version
-        self._version = -1
-        self._seen: dict[int, float] = {}
-        self._sum = 0.0
-        self._missing = 0  # live workers without a loss yet (NaN)
-        self._updates = 0
-
-    def mean(self, live: Callable[[], list[WorkerRecord]], touched: WorkerRecord) -> float | None:
-        version = self._version_of()
-        if version != self._version or self._updates > 10 * len(self._seen):
-            self._version, self._updates = version, 0
-            self._seen.clear()
-            self._sum, self._missing = 0.0, 0
-            for w in live():
-                self._add(w.worker_id, w.progress.loss)
-        elif touched.worker_id in self._seen:
-            self._updates += 1
-            old = self._seen.pop(touched.worker_id)
-            if old != old:
-                self._missing -= 1
-            else:
-                self._sum -= old
-            self._add(touched.worker_id, touched.progress.loss)
-        if self._missing or not self._seen:
-            return None
-        return self._sum / len(self._seen)
-
-    def _add(self, worker_id: int, loss: float) -> None:
-        self._seen[worker_id] = loss
-        if loss != loss:
-            self._missing += 1
-        else:
-            self._sum += loss
-
-
 class ProgressTracker:
     """Loss curve, time to target and speed signals of one run."""
 
@@ -80,7 +40,9 @@ class ProgressTracker:
                  everyone: Callable[[], list[WorkerRecord]], lockstep: bool = False,
                  version: Callable[[], int] | None = None) -> None:
         self.num_workers = num_workers
-        self._loss_sums = _LossSums(version) if version is not None else None
+        self._version = version
+        self._loss_sums = LiveSums(lambda w: (w.progress.loss,), lambda v: v[0] != v[0],
+                                   width=1, resum_every=10)
         """While a target loss is watched, its check at every report: O(1) (`version`:
         the registry's live-set version; without it every report sums every loss)."""
         self.lockstep = lockstep
@@ -114,8 +76,11 @@ class ProgressTracker:
                      else elapsed - self.loss_curve[-1][0] >= self.curve_step)
         if not (watching_target or curve_due):
             return  # progress arrives with every group request: keep the common case O(1)
-        if watching_target and self._loss_sums is not None:
-            quick = self._loss_sums.mean(self._live, w)  # takes every report in
+        if watching_target and self._version is not None:
+            sums = self._loss_sums
+            sums.refresh(self._version(), self._live, w)  # takes every report in
+            quick = (None if sums.missing or not sums.count
+                     else sums.totals[0] / sums.count)
             if not curve_due and (quick is None or (
                     self.loss_curve and quick > target + TARGET_SLACK * max(1.0, abs(target)))):
                 return  # not reached, no point due (below: the exact mean, if it may be)

@@ -4,6 +4,7 @@ after which the optimizer state joins the averaged state."""
 
 from __future__ import annotations
 
+from ripples.coordinator.live_sums import LiveSums
 from ripples.coordinator.registry import GONE, Registry, WorkerRecord
 
 
@@ -88,45 +89,23 @@ class BudgetWatch:
     """`budget_reached` in O(1) per event: the stop rule holds exactly when the live
     workers' iterations reach their planned total (the departed ones' iterations count
     on both sides of budget_reached's comparison), so these two sums over the live
-    workers are kept, each updated with the one worker an event names. They are summed
-    afresh whenever the live set changes (`Registry.version`), and a budget they find
-    reached is confirmed by `budget_reached` itself before the run stops."""
+    workers are kept (LiveSums), each updated with the one worker an event names, and a
+    budget they find reached is confirmed by `budget_reached` itself before the run
+    stops. A live worker without a budget (a user's loop may plan none) holds it off."""
 
     def __init__(self) -> None:
-        self._version = -1
-        self._seen: dict[int, tuple[int, int]] = {}  # worker id -> (iteration, planned)
-        self._iterations = 0
-        self._planned = 0
-        self._unplanned = 0  # live workers without a budget (a user's loop may plan none)
+        self._sums = LiveSums(
+            lambda w: (w.progress.iteration, w.progress.planned_iterations),
+            lambda values: values[1] == 0, width=2)
 
     def reached(self, registry: Registry, touched: WorkerRecord | None) -> str | None:
         self.note(registry, touched)
-        if self._unplanned or not self._seen or self._iterations < self._planned:
+        sums = self._sums
+        if sums.missing or not sums.count or sums.totals[0] < sums.totals[1]:
             return None
         return budget_reached(registry.counted())
 
     def note(self, registry: Registry, touched: WorkerRecord | None) -> None:
         """`touched`'s iteration or budget may have changed."""
-        if registry.version != self._version:
-            self._recount(registry)
-        elif touched is not None and registry.is_live(touched.worker_id):
-            self._update(touched)
-
-    def _recount(self, registry: Registry) -> None:
-        self._version = registry.version
-        self._seen.clear()
-        self._iterations = self._planned = self._unplanned = 0
-        for w in registry.live_by_id().values():
-            self._update(w)
-
-    def _update(self, w: WorkerRecord) -> None:
-        iteration, planned = w.progress.iteration, w.progress.planned_iterations
-        old = self._seen.get(w.worker_id)
-        if old is not None:
-            self._iterations -= old[0]
-            self._planned -= old[1]
-            self._unplanned -= old[1] == 0
-        self._seen[w.worker_id] = (iteration, planned)
-        self._iterations += iteration
-        self._planned += planned
-        self._unplanned += planned == 0
+        self._sums.refresh(registry.version, lambda: registry.live_by_id().values(), touched,
+                           registry.is_live)
