@@ -114,10 +114,14 @@ def averaged_bytes(task_name: str) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
 
 
-def _run(cfg: HarnessConfig, scenario: str, protocol: str) -> tuple[RunRecord, dict]:
+def _run(cfg: HarnessConfig, scenario: str, protocol: str, *, reuse: bool = False
+         ) -> tuple[RunRecord, dict]:
     import subprocess
 
     out = cfg.output / "runs" / f"{cfg.workers}w-{scenario}-{protocol}"
+    if reuse and (out / "summary.json").exists():
+        summary = json.loads((out / "summary.json").read_text())
+        return record_from_summary(summary, SCENARIOS[scenario], 0, protocol), summary
     cmd = run_command(cfg, SCENARIOS[scenario], protocol, 0, out)
     print(f"running {protocol} on {cfg.workers} workers, {scenario} ...", file=sys.stderr,
           flush=True)
@@ -129,10 +133,10 @@ def _run(cfg: HarnessConfig, scenario: str, protocol: str) -> tuple[RunRecord, d
     return record_from_summary(summary, SCENARIOS[scenario], 0, protocol), summary
 
 
-def calibrate(cfg: HarnessConfig) -> Calibration:
+def calibrate(cfg: HarnessConfig, *, reuse: bool = False) -> Calibration:
     """A 2-worker ripples-smart run: each worker on a core of its own."""
     two = replace(cfg, workers=2, workers_per_node=2, max_epochs=1.0, target_loss=0.01)
-    record, summary = _run(two, "homogeneous", "ripples-smart")
+    record, summary = _run(two, "homogeneous", "ripples-smart", reuse=reuse)
     groups = max(summary["num_groups_formed"], 1)
     preduce = sum(w["preduce_seconds"] for w in summary["workers"])
     return Calibration(work_seconds=record.compute_seconds_per_iteration,
@@ -205,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-epochs", type=float, default=4.0)
     parser.add_argument("--output", type=Path, default=Path("runs/sim-validation"))
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take the runs already measured in OUTPUT (an earlier "
+                             "validation) instead of running them again: simulate only")
     args = parser.parse_args(argv)
     protocols = tuple(p for p in args.protocols.split(",") if p)
     scenarios = tuple(s for s in args.scenarios.split(",") if s)
@@ -219,14 +226,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"got {unknown}")
     except ValueError as err:
         parser.error(str(err))
-    cal = calibrate(cfg)
+    cal = calibrate(cfg, reuse=args.reuse)
     print(f"calibration: {cal.work_seconds * 1e3:.1f} ms of work per iteration, "
           f"{cal.pair_seconds * 1e3:.1f} ms per P-Reduce of two, {cal.model_bytes:,} bytes "
           f"averaged, {cal.cores} cores", file=sys.stderr)
     rows = []
     for scenario in scenarios:
         for protocol in protocols:
-            record, summary = _run(cfg, scenario, protocol)
+            record, summary = _run(cfg, scenario, protocol, reuse=args.reuse)
             iterations = round(sum(w["iterations"] for w in summary["workers"])
                                / len(summary["workers"]))
             result = simulate(sim_config(cal, cfg, scenario, protocol, max(iterations, 1)))

@@ -252,6 +252,8 @@ class Simulation:
         self.model = ConsensusState(config.consensus, config.workers, config.seed)
         self.shared = SharedCores(config.compute.cores) if config.compute.cores else None
         self._shared_token = 0
+        self._comm_seq = 0
+        self._comm_jobs: dict[int, tuple[int, int, float]] = {}  # job -> group, core, latency
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -441,6 +443,10 @@ class Simulation:
         if token != self._shared_token:
             return
         for rank in self.shared.finish(self.now):
+            if rank < 0:  # a collective's work is done
+                group_id, at, latency = self._comm_jobs.pop(rank)
+                self._push(latency, _GROUP_END, group_id, at)
+                continue
             w = self.workers[rank]
             took = self.now - w.compute_started
             slept = (w.factor - 1.0) * took
@@ -547,7 +553,17 @@ class Simulation:
         self.groups[key] = (ranks, self.now)
         self.group_sizes.append(len(ranks))
         self._snapshots[key] = self.model.snapshot(ranks)
-        self._push(seconds, _GROUP_END, g.group_id, at)
+        if self.shared is None:
+            self._push(seconds, _GROUP_END, g.group_id, at)
+            return
+        # Shared cores: the collective is len(ranks) threads of work; its latency (the
+        # round trip, a new communicator) follows once the work is done.
+        collective = self.comm.allreduce_seconds(len(ranks), spans_hosts=spans)
+        self._comm_seq += 1
+        job = -self._comm_seq  # compute jobs are keyed by rank, collectives below 0
+        self._comm_jobs[job] = (g.group_id, at, seconds - collective)
+        self.shared.start(self.now, job, collective, weight=len(ranks))
+        self._schedule_shared()
 
     # ------------------------------------------------------------------ events
     def _on_compute(self, rank: int, _: int) -> None:
@@ -671,12 +687,14 @@ class Simulation:
                     else [work for work, _ in draws])
             times = [t * factor for t, (_, factor) in zip(took, draws, strict=True)]
             slowest = max(times)
+            # Shared cores: the ring's n threads share them too.
+            collective = ring * max(1.0, n / cores) if cores else ring
             for w, t in zip(self.workers, times, strict=True):
                 w.compute_s += t
                 w.wait_s += slowest - t
-                w.comm_s += ring
+                w.comm_s += collective
                 w.iteration += 1
-            self.now += slowest + ring
+            self.now += slowest + collective
             self.events += 1
             for r in range(n):
                 self.model.step(r)

@@ -47,10 +47,12 @@ class ComputeModel:
     """`slow-fraction`: by this factor."""
     cores: float = 0.0
     """0: every worker has its own device. Above 0: the workers share this many cores
-    (processor sharing: k computing workers progress at min(1, cores / k) each), and a
-    slowed iteration computes at the shared rate, then sleeps (factor - 1) x the seconds
-    it took, as the benchmark's injected slowdown does (worker/slowdown.py). This is
-    what benchmark workers on one small machine see (docs/scale.md, validation)."""
+    (processor sharing: k running threads progress at min(1, cores / k) each; a
+    collective of g members is g threads doing CommModel's seconds of work each, a
+    gossip exchange 2), and a slowed iteration computes at the shared rate, then sleeps
+    (factor - 1) x the seconds it took, as the benchmark's injected slowdown does
+    (worker/slowdown.py). This is what benchmark workers on one small machine see
+    (docs/scale.md, validation)."""
 
     def __post_init__(self) -> None:
         if self.scenario not in SIM_SCENARIOS:
@@ -114,29 +116,33 @@ class ComputeSampler:
 
 
 class SharedCores:
-    """Processor sharing of `cores` among the workers computing now: each of k runs at
-    min(1, cores / k). A virtual clock `v` advances at that rate; a job started at v0
-    with work w ends when v reaches v0 + w (one heap, O(log n) per start and end)."""
+    """Processor sharing of `cores` among the threads running now: each of k runs at
+    min(1, cores / k). A job is `weight` threads that progress together (a collective of
+    g workers: g threads, each doing the job's work). A virtual clock `v` advances at
+    that rate; a job started at v0 with work w ends when v reaches v0 + w (one heap,
+    O(log n) per start and end)."""
 
     def __init__(self, cores: float) -> None:
         self.cores = cores
         self.v = 0.0
         self.t = 0.0
-        self.jobs: list[tuple[float, int, int]] = []  # (v at the end, seq, key)
+        self.jobs: list[tuple[float, int, int, int]] = []  # (v at the end, seq, key, weight)
+        self.threads = 0
         self._seq = 0
 
     def rate(self) -> float:
-        k = len(self.jobs)
+        k = self.threads
         return min(1.0, self.cores / k) if k else 1.0
 
     def advance(self, now: float) -> None:
         self.v += (now - self.t) * self.rate()
         self.t = now
 
-    def start(self, now: float, key: int, work: float) -> None:
+    def start(self, now: float, key: int, work: float, weight: int = 1) -> None:
         self.advance(now)
         self._seq += 1
-        heapq.heappush(self.jobs, (self.v + work, self._seq, key))
+        self.threads += weight
+        heapq.heappush(self.jobs, (self.v + work, self._seq, key, weight))
 
     def next_end(self) -> float | None:
         """Real seconds from the last advance until the next job ends (None: no job)."""
@@ -149,7 +155,9 @@ class SharedCores:
         self.advance(now)
         done = []
         while self.jobs and self.jobs[0][0] <= self.v + 1e-9:
-            done.append(heapq.heappop(self.jobs)[2])
+            _, _, key, weight = heapq.heappop(self.jobs)
+            self.threads -= weight
+            done.append(key)
         return done
 
 

@@ -81,15 +81,16 @@ def test_shared_cores_divide_the_machine_among_the_workers_computing() -> None:
 
 
 def test_workers_sharing_cores_compute_slower_and_a_slowed_one_sleeps() -> None:
-    # Eight lock-step workers on 2 cores: each iteration is 8 x 0.1 s of work at 2 cores.
+    # Eight lock-step workers on 2 cores: each iteration is 8 x 0.1 s of work at 2 cores,
+    # then the ring's 8 threads on the 2 cores.
     shared = simulate(SimConfig(protocol="allreduce", workers=8, iterations=20,
                                 compute=ComputeModel(jitter=0.0, cores=2.0)))
     ring = CommModel().allreduce_seconds(8, spans_hosts=True)
-    assert shared.seconds_per_iteration == pytest.approx(0.4 + ring, rel=1e-9)
+    assert shared.seconds_per_iteration == pytest.approx(0.4 + 4 * ring, rel=1e-9)
     # Worker 0 5x slower: its work shares the cores, then it sleeps 4x the time it took.
     slow = simulate(SimConfig(protocol="allreduce", workers=8, iterations=20, compute=ComputeModel(
         scenario="slow-5x", jitter=0.0, cores=2.0)))
-    assert slow.seconds_per_iteration == pytest.approx(5 * 0.4 + ring, rel=1e-9)
+    assert slow.seconds_per_iteration == pytest.approx(5 * 0.4 + 4 * ring, rel=1e-9)
     # A group protocol whose workers wait for groups leaves the cores to the others:
     # compute per iteration is below the 0.4 s of eight workers always computing.
     smart = simulate(SimConfig(protocol="ripples-random", workers=8, iterations=60,
@@ -231,3 +232,13 @@ def test_a_coordinator_serves_one_rpc_at_a_time_when_it_has_a_service_time() -> 
         SimConfig(protocol="ripples-smart", workers=8, shards=9)
     with pytest.raises(ValueError, match="ripples-random or ripples-smart"):
         SimConfig(protocol="adpsgd", workers=64, shards=4)
+
+
+def test_a_collective_on_shared_cores_takes_a_thread_per_member() -> None:
+    cores = SharedCores(2.0)
+    cores.start(0.0, 0, 1.0)              # one worker computing
+    cores.start(0.0, -1, 1.0, weight=3)   # a group of three in its collective
+    assert cores.rate() == pytest.approx(0.5)  # 4 threads on 2 cores
+    assert cores.next_end() == pytest.approx(2.0)
+    assert sorted(cores.finish(2.0)) == [-1, 0]
+    assert cores.threads == 0
