@@ -2,7 +2,8 @@
 
 Runs `ripples simulate`'s engine (the real coordinator core, simulated workers) flat and
 sharded at each size, side by side with the same seed, and prints per run: simulated
-seconds per epoch, wait fraction, consensus distance, the core's decisions per second,
+seconds per epoch, wait fraction, consensus distance (averaged over the run's second
+half), the core's decisions per second,
 and the RPCs per second the busiest coordinator must serve, as a multiple of what the
 gRPC service answers here (`--capacity`, measured with ripples.bench.coordinator_load).
 With `--service-seconds` the coordinators also serve their RPCs one at a time, so an
@@ -14,7 +15,8 @@ overloaded one slows the run down in simulated time.
 
 Shards default to one per 1,000 workers (at least 4); `--plot PREFIX` writes
 PREFIX-load.png (the busiest coordinator's RPCs/s against workers) and
-PREFIX-consensus.png (consensus distance over simulated time, largest size).
+PREFIX-consensus.png (consensus distance over simulated time, at the largest size with
+runs of 30 iterations a worker at least).
 """
 
 from __future__ import annotations
@@ -58,14 +60,22 @@ def run_one(run: ScaleRun, base: SimConfig) -> SimResult:
                             iterations=run.iterations))
 
 
+def mean_distance(r: SimResult) -> float:
+    """The consensus distance averaged over the run's second half: it swings within an
+    iteration (low after a round of groups, high after a round of steps), so the value
+    at the stop depends on the phase the run stopped in."""
+    half = [d for t, d in r.consensus_curve if t >= r.sim_seconds / 2]
+    return sum(half) / len(half) if half else r.consensus_distance
+
+
 def format_rows(results: list[SimResult], capacity: float, *, markdown: bool) -> str:
-    header = ["workers", "coordinators", "s/epoch", "wait", "consensus distance",
+    header = ["workers", "coordinators", "s/epoch", "wait", "consensus distance (mean)",
               "decisions/s (core)", "busiest coordinator RPC/s", "x service capacity"]
     rows = []
     for r in results:
         coordinators = "1 (flat)" if r.shards == 1 else f"{r.shards} shards + root"
         rows.append([f"{r.workers:,}", coordinators, f"{r.seconds_per_epoch:.1f}",
-                     f"{r.wait_fraction:.1%}", f"{r.consensus_distance:.3g}",
+                     f"{r.wait_fraction:.1%}", f"{mean_distance(r):.3g}",
                      f"{r.decisions_per_second:,.0f}", f"{r.coordinator_rpcs_per_second:,.0f}",
                      f"{r.coordinator_rpcs_per_second / capacity:.2f}"])
     if markdown:
@@ -101,7 +111,9 @@ def write_plots(results: list[SimResult], capacity: float, prefix: str) -> list[
     fig.tight_layout()
     fig.savefig(paths[0], dpi=100)
     plt.close(fig)
-    largest = max(r.workers for r in results)
+    # The largest size whose runs are long enough for a curve (30 iterations a worker).
+    long_enough = [r.workers for r in results if r.iterations >= 30 * r.workers]
+    largest = max(long_enough or [r.workers for r in results])
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in results:
         if r.workers == largest:

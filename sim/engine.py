@@ -645,14 +645,17 @@ class Simulation:
         if w.done:
             return
         progress = self._progress(w)
+        answered = 0.0
         for at in (w.shard, self.root) if w.root_wid >= 0 else (w.shard,):
-            self._serve(at)
+            # A worker's heartbeat thread sends its next beat an interval after the
+            # answer: a busy coordinator slows the beats down, as it does the requests.
+            answered = max(answered, self._serve(at))
             t0 = time.perf_counter()
             deliveries = self.cores[at].heartbeat(self._wid(w, at), progress, self.now)
             self.core_seconds["heartbeat"] += time.perf_counter() - t0
             self.num_heartbeats += 1
             self._deliver(at, deliveries)
-        self._push(self.settings.heartbeat_interval_seconds, _HEARTBEAT, rank)
+        self._push(answered + self.settings.heartbeat_interval_seconds, _HEARTBEAT, rank)
 
     def _on_reap(self) -> None:
         for at, core in enumerate(self.cores):

@@ -38,6 +38,17 @@ function layout(snapshot) {
   return {pos, boxes};
 }
 
+// Lines between placed nodes (workers, or hosts), as bright as their weight (recency).
+function drawEdges(svg, edges, pos) {
+  for (const e of edges) {
+    const a = pos[e.a], b = pos[e.b];
+    if (!a || !b) continue;
+    svg.append(el("line", {class: "edge", x1: a.x, y1: a.y, x2: b.x, y2: b.y,
+                           "stroke-width": 1 + 2 * e.weight, "stroke-opacity": 0.15 + 0.6 * e.weight,
+                           "data-a": e.a, "data-b": e.b}));
+  }
+}
+
 // Past MAX_WORKER_DETAIL workers the snapshot's topology is by host: one node per host
 // (or per run of hosts), live/total workers and the slow ones in it, lines between nodes
 // whose workers averaged together lately.
@@ -49,13 +60,7 @@ function drawHostTopology(svg, t, note) {
   const r = Math.max(6, Math.min(bw, bh) / 2 - 6);
   const pos = t.nodes.map((_, i) => ({x: (i % cols) * bw + bw / 2,
                                       y: Math.floor(i / cols) * bh + bh / 2}));
-  for (const e of t.edges) {
-    const a = pos[e.a], b = pos[e.b];
-    if (!a || !b) continue;
-    svg.append(el("line", {class: "edge", x1: a.x, y1: a.y, x2: b.x, y2: b.y,
-                           "stroke-width": 1 + 2 * e.weight, "stroke-opacity": 0.1 + 0.5 * e.weight,
-                           "data-a": e.a, "data-b": e.b}));
-  }
+  drawEdges(svg, t.edges, pos);
   t.nodes.forEach((node, i) => {
     const classes = ["host-node"];
     if (node.slow) classes.push("slow");
@@ -84,13 +89,7 @@ function drawTopology(s) {
     svg.append(el("rect", {class: "host-box", x: b.x, y: b.y, width: b.w, height: b.h, rx: 10}));
     svg.append(el("text", {class: "host-label", x: b.x + 10, y: b.y + 20}, b.host));
   }
-  for (const e of s.edges) {
-    const a = pos[e.a], b = pos[e.b];
-    if (!a || !b) continue;
-    svg.append(el("line", {class: "edge", x1: a.x, y1: a.y, x2: b.x, y2: b.y,
-                           "stroke-width": 1 + 2 * e.weight, "stroke-opacity": 0.15 + 0.6 * e.weight,
-                           "data-a": e.a, "data-b": e.b}));
-  }
+  drawEdges(svg, s.edges, pos);
   if (s.edges_note) {  // a complete graph too large to draw: say so instead
     svg.append(el("text", {class: "edges-note", x: W / 2, y: H - 4}, s.edges_note));
   }
