@@ -226,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"got {unknown}")
     except ValueError as err:
         parser.error(str(err))
-    cal = calibrate(cfg, reuse=args.reuse)
+    saved = cfg.output / "validation.json"
+    if args.reuse and saved.exists():  # the calibration of the runs measured then
+        cal = Calibration(**json.loads(saved.read_text())["calibration"])
+    else:
+        cal = calibrate(cfg, reuse=args.reuse)
     print(f"calibration: {cal.work_seconds * 1e3:.1f} ms of work per iteration, "
           f"{cal.pair_seconds * 1e3:.1f} ms per P-Reduce of two, {cal.model_bytes:,} bytes "
           f"averaged, {cal.cores} cores", file=sys.stderr)

@@ -299,23 +299,31 @@ class GroupService:
         stranded: Deliveries = {}
         if self.pairing is not None:
             self.pairing.withdraw(w.worker_id)
-            stranded = self._strand_isolated(now, f"worker {w.worker_id} {state.value}")
+            stranded = self._strand_isolated(w.worker_id, now,
+                                             f"worker {w.worker_id} {state.value}")
         self.comms.retire_worker(w.worker_id)  # before the deliveries, which carry evictions
         deliveries = self._cancel(lambda: self.table.cancel_where(w.worker_id), now,
                                   f"worker {w.worker_id} {state.value}")
         return {**stranded, **deliveries}
 
-    def _strand_isolated(self, now: float, why: str) -> Deliveries:
-        """A2CiD2 on a graph: a queued worker whose last live neighbour just left can
-        never be paired; answer it NO_GROUP (it trains on alone and asks again later, as
-        a worker without live neighbours is answered when it asks) rather than leave it
-        waiting for nobody."""
+    def _strand_isolated(self, departed: int, now: float, why: str) -> Deliveries:
+        """A2CiD2 on a graph: a queued neighbour of `departed` whose last live neighbour
+        it was can never be paired; answer it NO_GROUP (it trains on alone and asks
+        again later, as a worker without live neighbours is answered when it asks)
+        rather than leave it waiting for nobody."""
         assert self.pairing is not None
-        if self._graph().neighbours is None:
+        graph = self._graph().neighbours
+        if graph is None:
             return {}  # complete: any queued worker pairs with the next one to come
+        around = graph.get(departed)  # (a graph rebuilt without it: every queued worker)
+        queued = [v for v in (self.pairing.waiting() if around is None else around)
+                  if v in self.pairing]
+        if not queued:
+            return {}
+        is_live = self.registry.is_live
         deliveries: Deliveries = {}
-        for waiting in self.pairing.waiting():
-            if not self.neighbours_of(waiting):
+        for waiting in queued:
+            if not any(v != departed and is_live(v) for v in graph.get(waiting, ())):
                 self.pairing.withdraw(waiting)
                 peer = self.registry.worker(waiting)
                 deliveries[waiting] = self.decide(peer, Outcome.NO_GROUP, now, detail=(

@@ -33,7 +33,7 @@ class LiveSums:
         self._version = -1
         self._seen: dict[int, Values] = {}
         self._updates = 0
-        self.totals: list[float] = [0.0] * width
+        self.totals: list[float] = [0] * width  # ints stay exact (iteration budgets)
         self.missing = 0
         """Live workers whose values are missing (not in the totals)."""
 
@@ -52,7 +52,7 @@ class LiveSums:
         if version != self._version or drifted:
             self._version, self._updates = version, 0
             self._seen.clear()
-            self.totals = [0.0] * self._width
+            self.totals = [0] * self._width
             self.missing = 0
             for w in live():
                 self._add(w.worker_id, self._values(w))

@@ -118,7 +118,8 @@ class WorkerRecord:
         return f"worker {self.worker_id} (host {self.host}, local rank {self.local_rank})"
 
 
-def _natural_key(text: str) -> list[int | str]:
+def natural_key(text: str) -> list[int | str]:
+    """Sort key of host names in natural order: node2 before node10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
@@ -343,7 +344,7 @@ class Registry:
         """Fix the membership: nodes numbered by host name in natural order (node2
         before node10), so that ranks do not depend on who registered first; ranks by
         (node, local rank). Returns the members in rank order."""
-        hosts = sorted({w.host for w in self.live()}, key=_natural_key)
+        hosts = sorted({w.host for w in self.live()}, key=natural_key)
         self._nodes = {h: i for i, h in enumerate(hosts)}
         for w in self.live():
             w.node = self._nodes[w.host]

@@ -248,8 +248,7 @@ def create_app(config: DashboardConfig) -> FastAPI:
              responses={404: {"description": "No such worker in this run"}})
     async def worker(worker_id: Annotated[int, Path(ge=0, description="Worker id")]
                      ) -> dict[str, Any]:
-        rows = poller.view.rows if poller.snapshot.get("connected") else {
-            w["worker_id"]: w for w in poller.snapshot.get("workers", [])}
+        rows = poller.view.rows  # the last status's, kept while disconnected
         if worker_id in rows:
             return rows[worker_id]
         ids = sorted(rows)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ripples.coordinator.history import state_name
+from ripples.coordinator.registry import natural_key
 from ripples.v1 import coordinator_pb2 as pb
 
 # A worker is flagged slow when its speed falls below this fraction of the median speed.
@@ -179,7 +180,7 @@ class RunView:
         """The topology past MAX_WORKER_DETAIL workers: one node per host (or per run of
         consecutive hosts past MAX_HOST_NODES), edges between nodes whose workers
         averaged together lately or share an edge of the run's graph."""
-        names = sorted({w["host"] for w in workers})
+        names = sorted({w["host"] for w in workers}, key=natural_key)
         per_node = -(-len(names) // MAX_HOST_NODES)
         node_of = {h: i // per_node for i, h in enumerate(names)}
         nodes: list[dict[str, Any]] = []

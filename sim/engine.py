@@ -65,7 +65,7 @@ REAP_INTERVAL_SECONDS = 1.0
 
 # Event kinds (ints: the heap compares tuples).
 (_COMPUTE, _GROUP_END, _TIMEOUT, _COMM_NEXT, _HEARTBEAT, _REAP, _SAMPLE, _CPU_END,
- _SERVED) = range(9)
+ _SERVED, _RELEASE) = range(10)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +103,8 @@ class SimConfig:
     """Coordinator time per RPC (a group request, a release, a heartbeat, an ended wait):
     each coordinator serves its RPCs one at a time, so a busy one answers late (0: at
     once; the coordinator is never the bottleneck). The gRPC service measured here
-    answers about 4,800 group requests/s at 1,024 streams: about 200 us each."""
+    answers 5,152 group requests/s, each with its release, at 1,024 streams: about
+    97 us per RPC (heartbeats assumed to cost as much)."""
     measure_memory: bool = False
     """Trace the run's allocations (tracemalloc) to report the core's bytes per worker:
     what the coordinator's code allocated and still holds at the stop (registry, graph,
@@ -131,7 +132,10 @@ class SimConfig:
             if self.protocol not in ("ripples-random", "ripples-smart"):
                 raise ValueError("shards > 1 simulates the Group Generator's hierarchy: "
                                  f"ripples-random or ripples-smart, not {self.protocol}")
-            if self.workers // self.shards < 2 or self.shards > hosts:
+            sizes = [0] * self.shards
+            for r in range(self.workers):
+                sizes[(r // self.workers_per_host) * self.shards // hosts] += 1
+            if self.shards > hosts or min(sizes) < 2:
                 raise ValueError(f"{self.shards} shards of {self.workers} workers on {hosts} "
                                  "hosts: each shard needs a host and 2 workers at least")
 
@@ -280,6 +284,8 @@ class Simulation:
         self.root = -1  # the root core's index (sharded runs)
         self.rpcs: list[int] = []  # per core: RPCs served
         self._free_at: list[float] = []  # per core: when it is done with its queue
+        self._releases: dict[int, tuple[int, int, int]] = {}  # queued: worker, group, core
+        self._release_seq = 0
 
     # ------------------------------------------------------------------ set-up
     def _build_core(self, num_workers: int, iterations: int, hosts: list[int]
@@ -340,6 +346,16 @@ class Simulation:
         """A shard that reached its budget ends the run (the shards advance together)."""
         return any(c.stopped for i, c in enumerate(self.cores) if i != self.root)
 
+    def _utilization(self) -> float:
+        """Of the busiest coordinator: its serving time until now over the run's time
+        (what it accepted but had not served by the stop does not count)."""
+        if not self.now or not self.config.service_seconds:
+            return 0.0
+        service = self.config.service_seconds
+        busy = [n * service - max(0.0, free - self.now)
+                for n, free in zip(self.rpcs, self._free_at, strict=True)]
+        return max(busy, default=0.0) / self.now
+
     def _serve(self, core: int) -> float:
         """One RPC at `core`: the seconds until it is answered (its queue, then its
         service time; 0 without a service time)."""
@@ -398,7 +414,8 @@ class Simulation:
                 self.workers[r]),
             _HEARTBEAT: self._on_heartbeat, _REAP: lambda _a, _b: self._on_reap(),
             _SAMPLE: lambda _a, _b: self._on_sample(sample_every),
-            _CPU_END: self._on_cpu_end, _SERVED: self._on_served}
+            _CPU_END: self._on_cpu_end, _SERVED: self._on_served,
+            _RELEASE: self._on_release}
         events = self.heap
         while events and not self._stopped():
             t, _, kind, a, b = heapq.heappop(events)
@@ -461,10 +478,13 @@ class Simulation:
         self.seq += 1
         heapq.heappush(self.heap, (self.now + delay, self.seq, kind, a, b))
 
-    def _progress(self, w: _Worker) -> Progress:
+    def _progress(self, w: _Worker, at: int) -> Progress:
+        """What `w` reports to core `at`; to the root, no budget of its own (a worker
+        without one holds a budget stop off: the shards end the run)."""
         return Progress(iteration=w.iteration, loss=self.model.loss(w.rank),
                         compute_seconds=w.compute_s, wait_seconds=w.wait_s,
-                        preduce_seconds=w.comm_s, planned_iterations=self.config.iterations)
+                        preduce_seconds=w.comm_s,
+                        planned_iterations=0 if at == self.root else self.config.iterations)
 
     # ------------------------------------------------------------------ core calls
     def _request(self, w: _Worker, *, listen: bool = False) -> None:
@@ -488,7 +508,7 @@ class Simulation:
     def _ask(self, w: _Worker) -> None:
         at = w.core_at
         core = self.cores[at]
-        progress = self._progress(w)
+        progress = self._progress(w, at)
         t0 = time.perf_counter()
         decision, deliveries = core.request_group(self._wid(w, at), w.iteration, self.now,
                                                   progress, listen=w.listen)
@@ -593,16 +613,18 @@ class Simulation:
         self.model.average(ranks, snapshot)
         seconds = self.now - started
         members = [self.workers[r] for r in ranks]
-        deliveries: dict[int, GroupDecision] = {}
-        core = self.cores[at]
-        t0 = time.perf_counter()
         for w in members:
             w.comm_s += seconds
             w.in_group = False
-            self._serve(at)  # the release takes the coordinator's time; nobody waits on it
-            deliveries.update(core.release(self._wid(w, at), group_id, True, "", self.now))
-        self.core_seconds["group"] += time.perf_counter() - t0
-        self._deliver(at, deliveries)
+            # The release goes on the worker's stream: the coordinator takes it when its
+            # queue reaches it; the worker goes on without an answer.
+            delay = self._serve(at)
+            if delay:
+                self._release_seq += 1
+                self._releases[self._release_seq] = (self._wid(w, at), group_id, at)
+                self._push(delay, _RELEASE, self._release_seq)
+            else:
+                self._release(self._wid(w, at), group_id, at)
         for w in members:
             if w.done:
                 continue
@@ -616,6 +638,15 @@ class Simulation:
             if settled and not w.listen:
                 w.owed = max(0, w.owed - 1)
             self._comm_next(w)
+
+    def _on_release(self, key: int, _: int) -> None:
+        self._release(*self._releases.pop(key))
+
+    def _release(self, wid: int, group_id: int, at: int) -> None:
+        t0 = time.perf_counter()
+        deliveries = self.cores[at].release(wid, group_id, True, "", self.now)
+        self.core_seconds["group"] += time.perf_counter() - t0
+        self._deliver(at, deliveries)
 
     def _on_timeout(self, rank: int, token: int) -> None:
         w = self.workers[rank]
@@ -644,9 +675,9 @@ class Simulation:
         w = self.workers[rank]
         if w.done:
             return
-        progress = self._progress(w)
         answered = 0.0
         for at in (w.shard, self.root) if w.root_wid >= 0 else (w.shard,):
+            progress = self._progress(w, at)
             # A worker's heartbeat thread sends its next beat an interval after the
             # answer: a busy coordinator slows the beats down, as it does the requests.
             answered = max(answered, self._serve(at))
@@ -746,8 +777,7 @@ class Simulation:
             core_bytes_per_worker=self.core_bytes_per_worker,
             shards=cfg.shards,
             coordinator_rpcs_per_second=max(self.rpcs, default=0) / self.now if self.now else 0.0,
-            coordinator_utilization=(max(self.rpcs, default=0) * cfg.service_seconds / self.now
-                                     if self.now else 0.0),
+            coordinator_utilization=self._utilization(),
             consensus_distance=self.model.distance(), optimum_gap=self.model.gap(),
             consensus_curve=self.curve, wall_seconds=time.perf_counter() - started,
             events=self.events)

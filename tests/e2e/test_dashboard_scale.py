@@ -100,4 +100,4 @@ def test_a_thousand_workers_are_drawn_by_host_in_a_bounded_page(
             page.screenshot(path=str(artifacts / "dashboard-1000-workers.png"), full_page=True)
         finally:
             browser.close()
-    assert shown_after < 30 and render_ms < 500, (shown_after, render_ms)
+    assert shown_after < 30 and render_ms < 250, (shown_after, render_ms)

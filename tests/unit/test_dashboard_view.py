@@ -207,3 +207,11 @@ def test_past_the_detail_limit_the_snapshot_is_by_host_and_bounded() -> None:
     assert nodes[0]["label"] == "h0000 … h0039" and nodes[0]["hosts"] == 40
     assert huge["edges_note"].startswith("5,000 workers drawn by run of 40 hosts")
     assert len(json.dumps(huge)) < 64_000
+
+
+def test_host_nodes_follow_the_natural_order_of_host_names() -> None:
+    status = _big_status(MAX_WORKER_DETAIL + 6, 1)
+    for w in status.workers:
+        w.host = f"h{w.worker_id}"  # h2 before h10, as the registry numbers nodes
+    labels = [n["label"] for n in RunView().update(status, now=0.0)["topology"]["nodes"]]
+    assert labels[:12] == [f"h{i}" for i in range(12)]

@@ -212,6 +212,7 @@ def test_a_sharded_run_splits_the_coordinators_load_and_mixes_through_heads() ->
     # models stay together (without the root the shards would drift to their own optima).
     root = sim.cores[sim.root]
     assert root.table.num_formed > 0
+    assert not root.stopped  # the root has no budget of its own: the shards end the run
     apart = simulate(SimConfig(protocol="ripples-smart", workers=64, workers_per_host=4,
                                iterations=40, seed=2, shards=4, inter_period=10**9))
     assert sharded.consensus_distance < apart.consensus_distance
@@ -225,7 +226,7 @@ def test_a_coordinator_serves_one_rpc_at_a_time_when_it_has_a_service_time() -> 
     slow = simulate(SimConfig(protocol="ripples-smart", workers=64, iterations=20,
                               service_seconds=0.005))
     assert fast.coordinator_utilization == 0.0
-    assert slow.coordinator_utilization > 0.8  # busy but for the start and the end
+    assert 0.8 < slow.coordinator_utilization <= 1.0  # busy but for the start and the end
     assert slow.seconds_per_iteration > 1.5 * fast.seconds_per_iteration
     assert slow.wait_fraction > fast.wait_fraction
     with pytest.raises(ValueError, match="each shard needs a host and 2 workers"):
