@@ -200,13 +200,19 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
 
 def run_one(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int) -> RunRecord:
     out = cfg.output / "runs" / f"{scenario.name}-{protocol}-{repeat}"
+    summary = run_summary(cfg, scenario, protocol, repeat, out)
+    return record_from_summary(summary, scenario, repeat, protocol)
+
+
+def run_summary(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int,
+                out: Path) -> dict:
+    """Run one matrix entry's `ripples run` into `out`; its summary.json."""
     cmd = run_command(cfg, scenario, protocol, repeat, out)
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           timeout=cfg.run_timeout_seconds + 120)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    return record_from_summary(summary, scenario, repeat, protocol)
+    return json.loads((out / "summary.json").read_text())
 
 
 def record_from_summary(summary: dict, scenario: Scenario, repeat: int,

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ripples.bench.harness import HarnessConfig, RunRecord, record_from_summary, run_command
+from ripples.bench.harness import HarnessConfig, RunRecord, record_from_summary, run_summary
 from ripples.bench.scenarios import SCENARIOS
 from ripples.protocols import PROTOCOLS, Coordination
 from ripples.sim.engine import SimConfig, SimResult, simulate
@@ -116,20 +116,13 @@ def averaged_bytes(task_name: str) -> int:
 
 def _run(cfg: HarnessConfig, scenario: str, protocol: str, *, reuse: bool = False
          ) -> tuple[RunRecord, dict]:
-    import subprocess
-
     out = cfg.output / "runs" / f"{cfg.workers}w-{scenario}-{protocol}"
     if reuse and (out / "summary.json").exists():
         summary = json.loads((out / "summary.json").read_text())
-        return record_from_summary(summary, SCENARIOS[scenario], 0, protocol), summary
-    cmd = run_command(cfg, SCENARIOS[scenario], protocol, 0, out)
-    print(f"running {protocol} on {cfg.workers} workers, {scenario} ...", file=sys.stderr,
-          flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=cfg.run_timeout_seconds + 120)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
+    else:
+        print(f"running {protocol} on {cfg.workers} workers, {scenario} ...",
+              file=sys.stderr, flush=True)
+        summary = run_summary(cfg, SCENARIOS[scenario], protocol, 0, out)
     return record_from_summary(summary, SCENARIOS[scenario], 0, protocol), summary
 
 

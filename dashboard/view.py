@@ -88,7 +88,8 @@ class RunView:
     def update(self, status: pb.RunStatus, now: float) -> dict[str, Any]:
         """Fold one status into the history; returns the snapshot (JSON-able)."""
         self._reset_if_new_run(status.config.run_id)
-        speeds = self._record_progress(status, now)
+        detail = len(status.workers) <= MAX_WORKER_DETAIL
+        speeds = self._record_progress(status, now, detail)
         self._record_groups(status, now)
         live_speeds = [speed for w in status.workers
                        if STATE_NAMES.get(w.state) not in GONE_STATES
@@ -113,7 +114,6 @@ class RunView:
                 "error": w.error, "metrics_address": w.metrics_address,
             })
         self.rows = {w["worker_id"]: w for w in workers}
-        detail = len(workers) <= MAX_WORKER_DETAIL
         live = sum(w["state"] not in GONE_STATES for w in workers)
         if detail:
             hosts: dict[str, list[int]] = {}
@@ -239,16 +239,16 @@ class RunView:
                 "edges": [{"a": a, "b": b, "weight": round(w, 3), "pairs": k}
                           for (a, b), (w, k) in sorted(weights.items())]}
 
-    def _record_progress(self, status: pb.RunStatus, now: float) -> dict[int, float | None]:
+    def _record_progress(self, status: pb.RunStatus, now: float,
+                         detail: bool) -> dict[int, float | None]:
         """Per worker: the iterations/s over the last SPEED_WINDOW_SECONDS (None until two
         polls have seen it training), and a loss-curve point per poll with a new iteration
-        (up to MAX_WORKER_DETAIL workers).
+        (with `detail`: up to MAX_WORKER_DETAIL workers).
         Workers the status no longer lists (long departed) are forgotten."""
         listed = {w.worker_id for w in status.workers}
         for wid in self._workers.keys() - listed:
             del self._workers[wid]
-        detail = len(listed) <= MAX_WORKER_DETAIL  # past it, no per-worker loss curve
-        if not detail:
+        if not detail:  # past MAX_WORKER_DETAIL workers, no per-worker loss curve
             for h in self._workers.values():
                 h.curve.clear()
         speeds: dict[int, float | None] = {}

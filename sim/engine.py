@@ -127,17 +127,23 @@ class SimConfig:
             raise ValueError("shards and inter_period must be at least 1")
         if not self.service_seconds >= 0:
             raise ValueError("service_seconds must not be negative")
-        hosts = math.ceil(self.workers / self.workers_per_host)
         if self.shards > 1:
             if self.protocol not in ("ripples-random", "ripples-smart"):
                 raise ValueError("shards > 1 simulates the Group Generator's hierarchy: "
                                  f"ripples-random or ripples-smart, not {self.protocol}")
-            sizes = [0] * self.shards
-            for r in range(self.workers):
-                sizes[(r // self.workers_per_host) * self.shards // hosts] += 1
-            if self.shards > hosts or min(sizes) < 2:
+            hosts = math.ceil(self.workers / self.workers_per_host)
+            if self.shards > hosts or min(map(len, self.shard_ranks())) < 2:
                 raise ValueError(f"{self.shards} shards of {self.workers} workers on {hosts} "
                                  "hosts: each shard needs a host and 2 workers at least")
+
+    def shard_ranks(self) -> list[list[int]]:
+        """The ranks of each shard: shard s holds the hosts h with h * S // hosts == s
+        (consecutive hosts), in one pass over the workers."""
+        hosts = math.ceil(self.workers / self.workers_per_host)
+        shards: list[list[int]] = [[] for _ in range(self.shards)]
+        for r in range(self.workers):
+            shards[(r // self.workers_per_host) * self.shards // hosts].append(r)
+        return shards
 
     def settings(self, num_workers: int = 0, iterations: int = 0) -> RunSettings:
         """The run's settings (of one shard's core, or the root's, with the arguments)."""
@@ -306,11 +312,7 @@ class Simulation:
     def _setup(self) -> None:
         cfg = self.config
         k = cfg.workers_per_host
-        num_hosts = math.ceil(cfg.workers / k)
-        # Shard s: the hosts h with h * S // num_hosts == s (consecutive hosts).
-        shard_of_host = [h * cfg.shards // num_hosts for h in range(num_hosts)]
-        for s in range(cfg.shards):
-            ranks = [r for r in range(cfg.workers) if shard_of_host[r // k] == s]
+        for s, ranks in enumerate(cfg.shard_ranks()):
             core = self._build_core(len(ranks), cfg.iterations, [r // k for r in ranks])
             by_rank = sorted(core.live(), key=lambda x: x.rank)
             index: dict[int, _Worker] = {}

@@ -94,10 +94,6 @@ class ComputeSampler:
         self.random_slowdown = bench is not None and bench.random
         self.p_random = 1.0 / num_workers
 
-    def seconds(self, rank: int) -> float:
-        work, factor = self.draw(rank)
-        return work * factor
-
     def draw(self, rank: int) -> tuple[float, float]:
         """One iteration of `rank`: its unslowed seconds (its work, with jitter and the
         long tail) and the slowdown factor of this iteration."""
