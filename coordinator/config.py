@@ -29,6 +29,7 @@ from ripples.protocols import (
     Role,
     get_protocol,
 )
+from ripples.protocols.group_generator import SHARDED_PROTOCOLS, GroupGeneratorSettings
 from ripples.protocols.settings import RunFacts, TopologyFacts
 from ripples.v1 import coordinator_pb2 as pb
 
@@ -241,6 +242,9 @@ class RunSettings:
         for settings_cls in spec.settings:
             self.settings(settings_cls).validate()
             self.settings(settings_cls).check_run(self.run_facts())
+        if self.settings(GroupGeneratorSettings).root and self.protocol not in SHARDED_PROTOCOLS:
+            raise ValueError(f"root (a shard of a sharded job) needs protocol "
+                             f"{' or '.join(SHARDED_PROTOCOLS)}, not {self.protocol}")
         self._validate_topology()
 
     def _validate_topology(self) -> None:

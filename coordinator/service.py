@@ -32,10 +32,11 @@ from ripples.coordinator.groups import GroupRecord, GroupState
 from ripples.coordinator.http import SdTargets
 from ripples.coordinator.metrics import CoordinatorMetrics
 from ripples.coordinator.registry import WorkerRecord
+from ripples.coordinator.root_watch import ROOT_POLL_SECONDS, RootWatch
 from ripples.coordinator.schema import Schema
 from ripples.coordinator.state_store import StateStore
 from ripples.guarded import guarded_loop
-from ripples.protocols import Coordination
+from ripples.protocols import Coordination, GroupGeneratorSettings
 from ripples.store_blobs import delete_blob, get_blob, has_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
@@ -147,6 +148,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stopped = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
         self._saver: asyncio.Task[None] | None = None
+        self._root_watch: RootWatch | None = None
+        self._root_task: asyncio.Task[None] | None = None
         self._final_waiters: dict[int, asyncio.Future[GroupRecord | None]] = {}
         self._final_formed = False
         self._restarts_seen = core.restarts
@@ -160,6 +163,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                      max(0.05, self.core.settings.lease_seconds / 4))
         if self.state is not None:
             self._saver = self._guarded("state-saver", self.save_state, STATE_SAVE_SECONDS)
+        settings = self.core.settings
+        if GroupGeneratorSettings in settings.protocol_settings:
+            root = settings.settings(GroupGeneratorSettings).root
+            if root:  # this run is one shard of a sharded job
+                self._root_watch = RootWatch(root, self.stop)
+                self._root_task = self._guarded("root-watch", self._root_watch.poll,
+                                                ROOT_POLL_SECONDS)
 
     def _guarded(self, name: str, body: Callable[[], Awaitable[None]], interval: float
                  ) -> asyncio.Task[None]:
@@ -187,6 +197,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._reaper.cancel()
         if self._saver is not None:
             self._saver.cancel()
+        if self._root_task is not None:
+            self._root_task.cancel()
+        if self._root_watch is not None:
+            await self._root_watch.close()
         if self.state is not None and not self.core.stopped:
             # A coordinator that shuts down (SIGTERM, a restart) keeps the run resumable:
             # the saved state is the running run's, not a run stopped by the shutdown.

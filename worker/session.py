@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from ripples.worker.dataplane.communicators import (
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.metrics import WorkerMetrics
 from ripples.worker.protocols.base import ProtocolContext
+from ripples.worker.shard import RootLink, is_head
 from ripples.worker.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -54,13 +56,17 @@ def resolve_device(env: LaunchEnv) -> torch.device:
 class Session:
     """One worker's membership in one run (the coordinator's side of a worker's life)."""
 
-    def __init__(self, env: LaunchEnv) -> None:
+    def __init__(self, env: LaunchEnv, *,
+                 progress: Callable[[], pb.Progress] | None = None) -> None:
+        """`progress`: what this worker reports (default: its own stats; a head's
+        membership at the root reports its shard's, worker/shard.py)."""
         if not env.distributed:
             raise ValueError("a session needs a coordinator address")
         self.env = env
         self.device = resolve_device(env)
         self.client = CoordinatorClient(env.coordinator)
         self.stats = WorkerStats()
+        self._progress = progress if progress is not None else self.stats.snapshot
         self.metrics = WorkerMetrics()
         self.local_stop = threading.Event()
         """Set by a signal: this worker finishes its step and leaves."""
@@ -72,6 +78,8 @@ class Session:
         self.comms: CommunicatorCache | None = None
         self._store_address = ("", 0)
         self._left = False
+        self.root: RootLink | None = None
+        """A shard's head: its membership in the root's run (opened by the protocol)."""
 
     # ------------------------------------------------------------------ life
     def join(self) -> None:
@@ -97,7 +105,7 @@ class Session:
                     self.config.run_id, self.config.protocol)
         self.heartbeat = HeartbeatThread(self.client, self.worker_id,
                                          self.config.heartbeat_interval_seconds,
-                                         self.config.lease_seconds, self.stats.snapshot,
+                                         self.config.lease_seconds, self._progress,
                                          outage_seconds=self.config.coordinator_outage_seconds)
         self.heartbeat.start()
         self.membership = self.client.await_members(self.worker_id, env.start_timeout_seconds)
@@ -138,31 +146,37 @@ class Session:
         assert self.worker_id is not None and self.heartbeat is not None
         assert self.comms is not None and self.store is not None, "start() first"
         heartbeat = self.heartbeat
+        if self.root is None and is_head(self.config, self.membership):
+            self.root = RootLink(self.env, self.config, self._progress)
         return ProtocolContext(
             client=self.client, worker_id=self.worker_id, rank=self.membership.rank,
             num_workers=self.membership.num_workers, config=self.config,
             membership=self.membership, model=model, state=state, comms=self.comms,
             store=self.store, device=self.device, stop_requested=heartbeat.stop_requested,
-            stop_reason=lambda: heartbeat.stop_reason, progress=self.stats.snapshot,
+            stop_reason=lambda: heartbeat.stop_reason, progress=self._progress,
             incarnation=lambda: heartbeat.incarnation,
-            metrics=self.metrics.for_protocol())
+            metrics=self.metrics.for_protocol(), root=self.root)
 
     def check_schema(self, schema: pb.TensorSchema) -> None:
         assert self.worker_id is not None
         self.client.check_schema(self.worker_id, schema)
+        if self.root is not None:
+            self.root.check_schema(schema)
 
     def leave(self, error: str = "", reason: str = "") -> None:
         """Leave the run (once): cleanly (`reason`: why it ended), or FAILED with `error`."""
         if self._left:
             return
         self._left = True
+        if self.root is not None:
+            self.root.close(reason=reason or "the shard's run ended")
         if self.heartbeat is not None:
             self.heartbeat.finish()
         if self.comms is not None:
             self.comms.close()
         if self.worker_id is not None:
             try:
-                reply = self.client.leave(self.worker_id, self.stats.snapshot(), error, reason)
+                reply = self.client.leave(self.worker_id, self._progress(), error, reason)
                 if reply.restart:
                     self.restart.order(reply.restart_reason)
             except CoordinatorCallError as err:

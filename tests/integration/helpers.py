@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,13 @@ def start_worker(address: str, *extra: str, env: dict[str, str] | None = None
                              "--coordinator", address, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=REPO)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a process that must be told its port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout: float = 90.0) -> None:

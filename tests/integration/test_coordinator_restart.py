@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,11 @@ import pytest
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from tests.integration.helpers import REPO, start_worker
+from tests.integration.helpers import REPO, free_port, start_worker
 
 pytestmark = pytest.mark.slow
 
 DEADLINE_SECONDS = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _serve(port: int, state_dir: str, *run: str) -> subprocess.Popen[str]:
@@ -62,7 +55,7 @@ def _mean_iterations(status: pb.RunStatus) -> float:
 
 
 def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     state = str(tmp_path / "state")
     run = ("--workers", "3", "--protocol", "ripples-smart", "--task", "digits",

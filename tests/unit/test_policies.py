@@ -9,8 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ripples.coordinator.comm_directory import CommDirectory
+from ripples.coordinator.config import RunSettings
 from ripples.coordinator.groups import GroupState, GroupTable
 from ripples.coordinator.policies import ClusterView, RandomPolicy, SmartPolicy, make_policy
+from ripples.protocols import GroupGeneratorSettings
 
 
 def _view(live: range | list[int], *, idle: set[int] | None = None,
@@ -218,3 +220,19 @@ def test_comm_directory_never_reuses_ids_and_evicts_least_recent_unused() -> Non
     assert comms.cached_by(0) == {b, c, again}  # all in use: the bound waits for them
     comms.retire_worker(2)  # worker 2 left: every comm containing it is retired
     assert comms.cached_by(0) == {c, again} and comms.take_evictions(0) == [b]
+
+
+def test_a_shard_names_its_root_as_host_port_and_runs_a_group_protocol() -> None:
+    shard = RunSettings.build(protocol="ripples-smart", root="10.0.0.1:7000", inter_period=3)
+    settings = shard.settings(GroupGeneratorSettings)
+    assert (settings.root, settings.inter_period) == ("10.0.0.1:7000", 3)
+    config = shard.to_proto().group_generator
+    assert (config.root, config.inter_period) == ("10.0.0.1:7000", 3)
+    with pytest.raises(ValueError, match="root must be the root coordinator's HOST:PORT"):
+        RunSettings.build(root="10.0.0.1")
+    with pytest.raises(ValueError, match="inter_period must be at least 1"):
+        RunSettings.build(root="10.0.0.1:7000", inter_period=0)
+    for protocol in ("adpsgd", "allreduce", "lpp-sgd"):
+        with pytest.raises(ValueError, match=f"needs protocol ripples-random or ripples-smart, "
+                                             f"not {protocol}"):
+            RunSettings.build(protocol=protocol, root="10.0.0.1:7000", iterations=10)

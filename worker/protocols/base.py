@@ -32,6 +32,7 @@ from ripples.worker.metrics import MetricSpec, ProtocolMetrics
 
 if TYPE_CHECKING:
     from ripples.worker.metrics import WorkerMetrics
+    from ripples.worker.shard import RootLink
     from ripples.worker.stats import WorkerStats
     from ripples.worker.tasks import TaskOptions
 
@@ -77,6 +78,9 @@ class ProtocolContext:
     incarnation: Callable[[], int] = lambda: 0
     """Which life of the coordinator answered the last heartbeat (it grows at each
     restart from the state dir; 0 before the first answer)."""
+    root: RootLink | None = None
+    """A shard's head in a sharded job: its membership in the root's run, which the
+    group protocols open at begin() (worker/shard.py); None for every other worker."""
 
     def coordinator_stop(self) -> SyncResult:
         """The verdict once `stop_requested` is set: stop, with the coordinator's reason."""

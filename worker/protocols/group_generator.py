@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
-from ripples.rpc import ID_SPACE_BITS
+from ripples.rpc import ID_SPACE_BITS, CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import copy_model, preduce
@@ -45,12 +46,20 @@ class GroupGeneratorProtocol(Protocol):
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
         self._outage_steps = 0  # steps in a row without the coordinator
         self._incarnation = 0  # the coordinator's life whose groups the cache holds
+        self._root: GroupGeneratorProtocol | None = None
+        """A shard's head: this protocol in the root's run (its rounds there)."""
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
         the heal group the coordinator makes for it (docs/fault-tolerance.md)."""
         if self.ctx.membership.replacement:
             heal_from_peer(self.ctx, self.stream, self._execute, self.max_group_wait_seconds)
+        link = self.ctx.root
+        if link is not None:  # a shard's head joins the root's run (worker/shard.py)
+            root_ctx = link.open(self.ctx.model, self.ctx.state)
+            if root_ctx is not None:
+                self._root = GroupGeneratorProtocol(root_ctx)
+                self._root.begin()
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.ctx.stop_requested.is_set():
@@ -58,6 +67,39 @@ class GroupGeneratorProtocol(Protocol):
         return None
 
     def after_step(self, completed: int) -> SyncResult:
+        root, link = self._root, self.ctx.root
+        if root is None or link is None or completed % link.inter_period:
+            return self._round(completed)
+        # A shard's head: this round is at the root, with other shards' heads.
+        try:
+            if root.ctx.stop_requested.is_set():  # the root stopped, or is lost
+                raise CoordinatorCallError(root.ctx.stop_reason() or "the root's lease is "
+                                           "lost", None)
+            result = root.after_step(completed)
+        except (CoordinatorCallError, TimeoutError) as err:
+            self._leave_root(error=str(err)[:500])
+            return self._round(completed)
+        if result.stop:
+            self._leave_root(reason=result.stop_reason)
+            result = dataclasses.replace(result, stop=False, stop_reason="")
+        if result.num_groups:
+            return result
+        # No root group this time (none formed, the root is unreachable): the shard's.
+        shard = self._round(completed)
+        return dataclasses.replace(shard, wait_seconds=shard.wait_seconds + result.wait_seconds)
+
+    def _leave_root(self, *, error: str = "", reason: str = "") -> None:
+        """End the head's part in the root's run; it averages in its shard alone."""
+        assert self._root is not None and self.ctx.root is not None
+        log = logger.warning if error else logger.info
+        log("leaving the root's run; this head averages in its shard alone from now: %s",
+            error or reason)
+        self._root.close()
+        self._root = None
+        self.ctx.root.close(error=error, reason=reason)
+
+    def _round(self, completed: int) -> SyncResult:
+        """One round of groups at this protocol's coordinator."""
         result = SyncResult()
         sizes: list[int] = []
         durations: list[float] = []
@@ -159,4 +201,7 @@ class GroupGeneratorProtocol(Protocol):
         preduce(self.ctx.state, comm, self.timeout)
 
     def close(self) -> None:
+        if self._root is not None:
+            self._root.close()
+            self._root = None
         self.stream.close()
