@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -95,3 +97,35 @@ def explained_on_failure(procs: list[subprocess.Popen[str]], core: object, *,
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def doc_block(path: str, heading: str) -> str:
+    """The first ```bash block after `heading` in the document at `path` (from the repo)."""
+    text = (REPO / path).read_text()
+    found = re.search(r"```bash\n(.*?)```", text[text.index(heading):], re.S)
+    assert found is not None, f"{path} lost its bash block under {heading!r}"
+    return found.group(1)
+
+
+def run_block(block: str, cwd: Path, timeout: float) -> tuple[int, str]:
+    """Run a documented bash block as written, with the venv's `ripples` first on PATH;
+    (exit code, output). If a line fails, its background processes end with it; a block
+    still running after `timeout` s is killed, and the test fails saying so."""
+    env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    env.pop("RIPPLES_COORDINATOR", None)
+    script = ("set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n"
+              + block)
+    process = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"the block did not end in {timeout:.0f} s:\n{output[-4000:]}"
+                             ) from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, output

@@ -6,6 +6,7 @@ or never was leaves the shards training to their own budgets."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,9 +22,11 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from tests.integration.helpers import (
     REPO,
+    doc_block,
     explained_on_failure,
     finish,
     free_port,
+    run_block,
     running_coordinator,
     start_worker,
     wait_for,
@@ -145,3 +148,13 @@ def test_shards_train_on_when_the_root_dies_or_never_was() -> None:
         outputs = all_exit_cleanly(start_workers(servers))
     heads = [out for out in outputs if "could not join the root" in out]
     assert len(heads) == 2, outputs[0][-3000:]
+
+
+def test_the_docs_sharded_job_runs_as_written(tmp_path: Path) -> None:
+    code, output = run_block(doc_block("docs/scale.md", "## A sharded job in the service"),
+                             tmp_path, timeout=300)
+    assert code == 0, output[-4000:]
+    assert output.count("iteration budget reached (264 iterations)") >= 2, output[-4000:]
+    rows = output[output.index("RANK  WORKER"):]  # the root's status: one head per shard
+    assert "shard1-a@" in rows and "shard2-a@" in rows and " left " in rows, rows
+    assert re.search(r"groups: [1-9]\d* formed", output), output[-4000:]
