@@ -150,6 +150,32 @@ def test_shards_train_on_when_the_root_dies_or_never_was() -> None:
     assert len(heads) == 2, outputs[0][-3000:]
 
 
+def test_a_head_that_dies_is_replaced_and_its_replacement_joins_the_root() -> None:
+    with running_coordinator(**ROOT) as root, shards(root.address, 800,
+                                                     num_workers=3) as servers:
+        client, shard = CoordinatorClient(root.address), CoordinatorClient(servers[0].address)
+        procs = {f"{name}{r}": start_worker(server.address, "--host", f"{name}{r}",
+                                            "--metrics-port", "-1")
+                 for name, server in zip("ab", servers, strict=True) for r in range(3)}
+        with explained_on_failure(list(procs.values()), None):
+            wait_for(lambda: client.run_status().num_groups_formed >= 4,
+                     "the heads' groups at the root", timeout=120)
+            head = next(w for w in shard.run_status().workers if w.rank == 0)
+            procs.pop(head.host).send_signal(signal.SIGKILL)
+            procs["replacement"] = start_worker(servers[0].address, "--host", head.host,
+                                                "--metrics-port", "-1")
+            outputs = all_exit_cleanly(list(procs.values()))
+        assert "replaces rank 0" in outputs[-1] and "head of shard" in outputs[-1], (
+            outputs[-1][-3000:])
+        members = [w for w in client.run_status().workers
+                   if w.host.startswith(f"{head.host}@")]
+        # The dead head's lease expired at the root; its replacement joined it there.
+        assert [w.state for w in members] == [pb.WORKER_STATE_EXPIRED, pb.WORKER_STATE_LEFT]
+        assert members[1].iteration > members[0].iteration
+        client.close()
+        shard.close()
+
+
 def test_the_docs_sharded_job_runs_as_written(tmp_path: Path) -> None:
     code, output = run_block(doc_block("docs/scale.md", "## A sharded job in the service"),
                              tmp_path, timeout=300)
