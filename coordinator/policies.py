@@ -156,13 +156,17 @@ class SmartPolicy:
 
     def _passes(self, initiator: int, worker: int, view: ClusterView,
                 bound: float | None) -> bool:
-        if bound is None:  # nobody's speed is known yet: the paper's counters
+        own = view.own_seconds.get(worker)
+        if bound is None or own is None:
+            # Nobody's speed is known yet, or not this worker's (its first iterations, a
+            # replacement): the paper's counters. Refusing every worker of unknown speed
+            # instead left the first workers measured with no eligible idle peer while
+            # the others' speeds came in, one report at a time: each of their requests
+            # made one group with busy workers, whose waits desynchronised the whole
+            # run (the simulator's 64-190-worker runs waited 37-47% of the time).
             counts = view.request_counts
             return counts[initiator] - counts[worker] < self.c_thres
-        own = view.own_seconds.get(worker)
-        # A worker of unknown speed (its first iterations) may be the straggler: it
-        # averages in the divisions it initiates until its speed is known.
-        return own is not None and own <= bound
+        return own <= bound
 
     @staticmethod
     def _straggler_bound(view: ClusterView) -> float | None:

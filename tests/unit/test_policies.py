@@ -130,9 +130,25 @@ def test_once_speeds_are_known_they_decide_who_joins_a_division() -> None:
     # The straggler still averages when it asks; 2x the median is not a straggler.
     assert 0 in policy.generate(0, view, random.Random(0))[0]
     assert policy.passes_filter(2, 1, _view(range(6), counts=counts, own_seconds={**own, 1: 0.6}))
-    # A worker of unknown speed joins only its own divisions once others are measured.
+    # A worker of unknown speed (its first iterations) passes by the paper's counters,
+    # as everyone did before any speed was known: at the start of a run the speeds come
+    # in one report at a time, and refusing the unmeasured left the first measured
+    # workers without idle peers.
     del own[3]
-    assert not policy.passes_filter(2, 3, _view(range(6), counts=counts, own_seconds=own))
+    assert policy.passes_filter(2, 3, _view(range(6), counts=counts, own_seconds=own))
+    # A replacement that joined late (its counter far behind) joins only its own
+    # divisions until its speed is known.
+    late = {**counts, 3: 1}
+    assert not policy.passes_filter(2, 3, _view(range(6), counts=late, own_seconds=own))
+
+
+def test_speeds_coming_in_one_by_one_leave_the_measured_workers_their_peers() -> None:
+    # The start of a run: one worker's speed is known, the others' not yet. Its request
+    # divides the idle workers as before, rather than group it with busy ones.
+    counts = dict.fromkeys(range(12), 2)
+    view = _view(range(12), counts=counts, own_seconds={0: 0.2})
+    groups = SmartPolicy(group_size=3).generate(0, view, random.Random(0))
+    assert sorted(w for g in groups for w in g) == list(range(12)) and len(groups) == 4
 
 
 def test_no_eligible_peer_yields_no_group() -> None:
