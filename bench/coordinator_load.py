@@ -21,6 +21,11 @@ and where the machine's CPU went in the window (from /proc): the cores the coord
 process used and the client processes' (the load generator's own cost), and the
 coordinator's CPU time per request: 1 / that is what the service would answer with a
 core of its own, whatever the generator costs.
+
+`--floor` measures, in the same run and with the same load generator, gRPC's own cost: a
+server that answers the same RPCs at once and does nothing else (a fresh group per
+request, releases dropped). What the coordinator spends per request above that floor is
+its own Python (the service and the core); the floor is grpc.aio's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +45,8 @@ import grpc
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
-from ripples.rpc import aio_channel
+from ripples.loop_thread import LoopThreadService
+from ripples.rpc import SERVER_OPTIONS, aio_channel
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.client import CoordinatorClient
@@ -58,11 +65,15 @@ class LoadConfig:
     offered_rate: float = 0.0
     """Iterations per second that all simulated workers together start (each worker one
     every workers/rate seconds, as if computing that long); 0: back to back (saturation)."""
+    floor: bool = False
+    """Also measure gRPC's floor (a server that does nothing) at each level."""
 
 
 @dataclass(kw_only=True)
 class LoadResult:
     workers: int
+    server: str
+    """"coordinator", or "grpc floor" (a server that answers at once, doing nothing)."""
     requests_per_second: float
     service_p50_ms: float
     service_p99_ms: float
@@ -149,42 +160,126 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(num_workers: int, cfg: LoadConfig) -> LoadResult:
+@dataclass(kw_only=True)
+class _Target:
+    """A server under load: where it listens, and what the measurement asks of it."""
+
+    name: str
+    address: str
+    started: Callable[[], bool]
+    groups_formed: Callable[[], int]
+    stop: Callable[[], None]
+    close: Callable[[], None]
+
+
+def _coordinator(num_workers: int, cfg: LoadConfig) -> _Target:
     run = RunSettings(protocol=f"ripples-{cfg.policy}", num_workers=num_workers,
                       workers_per_node=8, iterations=10**9, lease_seconds=600,
                       heartbeat_interval_seconds=60)
     server = CoordinatorServer(ServerConfig(host="127.0.0.1", port=0, run=run)).start()
     client = CoordinatorClient(server.address)
+
+    def close() -> None:
+        client.close()
+        server.stop()
+
+    return _Target(name="coordinator", address=server.address,
+                   started=lambda: client.run_status().started,
+                   groups_formed=lambda: client.run_status().num_groups_formed,
+                   stop=lambda: client.stop_run("benchmark over"), close=close)
+
+
+class _FloorServicer(pb_grpc.CoordinatorServicer):
+    """The RPCs the load generator makes, answered at once with no work: gRPC's floor."""
+
+    def __init__(self) -> None:
+        self.registered = 0
+        self.groups = 0
+        self.stopping = False
+
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.RegisterReply:
+        self.registered += 1
+        return pb.RegisterReply(worker_id=self.registered)
+
+    async def AwaitStart(self, request: pb.AwaitStartRequest,
+                         context: grpc.aio.ServicerContext) -> pb.AwaitStartReply:
+        return pb.AwaitStartReply()
+
+    async def Synchronize(self, request_iterator: object,
+                          context: grpc.aio.ServicerContext) -> None:
+        while (message := await context.read()) is not grpc.aio.EOF:
+            if message.WhichOneof("kind") != "request":
+                continue  # a release: nothing to do
+            if self.stopping:
+                await context.write(pb.GroupReply(outcome=pb.GROUP_OUTCOME_STOP))
+                continue
+            self.groups += 1
+            await context.write(pb.GroupReply(outcome=pb.GROUP_OUTCOME_GROUP, group=pb.Group(
+                group_id=self.groups, members=(0, 1, 2), initiator=0, comm_id=1)))
+
+
+class _FloorServer(LoopThreadService):
+    thread_name = "grpc-floor"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.servicer = _FloorServicer()
+        self.port = 0
+
+    async def _main(self) -> None:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_CoordinatorServicer_to_server(self.servicer, server)
+        self.port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        await self._until_stopped()
+        await server.stop(grace=1.0)
+
+
+def _floor(num_workers: int) -> _Target:
+    server = _FloorServer().start()
+    servicer = server.servicer
+
+    def stop() -> None:
+        servicer.stopping = True
+
+    return _Target(name="grpc floor", address=f"127.0.0.1:{server.port}",
+                   started=lambda: servicer.registered >= num_workers,
+                   groups_formed=lambda: servicer.groups, stop=stop, close=server.stop)
+
+
+def measure(num_workers: int, cfg: LoadConfig, *, floor: bool = False) -> LoadResult:
+    """One level: the coordinator (or, `floor`, gRPC's floor) under the load generator."""
+    target = _floor(num_workers) if floor else _coordinator(num_workers, cfg)
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     shards = [list(range(num_workers))[p::cfg.client_processes]
               for p in range(cfg.client_processes)]
     interval = num_workers / cfg.offered_rate if cfg.offered_rate > 0 else 0.0
-    procs = [ctx.Process(target=_client_process, args=(server.address, s, interval, out))
+    procs = [ctx.Process(target=_client_process, args=(target.address, s, interval, out))
              for s in shards if s]
     try:
         for p in procs:
             p.start()
         status_deadline = time.monotonic() + 120
-        while not client.run_status().started:
+        while not target.started():
             if time.monotonic() > status_deadline:
                 raise TimeoutError("simulated workers did not all register within 120 s")
             time.sleep(0.05)
         start = time.monotonic() + cfg.warmup_seconds
         end = start + cfg.measure_seconds
-        formed_at_start = _formed_after(client, start)
+        formed_at_start = _at(start, target.groups_formed)
         cpu_at_start = (_cpu_seconds(), sum(_cpu_seconds(p.pid) for p in procs if p.pid))
-        formed_at_end = _formed_after(client, end)
+        formed_at_end = _at(end, target.groups_formed)
         cpu_at_end = (_cpu_seconds(), sum(_cpu_seconds(p.pid) for p in procs if p.pid))
-        client.stop_run("benchmark over")
+        target.stop()
         samples = [x for _ in procs for x in out.get(timeout=60)]
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        client.close()
-        server.stop()
+        target.close()
     window = [(g, t0, t1) for g, t0, t1 in samples if start <= t1 < end]
     requests = [t1 - t0 for _, t0, t1 in window]
     last_asked: dict[int, tuple[float, float]] = {}  # group -> its completing request
@@ -193,7 +288,8 @@ def measure(num_workers: int, cfg: LoadConfig) -> LoadResult:
             last_asked[g] = (t0, t1)
     service = [t1 - t0 for t0, t1 in last_asked.values()]
     return LoadResult(
-        workers=num_workers, requests_per_second=len(requests) / cfg.measure_seconds,
+        workers=num_workers, server=target.name,
+        requests_per_second=len(requests) / cfg.measure_seconds,
         service_p50_ms=_percentile(service, 0.5) * 1e3,
         service_p99_ms=_percentile(service, 0.99) * 1e3,
         request_p50_ms=_percentile(requests, 0.5) * 1e3,
@@ -206,9 +302,9 @@ def measure(num_workers: int, cfg: LoadConfig) -> LoadResult:
     )
 
 
-def _formed_after(client: CoordinatorClient, moment: float) -> int:
+def _at(moment: float, read: Callable[[], int]) -> int:
     time.sleep(max(0.0, moment - time.monotonic()))
-    return client.run_status().num_groups_formed
+    return read()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=defaults.offered_rate,
                         help="offered load: iterations/s of all workers together, each "
                              "starting one every workers/rate s (default 0: back to back)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure gRPC's floor at each level: a server that "
+                             "answers the same RPCs at once, doing nothing")
     args = parser.parse_args(argv)
     try:
         levels = tuple(int(w) for w in args.workers.split(","))
@@ -234,18 +333,30 @@ def main(argv: list[str] | None = None) -> int:
                      "and a rate >= 0")
     cfg = LoadConfig(workers=levels, policy=args.policy,
                      client_processes=args.client_processes, measure_seconds=args.seconds,
-                     offered_rate=args.rate)
-    print(f"{'workers':>7} {'requests/s':>11} {'groups/s':>9} {'service p50':>12} "
+                     offered_rate=args.rate, floor=args.floor)
+    print(f"{'server':<12} {'workers':>7} {'requests/s':>11} {'groups/s':>9} {'service p50':>12} "
           f"{'p99':>8} {'request p50':>12} {'p99':>8} {'server cores':>12} "
           f"{'client cores':>12} {'server us/req':>13}")
     for level in cfg.workers:
-        r = measure(level, cfg)
-        print(f"{r.workers:>7} {r.requests_per_second:>11.0f} {r.groups_per_second:>9.0f} "
-              f"{r.service_p50_ms:>10.2f}ms {r.service_p99_ms:>6.2f}ms "
-              f"{r.request_p50_ms:>10.2f}ms {r.request_p99_ms:>6.2f}ms "
-              f"{r.server_cores:>12.2f} {r.client_cores:>12.2f} "
-              f"{r.server_us_per_request:>13.0f}", flush=True)
+        results = [measure(level, cfg)] + ([measure(level, cfg, floor=True)] if cfg.floor
+                                           else [])
+        for r in results:
+            _print_row(r)
+        if cfg.floor:
+            service, floor = results
+            print(f"{'':<12} {level:>7}  the coordinator spends "
+                  f"{service.server_us_per_request / floor.server_us_per_request:.2f}x "
+                  f"gRPC's floor per request ({service.server_us_per_request:.0f} against "
+                  f"{floor.server_us_per_request:.0f} us)", flush=True)
     return 0
+
+
+def _print_row(r: LoadResult) -> None:
+    print(f"{r.server:<12} {r.workers:>7} {r.requests_per_second:>11.0f} "
+          f"{r.groups_per_second:>9.0f} {r.service_p50_ms:>10.2f}ms {r.service_p99_ms:>6.2f}ms "
+          f"{r.request_p50_ms:>10.2f}ms {r.request_p99_ms:>6.2f}ms "
+          f"{r.server_cores:>12.2f} {r.client_cores:>12.2f} "
+          f"{r.server_us_per_request:>13.0f}", flush=True)
 
 
 if __name__ == "__main__":

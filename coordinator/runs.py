@@ -425,10 +425,9 @@ class RunsService(pb_grpc.CoordinatorServicer):
         return await (await self._service(context)).CheckSchema(request, context)
 
     async def Synchronize(self, request_iterator: AsyncIterator[pb.SyncMessage],
-                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GroupReply]:
-        service = await self._service(context)
-        async for reply in service.Synchronize(request_iterator, context):
-            yield reply
+                          context: grpc.aio.ServicerContext) -> None:
+        # The service reads and writes the call itself (its hot loop: service.py).
+        await (await self._service(context)).Synchronize(request_iterator, context)
 
     async def GetStaticSchedule(self, request: pb.StaticScheduleRequest,
                                 context: grpc.aio.ServicerContext) -> pb.StaticScheduleReply:

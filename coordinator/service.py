@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -107,6 +107,20 @@ def progress_to_proto(p: Progress) -> pb.Progress:
     )
 
 
+def _time_out(fut: asyncio.Future[GroupDecision | None]) -> None:
+    """A wait for a group ran out: wake it with None (unless a decision came first)."""
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> NoReturn:
+    """End the call with the status a core error names (ValueError: bad input)."""
+    code = (getattr(grpc.StatusCode, err.code) if isinstance(err, CoordinatorError)
+            else grpc.StatusCode.INVALID_ARGUMENT)
+    await context.abort(code, str(err))
+    raise AssertionError("unreachable")  # abort raises
+
+
 def _schema(message: pb.TensorSchema) -> Schema:
     return Schema(tensors=tuple((t.name, tuple(t.shape), t.dtype) for t in message.tensors),
                   digest=message.digest)
@@ -142,7 +156,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.store_host = store_host
         self.store_port = store_port
         self.clock = clock
-        self._waiters: dict[int, asyncio.Future[GroupDecision]] = {}
+        self._waiters: dict[int, asyncio.Future[GroupDecision | None]] = {}
+        """Workers waiting for a group: the decision, or None when the wait ran out."""
         self._members = asyncio.Event()  # the membership is formed (or the run stopped)
         self._started = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -247,10 +262,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], object]) -> object:
         try:
             return fn()
-        except CoordinatorError as err:
-            await context.abort(getattr(grpc.StatusCode, err.code), str(err))
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except (CoordinatorError, ValueError) as err:
+            await _abort(context, err)
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ lifecycle
@@ -383,10 +396,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # ------------------------------------------------------------------ groups
     async def Synchronize(self, request_iterator: AsyncIterator[pb.SyncMessage],
-                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GroupReply]:
-        """One worker's stream: messages are handled in order, requests answered in order."""
+                          context: grpc.aio.ServicerContext) -> None:
+        """One worker's stream: messages are handled in order, requests answered in order.
+
+        This is the coordinator's hot loop (every group request and release), so it reads
+        and writes the call directly (one coroutine per stream, not an async generator
+        the runs service would wrap in another per message), core errors abort the call
+        without a coroutine per message, and a wait for a group is one future and one
+        timer (docs/scale.md measures what this costs against gRPC's own floor)."""
         bound: int | None = None  # the stream's worker id, fixed by its first message
-        async for message in request_iterator:
+        read, write = context.read, context.write
+        while True:
+            message = await read()
+            if message is grpc.aio.EOF:
+                return
             kind = message.WhichOneof("kind")
             body = message.request if kind == "request" else message.release
             if kind is None:
@@ -399,7 +422,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     f"this stream belongs to worker {bound}, got a message for worker "
                     f"{body.worker_id}; open one stream per worker"))
             if kind == "request":
-                yield await self._request_group(message.request, context)
+                await write(await self._request_group(message.request, context))
             else:
                 await self._release_group(message.release, context)
 
@@ -408,10 +431,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         wid = request.worker_id
         arrived = time.perf_counter()
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
-        result = await self._call(context, lambda: self.core.request_group(
-            wid, request.iteration, self.clock(), progress, listen=request.listen))
-        assert isinstance(result, tuple)
-        decision, deliveries = result
+        try:
+            decision, deliveries = self.core.request_group(
+                wid, request.iteration, self.clock(), progress, listen=request.listen)
+        except (CoordinatorError, ValueError) as err:
+            await _abort(context, err)
         self._resolve(deliveries)
         if decision is None:
             decision = await self._wait_for_group(wid, request.timeout_seconds)
@@ -419,41 +443,50 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return self._group_reply(decision)
 
     async def _wait_for_group(self, wid: int, timeout_seconds: float) -> GroupDecision:
+        """The decision a deliveries' `_resolve` hands this worker, or, after the timeout,
+        the core's answer to an ended wait (RETRY: ask again)."""
         timeout = min(timeout_seconds, MAX_GROUP_WAIT_SECONDS) if timeout_seconds > 0 else 10.0
-        fut: asyncio.Future[GroupDecision] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[GroupDecision | None] = loop.create_future()
         self._waiters[wid] = fut
+        timer = loop.call_later(timeout, _time_out, fut)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            if fut.done():
-                return fut.result()
-            return self.core.abandon_wait(wid, self.clock())
+            decision = await fut
         except asyncio.CancelledError:  # the client went away: do not deliver to nobody
-            if not fut.done() and wid in self.core.workers:
+            # (awaiting the future directly cancels it too: then nothing was delivered)
+            if (fut.cancelled() or not fut.done()) and wid in self.core.workers:
                 self.core.abandon_wait(wid, self.clock())
             raise
         finally:
+            timer.cancel()
             if self._waiters.get(wid) is fut:
                 del self._waiters[wid]
+        if decision is None:  # timed out
+            return self.core.abandon_wait(wid, self.clock())
+        return decision
 
     def _group_reply(self, d: GroupDecision) -> pb.GroupReply:
-        reply = pb.GroupReply(outcome=_OUTCOMES[d.outcome], more=d.more,
-                              evict_comm_ids=d.evictions, detail=d.detail)
-        if d.group is not None:
-            reply.group.CopyFrom(pb.Group(
-                group_id=d.group.group_id, members=d.group.members, initiator=d.group.initiator,
-                comm_id=d.group.comm_id, create_comm=d.group.create_comm,
-                heal=d.group.heal_donor is not None, heal_donor=d.group.heal_donor or 0))
-        return reply
+        g = d.group
+        if g is None:
+            return pb.GroupReply(outcome=_OUTCOMES[d.outcome], more=d.more,
+                                 evict_comm_ids=d.evictions, detail=d.detail)
+        return pb.GroupReply(
+            outcome=_OUTCOMES[d.outcome], more=d.more, evict_comm_ids=d.evictions,
+            detail=d.detail, group=pb.Group(
+                group_id=g.group_id, members=g.members, initiator=g.initiator,
+                comm_id=g.comm_id, create_comm=g.create_comm,
+                heal=g.heal_donor is not None, heal_donor=g.heal_donor or 0))
 
     async def _release_group(self, request: pb.ReleaseRequest,
                              context: grpc.aio.ServicerContext) -> None:
         distance = (request.squared_distance if request.HasField("squared_distance")
                     else None)
-        deliveries = await self._call(context, lambda: self.core.release(
-            request.worker_id, request.group_id, request.ok, request.error, self.clock(),
-            squared_distance=distance))
-        assert isinstance(deliveries, dict)
+        try:
+            deliveries = self.core.release(request.worker_id, request.group_id, request.ok,
+                                           request.error, self.clock(),
+                                           squared_distance=distance)
+        except (CoordinatorError, ValueError) as err:
+            await _abort(context, err)
         if not request.ok:
             logger.warning("worker %d reports group %d failed: %s",
                            request.worker_id, request.group_id, request.error)

@@ -108,6 +108,11 @@ def test_coordinator_load_benchmark_counts_requests_and_latencies() -> None:
     # Where the CPU went: the coordinator's process and the load generator's both worked.
     assert result.server_cores > 0 and result.client_cores > 0
     assert 0 < result.server_us_per_request < 1e6
+    # gRPC's floor under the same generator: a server doing nothing, every request a group.
+    floor = coordinator_load.measure(4, cfg, floor=True)
+    assert (result.server, floor.server) == ("coordinator", "grpc floor")
+    assert floor.requests_per_second > 10 and floor.groups_per_second > 0
+    assert 0 < floor.server_us_per_request < 1e6
 
 
 def test_service_benchmark_times_handovers_against_workers_started_by_hand(
