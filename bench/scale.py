@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ripples.sim.engine import SimConfig, SimResult, simulate
-from ripples.sim.models import ComputeModel
+from ripples.sim.models import ComputeModel, ConsensusModel
 
 CAPACITY_RPCS_PER_SECOND = 10_304.0
 """RPCs per second the gRPC coordinator answers on this 2-core machine: 2 x 5,152, the
@@ -42,6 +42,9 @@ class ScaleRun:
     workers: int
     shards: int
     iterations: int
+    data_blocks: int
+    """Blocks of hosts whose data differ (with --data-skew): the sharded run's shards, for
+    the flat run too, so that both see the same data."""
 
 
 def default_runs(levels: list[int]) -> list[ScaleRun]:
@@ -50,8 +53,10 @@ def default_runs(levels: list[int]) -> list[ScaleRun]:
     runs = []
     for n in levels:
         iterations = max(4, min(60, 600_000 // n))
-        for shards in (1, max(4, n // WORKERS_PER_SHARD)):
-            runs.append(ScaleRun(workers=n, shards=shards, iterations=iterations))
+        sharded = max(4, n // WORKERS_PER_SHARD)
+        for shards in (1, sharded):
+            runs.append(ScaleRun(workers=n, shards=shards, iterations=iterations,
+                                 data_blocks=sharded))
     return runs
 
 
@@ -59,7 +64,7 @@ def run_one(run: ScaleRun, base: SimConfig) -> SimResult:
     print(f"simulating {run.workers:,} workers, {run.shards} shard(s), {run.iterations} "
           "iterations ...", file=sys.stderr, flush=True)
     return simulate(replace(base, workers=run.workers, shards=run.shards,
-                            iterations=run.iterations))
+                            iterations=run.iterations, data_blocks=run.data_blocks))
 
 
 def mean_distance(r: SimResult) -> float:
@@ -145,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service-seconds", type=float, default=0.0,
                         help="coordinator time per RPC (0: instant; 0.000097 is the service "
                              "measured here)")
+    parser.add_argument("--data-skew", type=float, default=0.0,
+                        help="the share of the workers' data spread that each shard's hosts "
+                             "have in common (0: none; 1: a shard's workers share one "
+                             "optimum); the flat run at each size gets the same data")
     parser.add_argument("--capacity", type=float, default=CAPACITY_RPCS_PER_SECOND)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", action="store_true")
@@ -155,10 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         base = SimConfig(protocol=args.protocol, workers_per_host=args.workers_per_host,
                          inter_period=args.inter_period, seed=args.seed,
                          service_seconds=args.service_seconds,
-                         compute=ComputeModel(step_seconds=args.step_seconds))
+                         compute=ComputeModel(step_seconds=args.step_seconds),
+                         consensus=ConsensusModel(data_skew=args.data_skew))
         runs = default_runs(levels)
         for run in runs:  # every configuration is checked before the first one runs
             replace(base, workers=run.workers, shards=run.shards, iterations=run.iterations)
+        for run in runs:  # (the shards first: their error names what to change)
+            replace(base, workers=run.workers, shards=run.shards, iterations=run.iterations,
+                    data_blocks=run.data_blocks)
     except ValueError as err:
         parser.error(str(err))
     results = [run_one(run, base) for run in runs]

@@ -99,6 +99,10 @@ class SimConfig:
     ripples-smart) only."""
     inter_period: int = 4
     """Sharded: a head's every inter_period-th group is an inter-shard one."""
+    data_blocks: int = 0
+    """Blocks of consecutive hosts whose data differ (the consensus model's data_skew):
+    0, one block per shard (so a flat run compares with a sharded one of as many shards
+    when it sets the same number)."""
     service_seconds: float = 0.0
     """Coordinator time per RPC (a group request, a release, a heartbeat, an ended wait):
     each coordinator serves its RPCs one at a time, so a busy one answers late (0: at
@@ -135,15 +139,25 @@ class SimConfig:
             if self.shards > hosts or min(map(len, self.shard_ranks())) < 2:
                 raise ValueError(f"{self.shards} shards of {self.workers} workers on {hosts} "
                                  "hosts: each shard needs a host and 2 workers at least")
+        if self.data_blocks < 0 or self.data_blocks > math.ceil(
+                self.workers / self.workers_per_host):
+            raise ValueError("data_blocks must be between 0 (one per shard) and the hosts")
 
     def shard_ranks(self) -> list[list[int]]:
         """The ranks of each shard: shard s holds the hosts h with h * S // hosts == s
         (consecutive hosts), in one pass over the workers."""
+        return self._host_blocks(self.shards)
+
+    def data_block_ranks(self) -> list[list[int]]:
+        """The ranks of each block of hosts whose data differ (data_blocks, else shards)."""
+        return self._host_blocks(self.data_blocks or self.shards)
+
+    def _host_blocks(self, count: int) -> list[list[int]]:
         hosts = math.ceil(self.workers / self.workers_per_host)
-        shards: list[list[int]] = [[] for _ in range(self.shards)]
+        blocks: list[list[int]] = [[] for _ in range(count)]
         for r in range(self.workers):
-            shards[(r // self.workers_per_host) * self.shards // hosts].append(r)
-        return shards
+            blocks[(r // self.workers_per_host) * count // hosts].append(r)
+        return blocks
 
     def settings(self, num_workers: int = 0, iterations: int = 0) -> RunSettings:
         """The run's settings (of one shard's core, or the root's, with the arguments)."""
@@ -259,7 +273,8 @@ class Simulation:
         self.rng = random.Random(config.seed)
         self.compute = config.compute.sampler(config.workers, self.rng)
         self.comm = config.comm
-        self.model = ConsensusState(config.consensus, config.workers, config.seed)
+        self.model = ConsensusState(config.consensus, config.workers, config.seed,
+                                    config.data_block_ranks())
         self.shared = SharedCores(config.compute.cores) if config.compute.cores else None
         self._shared_token = 0
         self._comm_seq = 0

@@ -225,6 +225,11 @@ class ConsensusModel:
     noise: float = 0.01
     heterogeneity: float = 1.0
     """Spread of the workers' own optima (non-i.i.d. data)."""
+    data_skew: float = 0.0
+    """The share of that spread that a block of hosts has in common (data that differs by
+    rack or by source): b_i = sqrt(1 - s) e_i + sqrt(s) u_block(i), e and u drawn alike,
+    so every worker's spread stays `heterogeneity`. 0: every worker's own; 1: a block's
+    workers share one optimum. The blocks: SimConfig.data_blocks."""
 
     def __post_init__(self) -> None:
         if self.dim < 1:
@@ -233,16 +238,25 @@ class ConsensusModel:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
         if self.noise < 0 or self.heterogeneity < 0:
             raise ValueError("noise and heterogeneity must not be negative")
+        if not 0 <= self.data_skew <= 1:
+            raise ValueError(f"data_skew must be in [0, 1], got {self.data_skew}")
 
 
 class ConsensusState:
     """The vectors of one simulated run (numpy, one row per rank)."""
 
-    def __init__(self, model: ConsensusModel, num_workers: int, seed: int) -> None:
+    def __init__(self, model: ConsensusModel, num_workers: int, seed: int,
+                 blocks: list[list[int]] | None = None) -> None:
+        """`blocks`: the ranks of each block of hosts (for `data_skew`)."""
         self.model = model
         self.rng = np.random.default_rng(seed)
         self.x = np.zeros((num_workers, model.dim))
         self.optimum = self.rng.normal(0.0, model.heterogeneity, (num_workers, model.dim))
+        if model.data_skew and blocks:
+            shared = self.rng.normal(0.0, model.heterogeneity, (len(blocks), model.dim))
+            self.optimum *= math.sqrt(1 - model.data_skew)
+            for b, ranks in enumerate(blocks):
+                self.optimum[ranks] += math.sqrt(model.data_skew) * shared[b]
         self.target = self.optimum.mean(axis=0)
         self._noise = np.empty(0)
         self._noise_at = 0

@@ -11,6 +11,7 @@ import gc
 import json
 import math
 
+import numpy as np
 import pytest
 
 from ripples.sim import (
@@ -22,7 +23,7 @@ from ripples.sim import (
     simulate,
 )
 from ripples.sim.engine import Simulation
-from ripples.sim.models import SharedCores, shared_finish_times
+from ripples.sim.models import ConsensusState, SharedCores, shared_finish_times
 from tests.integration.helpers import ripples_cli
 
 
@@ -253,3 +254,18 @@ def test_the_smart_generator_keeps_pools_of_a_hundred_workers_in_step() -> None:
     for workers in (64, 128):
         r = simulate(SimConfig(workers=workers, protocol="ripples-smart", iterations=30))
         assert r.wait_fraction < 0.12, (workers, r.wait_fraction)
+
+
+def test_data_skew_gives_each_block_of_hosts_an_optimum_of_its_own() -> None:
+    blocks = SimConfig(workers=12, workers_per_host=2, data_blocks=3).data_block_ranks()
+    assert blocks == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    plain = ConsensusState(ConsensusModel(), 12, seed=3, blocks=blocks)
+    assert np.array_equal(plain.optimum, ConsensusState(ConsensusModel(), 12, seed=3).optimum)
+    shared = ConsensusState(ConsensusModel(data_skew=1.0), 12, seed=3, blocks=blocks)
+    for ranks in blocks:  # skew 1: a block's workers share one optimum
+        assert np.allclose(shared.optimum[ranks], shared.optimum[ranks[0]])
+    assert not np.allclose(shared.optimum[0], shared.optimum[4])
+    with pytest.raises(ValueError, match="data_skew must be in"):
+        ConsensusModel(data_skew=1.5)
+    with pytest.raises(ValueError, match="data_blocks must be between"):
+        SimConfig(workers=12, workers_per_host=2, data_blocks=7)
