@@ -1,5 +1,9 @@
 """A shard coordinator's watch on its root: `ripples stop` on the root stops every shard.
 
+The root coordinator is the job's: the shard follows the first run it sees running
+there (the root's run, started before the shards), and calls it with the client
+security of its environment (RIPPLES_TLS_CA, RIPPLES_TOKEN_FILE), as the workers do.
+
 In a sharded job (docs/scale.md) each shard is an ordinary run on a coordinator of its
 own, whose settings name the root coordinator (`--root HOST:PORT`); the root's run has
 the shards' heads as members. An operator stops the whole job at the root. This watch
@@ -55,6 +59,12 @@ class RootWatch:
             status = await self._stub.GetRunStatus(pb.RunStatusRequest(run_id=self.run_id),
                                                    timeout=ROOT_CALL_SECONDS)
         except grpc.aio.AioRpcError as err:
+            if self.run_id and err.code() == grpc.StatusCode.NOT_FOUND:
+                self.done = True
+                logger.warning("the root coordinator no longer knows its run %s (restarted "
+                               "without its state?); this shard trains on to its own end",
+                               self.run_id)
+                return
             if not self._unreachable:  # one warning per outage
                 logger.warning("the root coordinator does not answer (the shard trains on): "
                                "%s", describe_rpc_error(err, self.root))

@@ -728,7 +728,7 @@ def _read_from(path: Path, offset: int, tail: int) -> tuple[list[str], int]:
 def _end_state(active: ActiveRun, status: pb.RunStatus) -> pb.RunState:
     """Stopped (by an operator), failed (it never trained, a failure stopped it, or no
     worker left cleanly) or finished (its budget or target)."""
-    if active.operator_stop:
+    if active.operator_stop or active.service.stopped_at_root:
         return pb.RUN_STATE_STOPPED
     clean = any(w.state == pb.WORKER_STATE_LEFT for w in status.workers)
     if not status.started or not clean or active.service.core.stopped_by_failure:

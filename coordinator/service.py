@@ -107,12 +107,6 @@ def progress_to_proto(p: Progress) -> pb.Progress:
     )
 
 
-def _time_out(fut: asyncio.Future[GroupDecision | None]) -> None:
-    """A wait for a group ran out: wake it with None (unless a decision came first)."""
-    if not fut.done():
-        fut.set_result(None)
-
-
 async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> NoReturn:
     """End the call with the status a core error names (ValueError: bad input)."""
     code = (getattr(grpc.StatusCode, err.code) if isinstance(err, CoordinatorError)
@@ -156,8 +150,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.store_host = store_host
         self.store_port = store_port
         self.clock = clock
-        self._waiters: dict[int, asyncio.Future[GroupDecision | None]] = {}
-        """Workers waiting for a group: the decision, or None when the wait ran out."""
+        self._waiters: dict[int, asyncio.Future[GroupDecision]] = {}
+        """Workers waiting for a group (see _wait_for_group)."""
         self._members = asyncio.Event()  # the membership is formed (or the run stopped)
         self._started = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -165,6 +159,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._saver: asyncio.Task[None] | None = None
         self._root_watch: RootWatch | None = None
         self._root_task: asyncio.Task[None] | None = None
+        self.stopped_at_root = False
+        """A shard's run stopped because an operator stopped the root's (it ends as
+        stopped, as a run an operator stopped here does)."""
         self._final_waiters: dict[int, asyncio.Future[GroupRecord | None]] = {}
         self._final_formed = False
         self._restarts_seen = core.restarts
@@ -182,7 +179,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if GroupGeneratorSettings in settings.protocol_settings:
             root = settings.settings(GroupGeneratorSettings).root
             if root:  # this run is one shard of a sharded job
-                self._root_watch = RootWatch(root, self.stop)
+                self._root_watch = RootWatch(root, self._stop_from_root)
                 self._root_task = self._guarded("root-watch", self._root_watch.poll,
                                                 ROOT_POLL_SECONDS)
 
@@ -444,26 +441,38 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def _wait_for_group(self, wid: int, timeout_seconds: float) -> GroupDecision:
         """The decision a deliveries' `_resolve` hands this worker, or, after the timeout,
-        the core's answer to an ended wait (RETRY: ask again)."""
+        the core's answer to an ended wait (RETRY: ask again). Whichever of the two comes
+        first on the loop settles the future, and the other then finds it done: the
+        timeout ends the core's wait in the same callback (`_end_wait`), so a decision
+        is never dropped for a timer that fired first, nor a wait left open."""
         timeout = min(timeout_seconds, MAX_GROUP_WAIT_SECONDS) if timeout_seconds > 0 else 10.0
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[GroupDecision | None] = loop.create_future()
+        fut: asyncio.Future[GroupDecision] = loop.create_future()
         self._waiters[wid] = fut
-        timer = loop.call_later(timeout, _time_out, fut)
+        timer = loop.call_later(timeout, self._end_wait, wid, fut)
         try:
-            decision = await fut
+            return await fut
         except asyncio.CancelledError:  # the client went away: do not deliver to nobody
             # (awaiting the future directly cancels it too: then nothing was delivered)
-            if (fut.cancelled() or not fut.done()) and wid in self.core.workers:
+            if fut.cancelled() and wid in self.core.workers:
                 self.core.abandon_wait(wid, self.clock())
             raise
         finally:
             timer.cancel()
             if self._waiters.get(wid) is fut:
                 del self._waiters[wid]
-        if decision is None:  # timed out
-            return self.core.abandon_wait(wid, self.clock())
-        return decision
+
+    def _end_wait(self, wid: int, fut: asyncio.Future[GroupDecision]) -> None:
+        """The wait for a group ran out (unless a decision came first): end it in the
+        core now and answer with the core's RETRY."""
+        if fut.done():
+            return
+        if self._waiters.get(wid) is fut:
+            del self._waiters[wid]
+        try:
+            fut.set_result(self.core.abandon_wait(wid, self.clock()))
+        except CoordinatorError as err:  # the worker is gone meanwhile
+            fut.set_exception(err)
 
     def _group_reply(self, d: GroupDecision) -> pb.GroupReply:
         g = d.group
@@ -744,6 +753,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                       ) -> pb.StopRunReply:
         await self.stop(request.reason or "stopped by request")
         return pb.StopRunReply()
+
+    async def _stop_from_root(self, reason: str) -> None:
+        self.stopped_at_root = True
+        await self.stop(reason)
 
     async def stop(self, reason: str, *, failure: bool = False) -> None:
         """Stop the run (an operator, or a failure the service saw: see core.stop)."""

@@ -59,7 +59,7 @@ class Session:
     def __init__(self, env: LaunchEnv, *,
                  progress: Callable[[], pb.Progress] | None = None) -> None:
         """`progress`: what this worker reports (default: its own stats; a head's
-        membership at the root reports its shard's, worker/shard.py)."""
+        membership at the root reports the head's own, with no budget: worker/shard.py)."""
         if not env.distributed:
             raise ValueError("a session needs a coordinator address")
         self.env = env

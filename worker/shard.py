@@ -9,10 +9,11 @@ a root group, with other shards' heads, instead of in a group of its shard; its 
 groups in the shard spread what it brought. Ripples' Inter-Intra (one head per node
 averages across nodes) lifted one level.
 
-The root never holds up a shard: the head gives its rounds there no outage window of
-their own (a root that does not answer makes the round a local step), a root that
-refuses the head, or stops, ends the head's part there (with a warning) and the head
-trains on in its shard alone. Only an operator's stop of the root's run stops the shards
+The root holds a shard up only briefly: the head gives its rounds there no outage
+window of their own (a root that does not answer makes the round a shard round), a
+round waits for its root group at most ROOT_GROUP_WAIT_SECONDS, and a root that refuses
+the head, stops, or loses its lease ends the head's part there (with a warning); the
+head then trains on in its shard alone. Only an operator's stop of the root's run stops the shards
 (their coordinators watch it: coordinator/root_watch.py).
 """
 
@@ -39,6 +40,12 @@ ROOT_CONNECT_SECONDS = 10.0
 in its shard alone."""
 NEVER_WAIT_STEPS = 2**31 - 1
 """The head's outage window at the root, in steps: never stop to wait for the root."""
+ROOT_GROUP_WAIT_SECONDS = 5.0
+"""How long a head's round at the root waits for its group's other heads; then the
+round is a shard round, and the root group waits for the head's next root round."""
+ROOT_HEAL_WAIT_SECONDS = 30.0
+"""How long a replacement head waits for its heal group at the root before it gives
+the root up."""
 
 
 def is_head(config: pb.RunConfig, membership: pb.Membership) -> bool:
@@ -86,7 +93,7 @@ class RootLink:
         except (CoordinatorCallError, TimeoutError, ValueError, RuntimeError) as err:
             logger.warning("this shard's head could not join the root at %s; the shard "
                            "trains on without averaging across shards: %s", self.root, err)
-            session.leave(error=str(err)[:500])
+            self.close(error=str(err)[:500])
             return None
         # Never stop to wait for the root: a step without it is a local step.
         root_config = pb.RunConfig()

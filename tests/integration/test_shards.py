@@ -110,9 +110,14 @@ def test_stopping_the_root_stops_every_shard() -> None:
             client.stop_run("the operator ends the job")
             all_exit_cleanly(procs, timeout=90)
         for server in servers:
-            status = CoordinatorClient(server.address).run_status()
+            shard = CoordinatorClient(server.address)
+            status = shard.run_status()
             assert "the root's run" in status.stop_reason, status.stop_reason
             assert "the operator ends the job" in status.stop_reason, status.stop_reason
+            # An operator's stop, at the root: the shard's run ends as stopped.
+            wait_for(lambda shard=shard: shard.run_status().run.state == pb.RUN_STATE_STOPPED,
+                     "the shard's run to end as stopped", timeout=60)
+            shard.close()
         client.close()
 
 

@@ -136,8 +136,8 @@ def test_once_speeds_are_known_they_decide_who_joins_a_division() -> None:
     # workers without idle peers.
     del own[3]
     assert policy.passes_filter(2, 3, _view(range(6), counts=counts, own_seconds=own))
-    # A replacement that joined late (its counter far behind) joins only its own
-    # divisions until its speed is known.
+    # The counters rule itself: a worker of unknown speed whose counter lags the
+    # initiator's by c_thres does not pass.
     late = {**counts, 3: 1}
     assert not policy.passes_filter(2, 3, _view(range(6), counts=late, own_seconds=own))
 

@@ -20,6 +20,7 @@ from ripples.worker.protocols.base import (
     max_peer_wait_seconds,
     run_group_collective,
 )
+from ripples.worker.shard import ROOT_GROUP_WAIT_SECONDS, ROOT_HEAL_WAIT_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,11 @@ class GroupGeneratorProtocol(Protocol):
         self._incarnation = 0  # the coordinator's life whose groups the cache holds
         self._root: GroupGeneratorProtocol | None = None
         """A shard's head: this protocol in the root's run (its rounds there)."""
+        self.poll_seconds = GROUP_POLL_SECONDS
+        """Server-side bound on one wait for a group reply."""
+        self.retry_ends_round = False
+        """A wait that ran out (RETRY) ends the round with no group, rather than asking
+        again: a head's rounds at the root, which never hold its shard up for long."""
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
@@ -58,8 +64,14 @@ class GroupGeneratorProtocol(Protocol):
         if link is not None:  # a shard's head joins the root's run (worker/shard.py)
             root_ctx = link.open(self.ctx.model, self.ctx.state)
             if root_ctx is not None:
-                self._root = GroupGeneratorProtocol(root_ctx)
-                self._root.begin()
+                root = self._root = GroupGeneratorProtocol(root_ctx)
+                root.poll_seconds = ROOT_GROUP_WAIT_SECONDS
+                root.retry_ends_round = True
+                root.max_group_wait_seconds = ROOT_HEAL_WAIT_SECONDS
+                try:
+                    root.begin()  # a replacement head heals at the root too
+                except (CoordinatorCallError, TimeoutError) as err:
+                    self._leave_root(error=str(err)[:500])
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         if self.ctx.stop_requested.is_set():
@@ -71,10 +83,14 @@ class GroupGeneratorProtocol(Protocol):
         if root is None or link is None or completed % link.inter_period:
             return self._round(completed)
         # A shard's head: this round is at the root, with other shards' heads.
+        if root.ctx.stop_requested.is_set():  # the root's run stopped, or the root is lost
+            fatal = link.session.fatal_error
+            if fatal:
+                self._leave_root(error=fatal[:500])
+            else:
+                self._leave_root(reason=root.ctx.stop_reason() or "the root's run stopped")
+            return self._round(completed)
         try:
-            if root.ctx.stop_requested.is_set():  # the root stopped, or is lost
-                raise CoordinatorCallError(root.ctx.stop_reason() or "the root's lease is "
-                                           "lost", None)
             result = root.after_step(completed)
         except (CoordinatorCallError, TimeoutError) as err:
             self._leave_root(error=str(err)[:500])
@@ -113,6 +129,8 @@ class GroupGeneratorProtocol(Protocol):
             for comm_id in reply.evict_comm_ids:
                 self.ctx.comms.drop(f"gg/{self.ctx.config.run_id}/{comm_id}")
             if reply.outcome == pb.GROUP_OUTCOME_RETRY:
+                if self.retry_ends_round:
+                    break
                 waited = time.perf_counter() - waited_since
                 if waited > self.max_group_wait_seconds:
                     raise TimeoutError(f"no group after {waited:.0f} s: {reply.detail}")
@@ -167,7 +185,7 @@ class GroupGeneratorProtocol(Protocol):
         while True:
             self._forget_old_incarnation()
             try:
-                reply = self.stream.request(completed, GROUP_POLL_SECONDS, self.ctx.progress())
+                reply = self.stream.request(completed, self.poll_seconds, self.ctx.progress())
             except StreamInterrupted as err:
                 if not self._outage_steps:
                     logger.warning("training on without averaging while the coordinator is "
