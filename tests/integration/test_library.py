@@ -255,7 +255,7 @@ def test_the_ddp_example_it_migrates_from_runs_under_torchrun() -> None:
         # Plain torch, no Ripples code: with gloo, a rank sometimes aborts while the
         # process exits, after training and destroy_process_group (std::terminate in a
         # gloo thread at interpreter shutdown; pytorch/pytorch#179291 discusses the
-        # teardown). Measured here under load: 3 of 32 runs; a barrier before
+        # teardown). Measured here under load: 2 of 22 runs; a barrier before
         # destroy_process_group (1 of 16) or deleting the DDP model first (1 of 22)
         # did not stop it. That abort, and nothing else, is accepted.
         assert ("terminate called without an active exception" in proc.stderr
