@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ripples.cli import build_parser, split_script
+from tests.integration.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -169,12 +169,6 @@ def _clients(compose: dict) -> dict[str, dict]:
 def _provisioned_datasource() -> dict:
     (datasource,) = _yaml(DATASOURCES)["datasources"]
     return datasource
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------- compose
@@ -438,7 +432,7 @@ def _compose_coordinator(volumes: Path, tmp_path: Path) -> Iterator[tuple[int, i
     service = _compose()["services"]["coordinator"]
     state = tmp_path / "coordinator-state"
     state.mkdir()
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     mapped = {"host": "127.0.0.1", "port": str(port), "store-port": "0",
               "metrics-port": str(metrics_port), "state-dir": str(state)}
     command = []
@@ -883,7 +877,7 @@ def _run_sbatch(tmp_path: Path, args: list[str], *, standin: bool = True,
         "STANDIN_SCANCEL_LOG": str(tmp_path / "scancel.log"),
         "SLURM_JOB_ID": job_id, "SLURM_JOB_NUM_NODES": str(nodes),
         "SLURM_JOB_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(tmp_path),
-        "SLURM_GPUS_PER_NODE": str(gpus), "RIPPLES_PORT": str(_free_port()),
+        "SLURM_GPUS_PER_NODE": str(gpus), "RIPPLES_PORT": str(free_port()),
         "RIPPLES_METRICS_PORT": "0", "RIPPLES_STOP_GRACE": "20"} | (env or {})
     proc = subprocess.Popen(["bash", str(SBATCH), *args], cwd=tmp_path, env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

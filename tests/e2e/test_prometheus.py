@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS / "integration"), str(TESTS / "deploy")]
 
 from grafana_dashboard import load_dashboard, queries, template_variables, to_promql  # noqa: E402
-from helpers import REPO, running_coordinator, start_worker  # noqa: E402
+from helpers import REPO, free_port, running_coordinator, start_worker  # noqa: E402
 
 from ripples.worker.client import CoordinatorClient  # noqa: E402
 
@@ -47,12 +46,6 @@ SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 # Two logical nodes, so that the dashboard's $host variable has more than one value.
 WORKERS = [("node-a", 0), ("node-a", 1), ("node-b", 0)]
 RATE_INTERVAL = "10s"  # what Grafana makes of $__rate_interval at a 1 s scrape interval
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get_json(url: str, timeout: float = 5.0) -> Any:
@@ -120,7 +113,7 @@ def running_prometheus(tmp_path: Path, sd_url: str,
         job["authorization"] = bearer
         job["http_sd_configs"][0]["authorization"] = bearer
     config.write_text(yaml.safe_dump(settings))
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     log = tmp_path / "prometheus.log"
     with open(log, "w") as log_file:
         proc = subprocess.Popen(
