@@ -476,15 +476,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _group_reply(self, d: GroupDecision) -> pb.GroupReply:
         g = d.group
-        if g is None:
-            return pb.GroupReply(outcome=_OUTCOMES[d.outcome], more=d.more,
-                                 evict_comm_ids=d.evictions, detail=d.detail)
-        return pb.GroupReply(
-            outcome=_OUTCOMES[d.outcome], more=d.more, evict_comm_ids=d.evictions,
-            detail=d.detail, group=pb.Group(
-                group_id=g.group_id, members=g.members, initiator=g.initiator,
-                comm_id=g.comm_id, create_comm=g.create_comm,
-                heal=g.heal_donor is not None, heal_donor=g.heal_donor or 0))
+        group = None if g is None else pb.Group(
+            group_id=g.group_id, members=g.members, initiator=g.initiator, comm_id=g.comm_id,
+            create_comm=g.create_comm, heal=g.heal_donor is not None,
+            heal_donor=g.heal_donor or 0)
+        return pb.GroupReply(outcome=_OUTCOMES[d.outcome], more=d.more,
+                             evict_comm_ids=d.evictions, detail=d.detail, group=group)
 
     async def _release_group(self, request: pb.ReleaseRequest,
                              context: grpc.aio.ServicerContext) -> None:
