@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: on CPU machines 2.13.0 resolves to the CPU wheel (see README).
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,peers]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ripples.bench.peers import PEERS, missing_package
 from ripples.bench.scenarios import SCENARIOS, Scenario
 from ripples.coordinator.topology import TOPOLOGIES
 from ripples.protocols import PROTOCOLS, Coordination
@@ -76,6 +77,11 @@ each its step cap (`max_steps`), seed and batch size."""
 """What the matrix can run: every registered protocol, then the variants."""
 
 
+PEER_NAMES: tuple[str, ...] = tuple(PEERS)
+"""Peer systems (hivemind, torchft) the matrix can run next to Ripples' protocols, when
+their packages are installed (`pip install 'ripples[peers]'`; `ripples bench --peers`)."""
+
+
 def base_protocol(name: str) -> str:
     """The registered protocol a matrix entry runs (a variant's, or the name itself)."""
     return VARIANTS[name].protocol if name in VARIANTS else name
@@ -83,8 +89,8 @@ def base_protocol(name: str) -> str:
 
 def takes_topology(name: str) -> bool:
     """Lockstep protocols (allreduce, ripples-static) synchronise every worker together
-    and ignore a topology; the group and gossip protocols run on it."""
-    return PROTOCOLS[base_protocol(name)].role.takes_topology
+    and ignore a topology; the group and gossip protocols run on it (peers: none)."""
+    return name not in PEERS and PROTOCOLS[base_protocol(name)].role.takes_topology
 
 
 @dataclass(kw_only=True)
@@ -117,12 +123,27 @@ class HarnessConfig:
     rate_com: float = 1.0
     """Gossip: expected pairwise averagings per worker per gradient step, equal for every
     gossip protocol of the matrix."""
+    peer_settings: dict[str, dict[str, object]] = field(default_factory=dict)
+    """peer -> knob -> value, over the peer's tuned defaults (PEERS[peer].defaults)."""
 
     def validate(self) -> None:
-        unknown = [p for p in self.protocols if p not in MATRIX_PROTOCOLS]
+        unknown = [p for p in self.protocols if p not in MATRIX_PROTOCOLS + PEER_NAMES]
         if unknown:
             raise ValueError(f"unknown protocol(s) {unknown}; choose from "
-                             f"{', '.join(MATRIX_PROTOCOLS)}")
+                             f"{', '.join(MATRIX_PROTOCOLS + PEER_NAMES)}")
+        missing = {p: m for p in self.protocols if p in PEERS
+                   for m in [missing_package(p)] if m}
+        if missing:
+            raise ValueError(
+                f"peer(s) {', '.join(missing)} need(s) {', '.join(sorted(set(missing.values())))}"
+                ", which is not installed: pip install 'ripples[peers]'")
+        for peer, knobs in self.peer_settings.items():
+            if peer not in PEERS:
+                raise ValueError(f"--peer-setting names {peer!r}, not a peer ({', '.join(PEERS)})")
+            unknown = sorted(set(knobs) - set(PEERS[peer].defaults))
+            if unknown:
+                raise ValueError(f"{peer} has no setting {', '.join(unknown)}; its settings: "
+                                 f"{', '.join(PEERS[peer].defaults)}")
         if self.topology not in TOPOLOGIES or self.topology == "file":
             raise ValueError(f"unknown topology {self.topology!r}; choose one of "
                              f"{', '.join(t for t in TOPOLOGIES if t != 'file')}")
@@ -200,8 +221,25 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
 
 def run_one(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int) -> RunRecord:
     out = cfg.output / "runs" / f"{scenario.name}-{protocol}-{repeat}"
-    summary = run_summary(cfg, scenario, protocol, repeat, out)
+    summary = (peer_summary(cfg, scenario, protocol, repeat, out) if protocol in PEERS
+               else run_summary(cfg, scenario, protocol, repeat, out))
     return record_from_summary(summary, scenario, repeat, protocol)
+
+
+def peer_summary(cfg: HarnessConfig, scenario: Scenario, peer: str, repeat: int,
+                 out: Path) -> dict:
+    """Run one matrix entry of a peer system (same task, seed, data, batch, slowdowns)."""
+    from ripples.bench.peers.launch import PeerRunConfig, run_peer
+
+    script = SCRIPT_WORKLOADS.get(cfg.task)
+    return run_peer(PeerRunConfig(
+        peer=peer, workload=cfg.task,
+        script_args=tuple(script[3:]) if script else (),
+        num_workers=cfg.workers, seed=cfg.seed + repeat, batch_size=cfg.batch_size,
+        max_epochs=cfg.max_epochs, max_steps=cfg.max_steps, target_loss=cfg.target_loss,
+        slowdowns=scenario.slowdowns(cfg.workers),
+        settings=dict(cfg.peer_settings.get(peer, {})), output=out,
+        timeout_seconds=cfg.run_timeout_seconds))
 
 
 def run_summary(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int,
@@ -374,6 +412,41 @@ def run_matrix(cfg: HarnessConfig, finished: list[RunRecord] | None = None) -> l
     return records
 
 
+def installed_peers(exclude: tuple[str, ...] = ()) -> list[str]:
+    """The peers whose packages are installed; says on stderr which are skipped."""
+    chosen = []
+    for peer in PEERS:
+        if peer in exclude:
+            continue
+        package = missing_package(peer)
+        if package:
+            print(f"skipping peer {peer}: {package} is not installed "
+                  "(pip install 'ripples[peers]')", file=sys.stderr, flush=True)
+        else:
+            chosen.append(peer)
+    return chosen
+
+
+def parse_peer_settings(items: list[str]) -> dict[str, dict[str, object]]:
+    """PEER:KEY=VALUE items (numbers parsed as numbers); ValueError saying what to write."""
+    out: dict[str, dict[str, object]] = {}
+    for item in items:
+        peer, sep, rest = item.partition(":")
+        key, eq, text = rest.partition("=")
+        if not sep or not eq or not key:
+            raise ValueError(f"malformed --peer-setting {item!r}: write PEER:KEY=VALUE, e.g. "
+                             "hivemind-local:target_batch_size=1024")
+        value: object = text
+        for kind in (int, float):
+            try:
+                value = kind(text)
+                break
+            except ValueError:
+                continue
+        out.setdefault(peer, {})[key] = value
+    return out
+
+
 def _fmt(value: object, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -485,11 +558,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="print the table as Markdown (docs/benchmarks.md); with --resume "
                              "on a finished bench, re-prints it without running anything")
+    parser.add_argument("--peers", action="store_true",
+                        help=f"also run the peer systems ({', '.join(PEERS)}) whose packages "
+                             "are installed (pip install 'ripples[peers]'); the others are "
+                             "skipped with a message")
+    parser.add_argument("--peer-setting", action="append", default=[], metavar="PEER:KEY=VALUE",
+                        help="a peer's knob instead of its tuned default (repeatable), e.g. "
+                             "hivemind-local:target_batch_size=1024")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in OUTPUT/records.jsonl (an interrupted "
                              "bench with the same options) and run only the missing ones")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else defaults
+    try:
+        peer_settings = parse_peer_settings(args.peer_setting)
+    except ValueError as err:
+        parser.error(str(err))
     cfg = replace(
         base, workers=args.workers, workers_per_node=args.workers_per_node,
         protocols=(tuple(p for p in args.protocols.split(",") if p) if args.protocols
@@ -501,7 +585,10 @@ def main(argv: list[str] | None = None) -> int:
         max_epochs=args.max_epochs or base.max_epochs, repeats=args.repeats or base.repeats,
         max_steps=args.max_steps,
         seed=args.seed, output=args.output, topology=args.topology, rate_com=args.rate_com,
+        peer_settings=peer_settings,
     )
+    if args.peers:
+        cfg.protocols += tuple(installed_peers(exclude=cfg.protocols))
     try:
         cfg.validate()
         finished = load_finished(cfg) if args.resume else []

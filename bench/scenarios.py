@@ -21,16 +21,18 @@ class Scenario:
         """The workers slowed in every iteration (the rest are 'the others')."""
         return frozenset({0}) if self.factor != 1.0 and not self.random else frozenset()
 
-    def slowdown_flags(self, num_workers: int) -> list[str]:
+    def slowdowns(self, num_workers: int) -> dict[int, str]:
+        """rank -> FACTOR[@PROBABILITY] of every slowed worker."""
         if self.factor == 1.0:
-            return []
+            return {}
         if not self.random:
-            return [arg for rank in sorted(self.slowed_ranks())
-                    for arg in ("--slowdown", f"{rank}:{self.factor:g}")]
-        flags = []
-        for rank in range(num_workers):
-            flags += ["--slowdown", f"{rank}:{self.factor:g}@{1 / num_workers:.6g}"]
-        return flags
+            return {rank: f"{self.factor:g}" for rank in sorted(self.slowed_ranks())}
+        return {rank: f"{self.factor:g}@{1 / num_workers:.6g}" for rank in range(num_workers)}
+
+    def slowdown_flags(self, num_workers: int) -> list[str]:
+        """The `ripples run --slowdown RANK:SPEC` flags."""
+        return [arg for rank, spec in self.slowdowns(num_workers).items()
+                for arg in ("--slowdown", f"{rank}:{spec}")]
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (

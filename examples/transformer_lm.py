@@ -130,7 +130,8 @@ def warmup_cosine(step: int, *, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options (the benchmark's peers build the same model from them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000,
                         help="optimizer steps of the schedule (per worker)")
@@ -148,19 +149,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loader-workers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def build_model(args: argparse.Namespace) -> TinyGPT:
+    """The model every worker starts from (seeded by --seed)."""
+    torch.manual_seed(args.seed)
+    return TinyGPT(block_size=args.block_size, d_model=args.d_model, layers=args.layers,
+                   heads=args.heads)
+
+
+def build_adamw(model: nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW, weight decay on the matrices only."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     worker = ripples.init()
     device = worker.device
-    torch.manual_seed(args.seed)  # every worker starts from the same model
-    model = TinyGPT(block_size=args.block_size, d_model=args.d_model, layers=args.layers,
-                    heads=args.heads).to(device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=args.lr, betas=(0.9, 0.95))
-    opt = ripples.Optimizer(adamw, model, planned_steps=args.steps)
+    model = build_model(args).to(device)  # every worker starts from the same model
+    opt = ripples.Optimizer(build_adamw(model, args), model, planned_steps=args.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: warmup_cosine(
         opt.global_step, warmup=args.warmup, total=args.steps))
 

@@ -15,6 +15,7 @@ hundred MB (docs/fault-tolerance.md, "The consensus model on a cluster").
 from __future__ import annotations
 
 import io
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,21 @@ def average_models(blobs: list[bytes]) -> Average:
                 other[k].shape != first[k].shape for k in first):
             raise ValueError(f"the models of the first and of worker #{i} differ (keys or "
                              "shapes): not one model")
+    average, distance = average_state_dicts(models)
+    buffer = io.BytesIO()
+    torch.save(average, buffer)
+    return Average(data=buffer.getvalue(), iterations=[int(m["iteration"]) for m in loaded],
+                   consensus_distance=distance)
+
+
+def average_state_dicts(models: list[dict[str, torch.Tensor]],
+                        distance_over: Collection[str] | None = None
+                        ) -> tuple[dict[str, torch.Tensor], float]:
+    """The average of state dicts of one model (floating-point tensors averaged in float64,
+    others taken from the first) and the consensus distance: the mean over the models of
+    the squared distance of the tensors named in `distance_over` (default: every
+    floating-point one) to the average."""
+    first = models[0]
     average: dict[str, torch.Tensor] = {}
     squared = 0.0
     for name, tensor in first.items():
@@ -70,9 +86,7 @@ def average_models(blobs: list[bytes]) -> Average:
             continue
         stacked = torch.stack([m[name].double() for m in models])
         mean = stacked.mean(dim=0)
-        squared += float(((stacked - mean) ** 2).sum())
+        if distance_over is None or name in distance_over:
+            squared += float(((stacked - mean) ** 2).sum())
         average[name] = mean.to(tensor.dtype)
-    buffer = io.BytesIO()
-    torch.save(average, buffer)
-    return Average(data=buffer.getvalue(), iterations=[int(m["iteration"]) for m in loaded],
-                   consensus_distance=squared / len(models))
+    return average, squared / len(models)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ripples.consensus import average_state_dicts
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.history import DB_NAME
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
@@ -259,15 +260,10 @@ class LocalCluster:
             if not path.exists():
                 raise RuntimeError(f"worker rank {rank} saved no model at {path}")
             states.append(torch.load(path, map_location="cpu"))
-        consensus = {k: sum(s[k].float() for s in states) / len(states) if
-                     states[0][k].is_floating_point() else states[0][k] for k in states[0]}
         # Exact consensus distance of the final models: mean squared distance of the
         # workers' parameters to their average (the model the run returns).
-        names = self._parameter_names(states[0])
-        consensus_distance = sum(
-            float(sum((s[n].double() - consensus[n].double()).square().sum() for n in names))
-            for s in states) / len(states)
-        consensus = {k: v.to(states[0][k].dtype) for k, v in consensus.items()}
+        consensus, consensus_distance = average_state_dicts(
+            states, set(self._parameter_names(states[0])))
         torch.save(consensus, cfg.output / "model.pt")
         final_loss, accuracy = float("nan"), None
         task = None

@@ -56,8 +56,8 @@ def train_task(worker: Worker, spec: str) -> str:
     sampler = (None if isinstance(dataset, IterableDataset)
                else DistributedSampler(dataset, shuffle=True, seed=settings.seed,
                                        reshard_every_epoch=False))
-    loader = _loader(task, dataset, sampler, pin_memory=worker.device.type == "cuda")
-    planned = settings.iterations or math.ceil(settings.epochs * _steps_per_epoch(task, loader))
+    loader = task_loader(task, dataset, sampler, pin_memory=worker.device.type == "cuda")
+    planned = settings.iterations or math.ceil(settings.epochs * steps_per_epoch(task, loader))
     opt = Optimizer(task.build_optimizer(model), model, planned_steps=planned)
     scheduler = task.build_scheduler(opt) if task.build_scheduler is not None else None
     # The launch's --checkpoint-dir, if any: resume from it, save into it.
@@ -97,7 +97,7 @@ def train_task(worker: Worker, spec: str) -> str:
     return opt.stop_reason
 
 
-def _loader(task: Task, dataset: Dataset[Any], sampler: DistributedSampler | None, *,
+def task_loader(task: Task, dataset: Dataset[Any], sampler: DistributedSampler | None, *,
             pin_memory: bool) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
     """The task's batches. A TensorDataset loaded in this process is indexed a whole batch
     at a time (one gather per tensor): a DataLoader fetches and collates sample by sample,
@@ -125,7 +125,7 @@ class _TensorBatches:
             yield inputs[index], targets[index]
 
 
-def _steps_per_epoch(task: Task, loader: Iterable[Any]) -> int:
+def steps_per_epoch(task: Task, loader: Iterable[Any]) -> int:
     """One epoch: the workers together pass over the training set once."""
     if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
         if task.iterations_per_epoch is None:

@@ -1,0 +1,60 @@
+"""Peer systems in `ripples bench --peers`: hivemind and torchft on the bench's task.
+
+They are optional (`pip install 'ripples[peers]'`): a peer whose package is missing is
+skipped with a message naming the package. Each peer run is N worker processes of that
+system (`ripples.bench.peers.worker`), launched and measured by
+`ripples.bench.peers.launch` into the summary.json a `ripples run` writes, so the
+harness reports both alike. docs/benchmarks.md says how each is set up and tuned.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerSpec:
+    """A peer configuration of the matrix."""
+
+    name: str
+    package: str
+    """The module it needs (`pip install 'ripples[peers]'` brings it)."""
+    description: str
+    defaults: dict[str, Any]
+    """Its knobs as the tuning sweep found best (docs/benchmarks.md)."""
+    sweep: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """The values `python -m ripples.bench.peers.sweep` tries, one knob at a time."""
+
+
+PEERS: dict[str, PeerSpec] = {p.name: p for p in (
+    PeerSpec(
+        name="hivemind-local", package="hivemind",
+        description="hivemind.Optimizer, use_local_updates: a local step every step, "
+                    "parameters averaged in the background once the peers together did "
+                    "target_batch_size samples",
+        defaults={"target_batch_size": 256, "matchmaking_time": 1.0,
+                  "averaging_timeout": 10.0},
+        sweep={"target_batch_size": (64, 256, 1024), "matchmaking_time": (0.5, 1.0, 2.0)}),
+    PeerSpec(
+        name="hivemind-sync", package="hivemind",
+        description="hivemind.Optimizer's default mode: gradients accumulated until the "
+                    "peers did one batch each (target batch = workers x batch), averaged, "
+                    "then one optimizer step",
+        defaults={"matchmaking_time": 1.0, "averaging_timeout": 10.0},
+        sweep={"matchmaking_time": (0.5, 1.0, 2.0)}),
+    PeerSpec(
+        name="torchft", package="torchft",
+        description="torchft Manager with a lighthouse, its DistributedDataParallel: a "
+                    "quorum and a gradient all-reduce every step (gloo)",
+        defaults={"mode": "ddp", "join_timeout_ms": 100, "quorum_tick_ms": 10,
+                  "heartbeat_timeout_ms": 5000, "timeout_seconds": 10.0},
+        sweep={"mode": ("ddp", "localsgd-4", "localsgd-16")}),
+)}
+
+
+def missing_package(peer: str) -> str | None:
+    """The package `peer` needs when it is not installed, else None."""
+    package = PEERS[peer].package
+    return None if importlib.util.find_spec(package) is not None else package

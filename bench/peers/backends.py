@@ -1,0 +1,321 @@
+"""The peer systems behind `ripples bench --peers`: how each joins its peers, wraps the
+model and optimizer, synchronises in its step, and shuts down.
+
+A backend is what the peer worker's loop (worker.py) calls around the Ripples runner's
+own loop: `zero_grad()` before the forward pass and `step()` after the backward pass.
+Each peer system's knobs come from `PEERS[name].defaults` (the tuning sweep's best,
+docs/benchmarks.md) with the run's overrides.
+
+Everything binds and connects to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ripples.bench.peers.config import PeerRunFiles, PeerWorkerConfig
+from ripples.bench.peers.workloads import PeerWorkload
+
+RENDEZVOUS_TIMEOUT_SECONDS = 60.0
+"""How long a worker waits for its peer system's first member, or a service, to appear."""
+
+
+class PeerBackend(ABC):
+    """One worker's membership of a peer system."""
+
+    model: nn.Module
+    """What the forward pass runs (a wrapper where the system needs one)."""
+    optimizer: torch.optim.Optimizer
+    """The optimizer whose learning rate a schedule sets."""
+    start_step = 0
+    """The step a worker starts counting from (a replacement's is its peers')."""
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @abstractmethod
+    def step(self) -> None:
+        """The optimizer step, and this system's synchronisation with its peers."""
+
+    def last_step(self, step: int) -> int:
+        """The step to stop after, now that the launcher asked for a stop after `step`.
+        Workers of systems whose workers are independent stop at once."""
+        return step
+
+    def backward_sync_seconds(self) -> float:
+        """Seconds of this step's backward pass spent synchronising (DDP's all-reduce
+        runs inside it); counted as synchronisation, not compute."""
+        return 0.0
+
+    @abstractmethod
+    def model_state(self) -> dict[str, Tensor]:
+        """The trained model's state dict (no wrapper's prefixes)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the peer system (worker.py bounds how long this may take)."""
+
+
+def make_backend(cfg: PeerWorkerConfig, work: PeerWorkload, files: PeerRunFiles) -> PeerBackend:
+    if cfg.peer in ("hivemind-local", "hivemind-sync"):
+        return HivemindBackend(cfg, work, files, local_updates=cfg.peer == "hivemind-local")
+    if cfg.peer == "torchft":
+        return TorchftBackend(cfg, work)
+    raise ValueError(f"no backend for peer {cfg.peer!r}")
+
+
+def start_service(peer: str, files: PeerRunFiles, settings: dict[str, Any]
+                  ) -> tuple[subprocess.Popen[bytes] | None, dict[str, str]]:
+    """The peer system's own service, if it has one, and how workers reach it."""
+    if peer != "torchft":
+        return None, {}
+    port = free_port()
+    log = (files.directory / "lighthouse.log").open("wb")
+    # min_replicas 1: a quorum forms from whoever is there after join_timeout_ms, so a
+    # killed replica does not hold the others up (torchft's fault tolerance).
+    lighthouse = subprocess.Popen(
+        [_lighthouse_binary(), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
+         "--join_timeout_ms", str(int(settings["join_timeout_ms"])),
+         "--quorum_tick_ms", str(int(settings["quorum_tick_ms"])),
+         "--heartbeat_timeout_ms", str(int(settings["heartbeat_timeout_ms"]))],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_SECONDS
+    while not _port_open(port):
+        if lighthouse.poll() is not None:
+            raise RuntimeError(f"torchft's lighthouse exited {lighthouse.returncode}: "
+                               + (files.directory / "lighthouse.log").read_text()[-2000:])
+        if time.monotonic() > deadline:
+            lighthouse.kill()
+            raise TimeoutError(f"torchft's lighthouse did not listen on 127.0.0.1:{port} "
+                               f"within {RENDEZVOUS_TIMEOUT_SECONDS:.0f} s")
+        time.sleep(0.05)
+    return lighthouse, {"lighthouse": f"http://127.0.0.1:{port}"}
+
+
+def _lighthouse_binary() -> str:
+    """torchft's wheel installs `torchft_lighthouse` next to this interpreter."""
+    import sys
+
+    path = Path(sys.executable).parent / "torchft_lighthouse"
+    if not path.exists():
+        raise RuntimeError(f"torchft's lighthouse is not at {path}: pip install 'ripples[peers]'")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_for(path: Path, what: str) -> str:
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_SECONDS
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not appear within {RENDEZVOUS_TIMEOUT_SECONDS:.0f} s "
+                               f"({path})")
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(text)
+    tmp.rename(path)
+
+
+def _floating_buffers(model: nn.Module) -> list[Tensor]:
+    """BatchNorm's running statistics: Ripples averages them with the parameters."""
+    return [b for b in model.buffers() if b.dtype.is_floating_point]
+
+
+# ----------------------------------------------------------------------------- hivemind
+LOOPBACK_P2P: dict[str, Any] = {
+    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+    "use_ipfs": False,  # never bootstrap from the public IPFS network
+    "use_relay": False, "use_auto_relay": False,  # no libp2p circuit relays
+    "auto_nat": False, "nat_port_map": False,  # no NAT discovery, no UPnP port mapping
+}
+
+
+class HivemindBackend(PeerBackend):
+    """hivemind.Optimizer over a DHT of the run's workers.
+
+    local_updates=True (hivemind-local): every step a local step; whenever the workers
+    together did `target_batch_size` samples (a hivemind "epoch"), the parameters (and
+    BatchNorm statistics) are averaged in the background with whoever matched within
+    `matchmaking_time`. False (hivemind-sync): gradients accumulate until the workers
+    together did one batch each, are averaged, and one optimizer step follows."""
+
+    def __init__(self, cfg: PeerWorkerConfig, work: PeerWorkload, files: PeerRunFiles, *,
+                 local_updates: bool) -> None:
+        import hivemind
+
+        settings = cfg.settings
+        mine = files.rendezvous_file(f"dht.rank{cfg.rank}")
+        if cfg.rank == 0 and cfg.incarnation == 0:
+            self.dht = hivemind.DHT(start=True, **LOOPBACK_P2P)
+        else:  # join through the first worker (a replacement of rank 0: through rank 1)
+            via = 1 if cfg.rank == 0 else 0
+            peers = _wait_for(files.rendezvous_file(f"dht.rank{via}"),
+                              f"hivemind worker {via}'s DHT address").split()
+            self.dht = hivemind.DHT(start=True, initial_peers=peers, **LOOPBACK_P2P)
+        _write_atomically(mine, "\n".join(str(a) for a in self.dht.get_visible_maddrs()))
+        model = work.model
+        target = (int(settings["target_batch_size"]) if local_updates
+                  else cfg.num_workers * cfg.batch_size)
+        matchmaking = float(settings["matchmaking_time"])
+        self.hivemind_optimizer = hivemind.Optimizer(
+            dht=self.dht, run_id=f"ripples-bench-{os.path.basename(cfg.directory)}",
+            params=work.params(model), optimizer=work.make_optimizer,
+            batch_size_per_step=cfg.batch_size, target_batch_size=target,
+            use_local_updates=local_updates, matchmaking_time=matchmaking,
+            averaging_timeout=float(settings["averaging_timeout"]),
+            load_state_timeout=RENDEZVOUS_TIMEOUT_SECONDS,
+            extra_tensors=_floating_buffers(model),
+            # A request must be able to time out within one matchmaking round.
+            averager_opts={"request_timeout": matchmaking / 2},
+            shutdown_timeout=5.0, verbose=False)
+        self.model = model
+        self.optimizer = self.hivemind_optimizer.state_averager.optimizer
+        if cfg.incarnation > 0:  # a replacement: the collaboration's state first
+            self.hivemind_optimizer.load_state_from_peers()
+
+    def zero_grad(self) -> None:
+        self.hivemind_optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.hivemind_optimizer.step()
+
+    def model_state(self) -> dict[str, Tensor]:
+        return self.model.state_dict()
+
+    def close(self) -> None:
+        self.hivemind_optimizer.shutdown()
+        self.dht.shutdown()
+
+
+# ----------------------------------------------------------------------------- torchft
+class TorchftBackend(PeerBackend):
+    """torchft: one replica group per worker (world size 1 inside it), a Manager talking
+    to the run's lighthouse, gloo between the groups.
+
+    mode "ddp": torchft.DistributedDataParallel and torchft.Optimizer: every step a quorum
+    (started asynchronously at zero_grad), the gradients all-reduced among its members,
+    and the step committed only if every member succeeded. mode "localsgd-K":
+    torchft.local_sgd.LocalSGD: K local steps, then a quorum and the parameters averaged."""
+
+    def __init__(self, cfg: PeerWorkerConfig, work: PeerWorkload) -> None:
+        import torch.distributed as dist
+        from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+        from torchft import Optimizer as FtOptimizer
+
+        settings = cfg.settings
+        mode = str(settings["mode"])
+        self.sync_every = int(mode.removeprefix("localsgd-")) if mode.startswith("localsgd-") else 0
+        if mode != "ddp" and self.sync_every < 1:
+            raise ValueError(f"torchft mode {mode!r}: write ddp or localsgd-K (K >= 1)")
+        model, inner = work.model, work.make_optimizer(work.params(work.model))
+        self.plain_model, self.optimizer = model, inner
+        # The replica group's store: one process per group, so this process hosts it,
+        # on a socket bound to loopback (TCPStore's own master binds every address).
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        store_port = listener.getsockname()[1]
+        self._listener = listener
+        self.store = dist.TCPStore(host_name="127.0.0.1", port=store_port, is_master=True,
+                                   wait_for_workers=False, master_listen_fd=listener.fileno())
+        timeout = timedelta(seconds=float(settings["timeout_seconds"]))
+
+        def state_dict() -> dict[str, Any]:
+            return {"model": model.state_dict(), "optimizer": inner.state_dict()}
+
+        def load_state_dict(state: dict[str, Any]) -> None:
+            model.load_state_dict(state["model"])
+            inner.load_state_dict(state["optimizer"])
+
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
+            state_dict=state_dict, min_replica_size=1, use_async_quorum=self.sync_every == 0,
+            timeout=timeout, quorum_timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_SECONDS),
+            connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
+            store_port=store_port, lighthouse_addr=cfg.rendezvous["lighthouse"],
+            replica_id=f"rank{cfg.rank}", hostname="127.0.0.1")
+        self._local_sgd: Any = None
+        if self.sync_every:
+            from torchft.local_sgd import LocalSGD
+
+            self.model = model
+            self.ft_optimizer: torch.optim.Optimizer = inner
+            self._local_sgd = LocalSGD(self.manager, model, inner, sync_every=self.sync_every)
+            self._local_sgd.__enter__()
+        else:
+            backend = self
+
+            def timed_hook(state: Any, bucket: Any) -> Any:
+                """torchft's DDP communication hook, timed: it waits for the step's quorum
+                and all-reduce inside backward (a slower device would not make that
+                slower: it is synchronisation, not compute)."""
+                began = time.perf_counter()
+                try:
+                    return DistributedDataParallel._comm_hook(state, bucket)
+                finally:
+                    backend._sync_in_backward += time.perf_counter() - began
+
+            # DDP checks a hook's annotations as objects (this module's are strings).
+            timed_hook.__annotations__ = {"bucket": dist.GradBucket,
+                                          "return": torch.futures.Future[torch.Tensor]}
+
+            class TimedDDP(DistributedDataParallel):  # type: ignore[misc]
+                _comm_hook = staticmethod(timed_hook)
+
+            self.model = TimedDDP(self.manager, model)
+            self.ft_optimizer = FtOptimizer(self.manager, inner)
+
+    _sync_in_backward = 0.0
+
+    def backward_sync_seconds(self) -> float:
+        seconds, self._sync_in_backward = self._sync_in_backward, 0.0
+        return seconds
+
+    def zero_grad(self) -> None:
+        self.ft_optimizer.zero_grad(set_to_none=True)  # ddp: starts the step's quorum
+
+    def step(self) -> None:
+        self.ft_optimizer.step()  # ddp: commits; local SGD: its hook averages every K
+
+    def last_step(self, step: int) -> int:
+        """Replicas stop together, at a step none of them has begun (a replica gone
+        mid-step costs the others a timed-out collective): they step in lock-step, so each
+        sees the stop file in the same step or the next; two steps on (local SGD: its next
+        averaging after that) is then a step they all still do."""
+        period = max(1, self.sync_every)
+        return math.ceil((step + 2) / period) * period
+
+    def model_state(self) -> dict[str, Tensor]:
+        return self.plain_model.state_dict()
+
+    def close(self) -> None:
+        if self._local_sgd is not None:
+            self._local_sgd.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)

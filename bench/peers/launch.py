@@ -1,0 +1,223 @@
+"""Launch and measure one peer-system run: N worker processes (plus the peer's own
+service: torchft's lighthouse), stopped when the mean training loss reaches the target,
+summarised into the summary.json a `ripples run` writes (ripples/local_cluster.py), so
+the bench reports both alike.
+
+The clock starts when the last worker is ready (its peer system joined), as a Ripples
+run's does when the last worker registers: process start-up and imports are not
+training time in either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ripples.bench.peers import PEERS
+from ripples.bench.peers.backends import start_service
+from ripples.bench.peers.config import PeerRunFiles, PeerWorkerConfig
+from ripples.bench.peers.progress import Replay, StepLogTail, read_step_logs, replay
+from ripples.bench.peers.workloads import build_workload
+from ripples.consensus import average_state_dicts
+
+POLL_SECONDS = 0.1
+EXIT_GRACE_SECONDS = 60.0
+"""After the stop, how long the workers get to save their models and leave."""
+
+
+@dataclass(kw_only=True)
+class PeerRunConfig:
+    peer: str
+    workload: str = "synthetic-cnn"
+    script_args: tuple[str, ...] = ()
+    num_workers: int = 8
+    seed: int = 0
+    batch_size: int = 16
+    max_epochs: float = 12.0
+    max_steps: int = 2000
+    target_loss: float = 0.0
+    slowdowns: dict[int, str] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the peer's tuned defaults."""
+    output: Path = Path("runs/peer")
+    timeout_seconds: float = 900.0
+
+
+class PeerRun:
+    """The processes of one peer run and what they wrote."""
+
+    def __init__(self, cfg: PeerRunConfig) -> None:
+        self.cfg = cfg
+        self.files = PeerRunFiles(cfg.output)
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.service: subprocess.Popen[bytes] | None = None
+        self._tail = StepLogTail(cfg.output, cfg.num_workers)
+        self._live: Replay | None = None
+
+    def worker_config(self, rendezvous: dict[str, str]) -> PeerWorkerConfig:
+        cfg = self.cfg
+        return PeerWorkerConfig(
+            peer=cfg.peer, settings={**PEERS[cfg.peer].defaults, **cfg.settings},
+            workload=cfg.workload, script_args=cfg.script_args,
+            num_workers=cfg.num_workers, seed=cfg.seed, batch_size=cfg.batch_size,
+            max_epochs=cfg.max_epochs, max_steps=cfg.max_steps,
+            directory=str(cfg.output), rendezvous=rendezvous, slowdowns=cfg.slowdowns)
+
+    def spawn(self, rank: int, incarnation: int = 0) -> None:
+        log = (self.cfg.output / f"worker{rank}.{incarnation}.log").open("wb")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ripples.bench.peers.worker", str(self.files.config),
+             str(rank), str(incarnation)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.processes.append((f"rank {rank}" + (f" (replacement {incarnation})"
+                                                 if incarnation else ""), process))
+
+    def run(self) -> dict[str, object]:
+        cfg = self.cfg
+        shutil.rmtree(cfg.output, ignore_errors=True)
+        cfg.output.mkdir(parents=True)
+        try:
+            settings = {**PEERS[cfg.peer].defaults, **cfg.settings}
+            self.service, rendezvous = start_service(cfg.peer, self.files, settings)
+            self.files.config.write_text(json.dumps(self.worker_config(rendezvous).to_json()))
+            for rank in range(cfg.num_workers):
+                self.spawn(rank)
+            self._monitor()
+        finally:
+            self._stop_everything()
+        return self.summarise()
+
+    def _monitor(self) -> None:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.timeout_seconds
+        while True:
+            time.sleep(POLL_SECONDS)
+            failed = [(name, p) for name, p in self.processes
+                      if p.poll() not in (None, 0)]
+            if failed:
+                name, process = failed[0]
+                raise RuntimeError(f"{cfg.peer} worker {name} exited {process.returncode}:\n"
+                                   + self._log_tail(name))
+            if all(p.poll() is not None for _, p in self.processes):
+                return
+            if not self.files.stop.exists() and self._target_reached():
+                self.files.stop.touch()
+            if time.monotonic() > deadline:
+                self.files.stop.touch()
+                raise TimeoutError(f"the {cfg.peer} run did not finish in "
+                                   f"{cfg.timeout_seconds:.0f} s")
+
+    def _target_reached(self) -> bool:
+        """Whether the mean loss reached the target, from the lines written since the
+        last look (summarise() replays them all again, in exact time order)."""
+        if self.cfg.target_loss <= 0:
+            return False
+        if self._live is None:
+            start = self.start_time()
+            if start is None:
+                return False
+            self._live = Replay(num_workers=self.cfg.num_workers, start=start,
+                                target_loss=self.cfg.target_loss)
+        for record in self._tail.new_records():
+            self._live.add(record)
+        return self._live.progress.time_to_target is not None
+
+    def start_time(self) -> float | None:
+        """When the last of the run's workers was ready (None: not all were yet)."""
+        ready = {rank: t for (rank, incarnation), t in self.files.ready_times().items()
+                 if incarnation == 0}
+        return max(ready.values()) if len(ready) == self.cfg.num_workers else None
+
+    def _log_tail(self, name: str) -> str:
+        rank, _, rest = name.removeprefix("rank ").partition(" ")
+        incarnation = rest.strip("()").removeprefix("replacement ") or "0"
+        path = self.cfg.output / f"worker{rank}.{incarnation}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
+
+    def _stop_everything(self) -> None:
+        self.files.stop.touch()
+        deadline = time.monotonic() + EXIT_GRACE_SECONDS
+        for _, process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        everything = [p for _, p in self.processes]
+        if self.service is not None:
+            everything.append(self.service)
+        for process in everything:
+            try:  # the process group: p2pd daemons and other helpers go with their worker
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait()
+
+    def summarise(self) -> dict[str, object]:
+        cfg = self.cfg
+        start = self.start_time()
+        if start is None:
+            raise RuntimeError(f"the {cfg.peer} run never started: not every worker was "
+                               "ready (see the worker logs in {cfg.output})")
+        progress = replay(read_step_logs(cfg.output, cfg.num_workers),
+                          num_workers=cfg.num_workers, start=start,
+                          target_loss=cfg.target_loss)
+        states = []
+        for rank in range(cfg.num_workers):
+            path = self.files.model(rank)
+            if not path.exists():
+                raise RuntimeError(f"{cfg.peer} worker rank {rank} saved no model at {path}")
+            states.append(torch.load(path, map_location="cpu", weights_only=True))
+        consensus, distance = average_state_dicts(states)
+        torch.save(consensus, cfg.output / "model.pt")
+        work = build_workload(cfg.workload, list(cfg.script_args), seed=cfg.seed,
+                              batch_size=cfg.batch_size, rank=0, num_workers=cfg.num_workers,
+                              max_epochs=cfg.max_epochs, max_steps=cfg.max_steps)
+        final_loss, accuracy = (work.evaluate(consensus) if work.evaluate is not None
+                                else (float("nan"), None))
+        wall = progress.elapsed
+        samples = progress.total_samples
+        epochs = samples / work.train_samples if work.train_samples else None
+        workers = [{"rank": r.rank, "iterations": r.iteration,
+                    "compute_seconds": r.compute_seconds, "wait_seconds": 0.0,
+                    "preduce_seconds": r.sync_seconds}
+                   for r in sorted(progress.last.values(), key=lambda r: r.rank)]
+        summary: dict[str, object] = {
+            "protocol": cfg.peer, "peer_settings": {**PEERS[cfg.peer].defaults,
+                                                    **cfg.settings},
+            "task": cfg.workload, "num_workers": cfg.num_workers, "wall_seconds": wall,
+            "final_loss": final_loss, "final_accuracy": accuracy,
+            "final_train_loss": progress.loss_curve[-1][1] if progress.loss_curve else None,
+            "target_loss": cfg.target_loss or None,
+            "time_to_target_seconds": progress.time_to_target,
+            "iterations_to_target": progress.iterations_to_target,
+            "epochs_completed": epochs,
+            "samples_per_second": samples / wall if wall > 0 and samples else None,
+            "seconds_per_epoch": wall / epochs if epochs else None,
+            "loss_curve": [[t, loss] for t, loss, _ in progress.loss_curve],
+            "loss_curve_iterations": [it for _, _, it in progress.loss_curve],
+            "consensus_distance_final": distance,
+            "consensus_distance_mean": None,
+            "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
+            "workers": workers,
+        }
+        (cfg.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def run_peer(cfg: PeerRunConfig) -> dict[str, object]:
+    """Run one peer configuration to its target (or step cap); its summary."""
+    if cfg.peer not in PEERS:
+        raise ValueError(f"unknown peer {cfg.peer!r}; choose from {', '.join(PEERS)}")
+    return PeerRun(cfg).run()
