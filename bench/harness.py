@@ -339,7 +339,7 @@ RECORDS_FILE = "records.jsonl"
 CONFIG_FILE = "config.json"
 
 
-def _config_dict(cfg: HarnessConfig) -> dict[str, object]:
+def config_dict(cfg: HarnessConfig) -> dict[str, object]:
     return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
             for k, v in asdict(cfg).items()}
 
@@ -351,7 +351,7 @@ def load_finished(cfg: HarnessConfig) -> list[RunRecord]:
         return []
     if config_path.exists():
         before = json.loads(config_path.read_text())
-        now, defaults = _config_dict(cfg), _config_dict(HarnessConfig())
+        now, defaults = config_dict(cfg), config_dict(HarnessConfig())
         # An option newer than the interrupted bench had its default there.
         before = {k: before.get(k, defaults[k]) for k in now}
         changed = sorted(k for k in now if k != "output" and before[k] != now[k])
@@ -377,7 +377,7 @@ def run_matrix(cfg: HarnessConfig, finished: list[RunRecord] | None = None) -> l
     records = list(finished or [])
     have = {(r.scenario, r.protocol, r.repeat) for r in records}
     cfg.output.mkdir(parents=True, exist_ok=True)
-    (cfg.output / CONFIG_FILE).write_text(json.dumps(_config_dict(cfg), indent=2) + "\n")
+    (cfg.output / CONFIG_FILE).write_text(json.dumps(config_dict(cfg), indent=2) + "\n")
     records_path = cfg.output / RECORDS_FILE
     if not records:
         records_path.write_text("")
@@ -517,7 +517,7 @@ def format_markdown(rows: list[dict]) -> str:
 
 def write_results(cfg: HarnessConfig, records: list[RunRecord], rows: list[dict]) -> Path:
     path = cfg.output / "results.json"
-    path.write_text(json.dumps({"config": _config_dict(cfg), "medians": rows,
+    path.write_text(json.dumps({"config": config_dict(cfg), "medians": rows,
                                 "records": [asdict(r) for r in records]}, indent=2) + "\n")
     return path
 

@@ -114,7 +114,7 @@ def test_harness_config_names_what_is_wrong(change: dict, message: str) -> None:
 
 def test_resume_accepts_a_bench_from_before_an_option_existed(tmp_path: Path) -> None:
     cfg = harness.HarnessConfig(output=tmp_path)
-    old = harness._config_dict(cfg)
+    old = harness.config_dict(cfg)
     del old["topology"], old["rate_com"]  # written by a version without these options
     (tmp_path / harness.CONFIG_FILE).write_text(json.dumps(old))
     (tmp_path / harness.RECORDS_FILE).write_text("")

@@ -112,3 +112,36 @@ def test_peer_settings_parse_and_unknown_knobs_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown protocol"):
         cfg.validate()
     assert set(harness.PEER_NAMES) == set(PEERS)
+
+
+def test_the_sweep_varies_one_knob_at_a_time_and_scores_misses_as_slow() -> None:
+    from ripples.bench.peers import sweep
+
+    for peer, spec in PEERS.items():
+        settings = sweep.settings_of(peer)
+        assert settings[0] == {}  # the defaults first
+        assert all(len(s) == 1 for s in settings[1:])
+        assert all(v != spec.defaults[k] for s in settings[1:] for k, v in s.items())
+        assert len(settings) == 1 + sum(
+            sum(v != spec.defaults[k] for v in values) for k, values in spec.sweep.items())
+    assert sweep.label({}) == "defaults"
+    assert sweep.label({"mode": "localsgd-4"}) == "mode=localsgd-4"
+
+    def record(ttt: float | None, wall: float) -> harness.RunRecord:
+        return harness.RunRecord(
+            scenario="homogeneous", protocol="torchft", repeat=0, time_to_target_seconds=ttt,
+            seconds_per_epoch=1.0, iterations_to_target=None, final_loss=1.0,
+            final_train_loss=1.0, wall_seconds=wall, seconds_per_iteration=0.1,
+            compute_seconds_per_iteration=0.1, wait_seconds_per_iteration=0.0,
+            preduce_seconds_per_iteration=0.0)
+
+    assert sweep.score([record(10.0, 12.0), record(40.0, 41.0)]) == pytest.approx(20.0)
+    assert sweep.score([record(None, 50.0)]) == pytest.approx(100.0)  # a miss: 2 x its wall
+
+
+def test_scenarios_give_peers_the_slowdowns_ripples_runs_get() -> None:
+    from ripples.bench.scenarios import SCENARIOS
+
+    assert SCENARIOS["homogeneous"].slowdowns(8) == {}
+    assert SCENARIOS["slow-5x"].slowdowns(8) == {0: "5"}
+    assert SCENARIOS["random-6x"].slowdowns(4) == {r: "6@0.25" for r in range(4)}
