@@ -11,6 +11,7 @@ Everything binds and connects to 127.0.0.1 only.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -168,6 +169,7 @@ class HivemindBackend(PeerBackend):
     def __init__(self, cfg: PeerWorkerConfig, work: PeerWorkload, files: PeerRunFiles, *,
                  local_updates: bool) -> None:
         import hivemind
+        from hivemind.optim.grad_averager import GradientAverager
 
         settings = cfg.settings
         mine = files.rendezvous_file(f"dht.rank{cfg.rank}")
@@ -183,6 +185,12 @@ class HivemindBackend(PeerBackend):
         target = (int(settings["target_batch_size"]) if local_updates
                   else cfg.num_workers * cfg.batch_size)
         matchmaking = float(settings["matchmaking_time"])
+        # A request must be able to time out within one matchmaking round; the
+        # Optimizer hands averager_opts to its state averager only, so the gradient
+        # averager (sync mode) gets them through its factory.
+        averager_opts = {"request_timeout": matchmaking / 2}
+        gradients = ({} if local_updates else {"grad_averager_factory": functools.partial(
+            GradientAverager, **averager_opts)})
         self.hivemind_optimizer = hivemind.Optimizer(
             dht=self.dht, run_id=f"ripples-bench-{os.path.basename(cfg.directory)}",
             params=work.params(model), optimizer=work.make_optimizer,
@@ -190,10 +198,8 @@ class HivemindBackend(PeerBackend):
             use_local_updates=local_updates, matchmaking_time=matchmaking,
             averaging_timeout=float(settings["averaging_timeout"]),
             load_state_timeout=RENDEZVOUS_TIMEOUT_SECONDS,
-            extra_tensors=_floating_buffers(model),
-            # A request must be able to time out within one matchmaking round.
-            averager_opts={"request_timeout": matchmaking / 2},
-            shutdown_timeout=5.0, verbose=False)
+            extra_tensors=_floating_buffers(model), averager_opts=averager_opts,
+            shutdown_timeout=5.0, verbose=False, **gradients)
         self.model = model
         self.optimizer = self.hivemind_optimizer.state_averager.optimizer
         if cfg.incarnation > 0:  # a replacement: the collaboration's state first
