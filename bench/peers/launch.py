@@ -179,11 +179,14 @@ class PeerRun:
             if not path.exists():
                 raise RuntimeError(f"{cfg.peer} worker rank {rank} saved no model at {path}")
             states.append(torch.load(path, map_location="cpu", weights_only=True))
-        consensus, distance = average_state_dicts(states)
-        torch.save(consensus, cfg.output / "model.pt")
         work = build_workload(cfg.workload, list(cfg.script_args), seed=cfg.seed,
                               batch_size=cfg.batch_size, rank=0, num_workers=cfg.num_workers,
                               max_epochs=cfg.max_epochs, max_steps=cfg.max_steps)
+        # The distance over the parameters, as a Ripples run's summary measures it (not
+        # BatchNorm's running statistics, which are averaged too).
+        consensus, distance = average_state_dicts(
+            states, {name for name, _ in work.model.named_parameters()})
+        torch.save(consensus, cfg.output / "model.pt")
         final_loss, accuracy = (work.evaluate(consensus) if work.evaluate is not None
                                 else (float("nan"), None))
         wall = progress.elapsed

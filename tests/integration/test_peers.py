@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ripples.bench import harness
-from ripples.bench.peers import PEERS, missing_package
+from ripples.bench.peers import PEERS, missing_package, steps_report
 from ripples.bench.peers.launch import PeerRunConfig, run_peer
 from ripples.bench.peers.progress import read_step_logs
 
@@ -55,6 +55,10 @@ def test_a_peer_trains_the_bench_task_and_is_summarised_like_a_ripples_run(
     # has the model's keys, every tensor finite.
     model = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
+    # Where the steps went: every step of both workers, split into compute and sync.
+    where = steps_report.report(tmp_path)
+    assert where["protocol"] == peer and where["steps"] == len(steps)
+    assert 0 <= where["sync_share_of_wall"] <= 1 and where["compute_median_seconds"] > 0
 
 
 def test_bench_puts_a_peer_in_the_same_table_and_results(
