@@ -48,9 +48,10 @@ PEERS: dict[str, PeerSpec] = {p.name: p for p in (
         name="torchft", package="torchft",
         description="torchft Manager with a lighthouse, its DistributedDataParallel: a "
                     "quorum and a gradient all-reduce every step (gloo)",
-        defaults={"mode": "ddp", "join_timeout_ms": 100, "quorum_tick_ms": 10,
+        defaults={"mode": "ddp", "join_timeout_ms": 10000, "quorum_tick_ms": 10,
                   "heartbeat_timeout_ms": 5000, "timeout_seconds": 10.0},
-        sweep={"mode": ("ddp", "localsgd-4", "localsgd-16")}),
+        sweep={"mode": ("ddp", "localsgd-4", "localsgd-16"),
+               "join_timeout_ms": (100, 1000, 10000)}),
 )}
 
 
