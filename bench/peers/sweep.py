@@ -89,28 +89,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    target {f'{ttt:.1f} s' if ttt else 'not reached'}, "
                   f"{rec.samples_per_second or 0:.0f} samples/s", file=sys.stderr, flush=True)
             results.setdefault((peer, label(setting)), []).append(rec)
-    rows, best = [], {}
-    for (peer, name), records in results.items():
-        row = {"peer": peer, "setting": name, "score_seconds": score(records),
-               "runs": [asdict(r) for r in records]}
-        rows.append(row)
-        if peer not in best or row["score_seconds"] < best[peer]["score_seconds"]:
-            best[peer] = row
+    scored = {key: score(records) for key, records in results.items()}
+    best: dict[str, str] = {}
+    for (peer, name), value in scored.items():
+        if peer not in best or value < scored[(peer, best[peer])]:
+            best[peer] = name
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "sweep.json").write_text(json.dumps(
-        {"config": harness.config_dict(base), "rows": rows,
-         "best": {p: r["setting"] for p, r in best.items()}}, indent=2) + "\n")
+        {"config": harness.config_dict(base), "best": best,
+         "rows": [{"peer": peer, "setting": name, "score_seconds": scored[(peer, name)],
+                   "runs": [asdict(r) for r in records]}
+                  for (peer, name), records in results.items()]}, indent=2) + "\n")
     print(f"| peer | setting | {' | '.join(f'{s}: to target' for s in scenarios)} | "
           f"{' | '.join(f'{s}: samples/s' for s in scenarios)} | geometric mean |")
     print("|---|---|" + "---:|" * (2 * len(scenarios) + 1))
-    for row in rows:
-        runs = row["runs"]
-        ttt = [f"{r['time_to_target_seconds']:.1f} s" if r["time_to_target_seconds"]
-               else "not reached" for r in runs]
-        rate = [f"{r['samples_per_second'] or 0:.0f}" for r in runs]
-        mark = " **(best)**" if best[row["peer"]] is row else ""
-        print(f"| {row['peer']} | {row['setting']}{mark} | {' | '.join(ttt)} | "
-              f"{' | '.join(rate)} | {row['score_seconds']:.1f} s |")
+    for (peer, name), records in results.items():
+        times = [f"{r.time_to_target_seconds:.1f} s" if r.time_to_target_seconds
+                 else "not reached" for r in records]
+        rate = [f"{r.samples_per_second or 0:.0f}" for r in records]
+        mark = " **(best)**" if best[peer] == name else ""
+        print(f"| {peer} | {name}{mark} | {' | '.join(times)} | {' | '.join(rate)} | "
+              f"{scored[(peer, name)]:.1f} s |")
     return 0
 
 
