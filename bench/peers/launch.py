@@ -169,7 +169,7 @@ class PeerRun:
         start = self.start_time()
         if start is None:
             raise RuntimeError(f"the {cfg.peer} run never started: not every worker was "
-                               "ready (see the worker logs in {cfg.output})")
+                               f"ready (see the worker logs in {cfg.output})")
         progress = replay(read_step_logs(cfg.output, cfg.num_workers),
                           num_workers=cfg.num_workers, start=start,
                           target_loss=cfg.target_loss)
