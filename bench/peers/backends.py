@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ripples.bench.peers.config import PeerRunFiles, PeerWorkerConfig
 from ripples.bench.peers.workloads import PeerWorkload
+from ripples.worker.checkpoint import write_atomically
 
 RENDEZVOUS_TIMEOUT_SECONDS = 60.0
 """How long a worker waits for its peer system's first member, or a service, to appear."""
@@ -137,12 +138,6 @@ def _wait_for(path: Path, what: str) -> str:
     return path.read_text()
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(text)
-    tmp.rename(path)
-
-
 def _floating_buffers(model: nn.Module) -> list[Tensor]:
     """BatchNorm's running statistics: Ripples averages them with the parameters."""
     return [b for b in model.buffers() if b.dtype.is_floating_point]
@@ -180,7 +175,7 @@ class HivemindBackend(PeerBackend):
             peers = _wait_for(files.rendezvous_file(f"dht.rank{via}"),
                               f"hivemind worker {via}'s DHT address").split()
             self.dht = hivemind.DHT(start=True, initial_peers=peers, **LOOPBACK_P2P)
-        _write_atomically(mine, "\n".join(str(a) for a in self.dht.get_visible_maddrs()))
+        write_atomically(mine, "\n".join(str(a) for a in self.dht.get_visible_maddrs()).encode())
         model = work.model
         target = (int(settings["target_batch_size"]) if local_updates
                   else cfg.num_workers * cfg.batch_size)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ripples.bench.peers.progress import step_log_path
+from ripples.worker.checkpoint import write_atomically
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,10 +80,8 @@ class PeerRunFiles:
         return self.directory / f"model.rank{rank}.pt"
 
     def mark_ready(self, rank: int, incarnation: int) -> None:
-        path = self.directory / f"ready.rank{rank}.{incarnation}"
-        tmp = self.directory / f".{path.name}.tmp"  # not a ready mark until renamed
-        tmp.write_text(f"{time.time()!r}\n")
-        tmp.rename(path)
+        write_atomically(self.directory / f"ready.rank{rank}.{incarnation}",
+                         f"{time.time()!r}\n".encode())
 
     def ready_times(self) -> dict[tuple[int, int], float]:
         """(rank, incarnation) -> when that worker was ready (time.time())."""

@@ -56,18 +56,9 @@ def step_log_path(directory: Path, rank: int) -> Path:
 
 
 def read_step_logs(directory: Path, num_workers: int) -> list[StepRecord]:
-    """Every worker's complete lines (a line cut short by a kill is skipped)."""
-    records = []
-    for rank in range(num_workers):
-        path = step_log_path(directory, rank)
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            try:
-                records.append(StepRecord.parse(rank, line))
-            except (ValueError, KeyError):
-                continue
-    return records
+    """Every worker's complete lines, in time order (a line cut short by a kill is
+    skipped)."""
+    return StepLogTail(directory, num_workers).new_records()
 
 
 @dataclass(kw_only=True)
