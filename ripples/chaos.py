@@ -106,6 +106,15 @@ class ChaosConfig:
     """Workers checkpoint every this many steps (0: not at all); every checkpoint left
     must load, with finite values. Lock-step runs restart from them."""
     python: str = sys.executable
+    batch_size: int = 0
+    """Per-worker batch (0: the task's default)."""
+    fault_at: float | None = None
+    """Fire the first fault at this fraction of the budget, into the last candidate
+    (sorted by name), outside any wait for a P-Reduce, with its replacement
+    `replace_after` seconds later: a fixed plan (`python -m ripples.bench.fault`).
+    None: drawn from the seed."""
+    replace_after: float = 0.0
+    """The fixed plan's delay before a replacement starts."""
 
     @property
     def lockstep(self) -> bool:
@@ -129,6 +138,11 @@ class ChaosConfig:
                              "--checkpoint-every")
         if self.checkpoint_every < 0:
             raise ValueError("checkpoint_every must not be negative")
+        if self.fault_at is not None and not 0 < self.fault_at < 1:
+            raise ValueError(f"fault_at is a fraction of the budget in (0, 1), not "
+                             f"{self.fault_at}")
+        if self.replace_after < 0 or self.batch_size < 0:
+            raise ValueError("replace_after and batch_size must not be negative")
 
 
 # ---------------------------------------------------------------------------- processes
@@ -248,6 +262,9 @@ class FaultRecord:
     """From the replacement's registration to its heal line."""
     fault_to_heal_seconds: float | None = None
     heal_donor: int | None = None
+    first_step_seconds: float | None = None
+    """From the fault to the first iteration its replacement made after it healed (seen
+    by the status polls)."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +356,10 @@ def plan_faults(rng: random.Random, config: ChaosConfig) -> list[PlannedFault]:
         lo = max(lo, (config.checkpoint_every + 20) / config.iterations)
         hi = max(hi, lo + 0.1)
     moments = sorted(rng.uniform(lo, hi) for _ in range(config.faults_per_trial))
+    if config.fault_at is not None:
+        return [PlannedFault(kind=config.faults[0], progress=config.fault_at,
+                             replace_after=config.replace_after, in_preduce=False, pick=1.0)
+                for _ in range(min(1, config.faults_per_trial))]
     plan = []
     for i, moment in enumerate(moments):
         kind = config.faults[0] if i == 0 else rng.choice(config.faults)
@@ -369,6 +390,14 @@ class TrialResult:
     """Longest time a training worker that had not been faulted made no iteration (seen
     by status polls every POLL_SECONDS, while the run trained)."""
     longest_stall_worker: str = ""
+    stall_after_fault_seconds: float = 0.0
+    """The survivors' stall: the longest time one of the run's first workers that was not
+    faulted went between iteration changes, over the polls after the first fault."""
+    step_seconds_before_fault: float | None = None
+    """The survivors' median time between iteration changes before the first fault, as
+    the polls see them (what no stall looks like)."""
+    longest_step_before_fault_seconds: float | None = None
+    """The survivors' longest time between iteration changes before the first fault."""
     groups_failed: int = 0
     groups_cancelled: int = 0
     restart_rounds: int = 0
@@ -422,6 +451,8 @@ class Trial:
         self._seen: dict[str, tuple[int, float]] = {}  # name -> (iteration, since when)
         self._num_replacements = 0
         self._states: dict[str, str] = {}  # process name -> its last state seen
+        self._steps_before_fault: list[float] = []
+        self._healed_at_iteration: dict[str, int] = {}  # replacement -> first seen healed
         self._notes = open(directory / "harness.log", "w")
 
     def elapsed(self) -> float:
@@ -446,7 +477,8 @@ class Trial:
                          "--state-dir", str(self.dir / "coordinator-state"),
                          "--workers", str(cfg.workers), "--protocol", cfg.protocol,
                          "--task", cfg.task, "--iterations", str(cfg.iterations),
-                         "--lease-seconds", str(cfg.lease_seconds), "--seed", str(self.seed))
+                         "--lease-seconds", str(cfg.lease_seconds), "--seed", str(self.seed),
+                         "--batch-size", str(cfg.batch_size))
         self.coordinator = Proc(name, "coordinator", argv, self.dir / f"{name}.log", self.t0)
         self.procs.append(self.coordinator)
         until = min(self.deadline, time.monotonic() + 120)
@@ -543,12 +575,34 @@ class Trial:
                     self._seen.pop(w.host, None)
                     continue
                 last = self._seen.get(w.host)
-                if last is None or w.iteration != last[0]:
+                changed = last is None or w.iteration != last[0]
+                if last is not None:
+                    gap = now - last[1]  # since its iteration last changed
+                    if not changed and gap > self.result.longest_stall_seconds:
+                        self.result.longest_stall_seconds = gap
+                        self.result.longest_stall_worker = w.host
+                    if p.role == "worker" and self.result.faults:
+                        self.result.stall_after_fault_seconds = max(
+                            self.result.stall_after_fault_seconds, gap)
+                    elif p.role == "worker" and changed:
+                        self._steps_before_fault.append(gap)
+                if changed:
                     self._seen[w.host] = (w.iteration, now)
-                elif now - last[1] > self.result.longest_stall_seconds:
-                    self.result.longest_stall_seconds = now - last[1]
-                    self.result.longest_stall_worker = w.host
+                    if p.role == "replacement":
+                        self._note_first_step(p, w.iteration)
         return status
+
+    def _note_first_step(self, replacement: Proc, iteration: int) -> None:
+        """A healed replacement's iteration changed: its first step, if it is the first
+        change since the polls saw it healed."""
+        record = next((f for f in self.result.faults if f.replacement == replacement.name),
+                      None)
+        if record is None or record.first_step_seconds is not None:
+            return
+        if replacement.name not in self._healed_at_iteration:
+            self._healed_at_iteration[replacement.name] = iteration
+            return
+        record.first_step_seconds = self.elapsed() - record.at_seconds
 
     def _note_changes(self, status: pb.RunStatus) -> None:
         for w in status.workers:  # training states (computing, waiting, reducing) as one
@@ -687,6 +741,9 @@ class Trial:
                 f.fault_to_heal_seconds = when - self.t0 - f.at_seconds
                 f.heal_donor = -1 if self.config.lockstep else int(m.group(1))
         r.heals = sum(f.heal_seconds is not None for f in r.faults)
+        if self._steps_before_fault:
+            r.step_seconds_before_fault = statistics.median(self._steps_before_fault)
+            r.longest_step_before_fault_seconds = max(self._steps_before_fault)
         if any(f.replacement for f in r.faults) and r.heals == 0:
             fail(f"no replacement healed (no {self.heal_line.pattern!r} in their logs)")
         if self.final_status is not None:

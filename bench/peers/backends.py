@@ -274,12 +274,22 @@ class TorchftBackend(PeerBackend):
             backend = self
 
             def timed_hook(state: Any, bucket: Any) -> Any:
-                """torchft's DDP communication hook, timed: it waits for the step's quorum
-                and all-reduce inside backward (a slower device would not make that
-                slower: it is synchronisation, not compute)."""
+                """torchft's DDP communication hook (ddp.py's _comm_hook), timed: it waits
+                for the step's quorum and all-reduce inside backward (a slower device would
+                not make that slower: it is synchronisation, not compute)."""
                 began = time.perf_counter()
                 try:
-                    return DistributedDataParallel._comm_hook(state, bucket)
+                    work = state.allreduce(bucket.buffer())
+                    work.wait()
+                    inner = getattr(work.get_future(), "_fut", None)
+                    if inner is not None:
+                        return inner
+                    # The manager has errored this step (a peer died): its allreduce is
+                    # a no-op and the step will not commit. torchft's own hook asserts
+                    # here, which kills the survivors; DDP needs a completed future.
+                    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+                    done.set_result(bucket.buffer())
+                    return done
                 finally:
                     backend._sync_in_backward += time.perf_counter() - began
 

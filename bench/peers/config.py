@@ -36,6 +36,9 @@ class PeerWorkerConfig:
     slowdowns: dict[int, str] = field(default_factory=dict)
     """rank -> FACTOR[@PROBABILITY], as `ripples run --slowdown`."""
     start_timeout_seconds: float = 120.0
+    until_stopped: bool = False
+    """Train until the launcher's stop file, past the step cap (the fault scenario: the
+    launcher counts the budget, a replacement's own count starts late)."""
     rank: int = 0
     incarnation: int = 0
     """0 for the run's workers; k > 0 for the k-th replacement of a killed rank."""

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,34 @@ import torch
 from ripples.bench.peers import PEERS
 from ripples.bench.peers.backends import start_service
 from ripples.bench.peers.config import PeerRunFiles, PeerWorkerConfig
-from ripples.bench.peers.progress import Replay, StepLogTail, read_step_logs, replay
+from ripples.bench.peers.progress import (
+    Replay,
+    StepLogTail,
+    StepRecord,
+    fault_times,
+    read_step_logs,
+    replay,
+)
 from ripples.bench.peers.workloads import build_workload
 from ripples.consensus import average_state_dicts
 
 POLL_SECONDS = 0.1
 EXIT_GRACE_SECONDS = 60.0
 """After the stop, how long the workers get to save their models and leave."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerFault:
+    """The fault scenario: one worker SIGKILLed, with its whole process group (the peer
+    system's daemons die with it, as on a lost host), once the workers' mean step reaches
+    `at` x the run's step budget (max_steps), and a replacement of the same rank started
+    `replace_after_seconds` later. The run then trains to its budget; there is no target."""
+
+    at: float = 0.3
+    victim: int = -1
+    """The killed rank (negative: from the end; the last rank by default, so that rank
+    0, through which hivemind's peers join, survives)."""
+    replace_after_seconds: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -51,6 +72,13 @@ class PeerRunConfig:
     """Overrides of the peer's tuned defaults."""
     output: Path = Path("runs/peer")
     timeout_seconds: float = 900.0
+    fault: PeerFault | None = None
+    """Run the fault scenario: max_steps per worker, one worker killed and replaced."""
+
+    @property
+    def victim(self) -> int:
+        assert self.fault is not None
+        return self.fault.victim % self.num_workers
 
 
 class PeerRun:
@@ -63,6 +91,10 @@ class PeerRun:
         self.service: subprocess.Popen[bytes] | None = None
         self._tail = StepLogTail(cfg.output, cfg.num_workers)
         self._live: Replay | None = None
+        self._steps: dict[int, int] = {}  # rank -> its latest step (the fault scenario)
+        self.killed_at: float | None = None
+        """When the fault scenario's victim was killed (time.time())."""
+        self.replaced_at: float | None = None
 
     def worker_config(self, rendezvous: dict[str, str]) -> PeerWorkerConfig:
         cfg = self.cfg
@@ -71,7 +103,8 @@ class PeerRun:
             workload=cfg.workload, script_args=cfg.script_args,
             num_workers=cfg.num_workers, seed=cfg.seed, batch_size=cfg.batch_size,
             max_epochs=cfg.max_epochs, max_steps=cfg.max_steps,
-            directory=str(cfg.output), rendezvous=rendezvous, slowdowns=cfg.slowdowns)
+            directory=str(cfg.output), rendezvous=rendezvous, slowdowns=cfg.slowdowns,
+            until_stopped=cfg.fault is not None)
 
     def spawn(self, rank: int, incarnation: int = 0) -> None:
         log = (self.cfg.output / f"worker{rank}.{incarnation}.log").open("wb")
@@ -105,19 +138,42 @@ class PeerRun:
         while True:
             time.sleep(POLL_SECONDS)
             failed = [(name, p) for name, p in self.processes
-                      if p.poll() not in (None, 0)]
+                      if p.poll() not in (None, 0) and p.returncode != -signal.SIGKILL]
             if failed:
                 name, process = failed[0]
                 raise RuntimeError(f"{cfg.peer} worker {name} exited {process.returncode}:\n"
                                    + self._log_tail(name))
             if all(p.poll() is not None for _, p in self.processes):
                 return
-            if not self.files.stop.exists() and self._target_reached():
+            if cfg.fault is not None:
+                self._drive_fault(cfg.fault)
+            elif not self.files.stop.exists() and self._target_reached():
                 self.files.stop.touch()
             if time.monotonic() > deadline:
                 self.files.stop.touch()
                 raise TimeoutError(f"the {cfg.peer} run did not finish in "
                                    f"{cfg.timeout_seconds:.0f} s")
+
+    def _drive_fault(self, fault: PeerFault) -> None:
+        """Kill the victim at its moment, start its replacement, stop at the budget."""
+        for record in self._tail.new_records():
+            if self.killed_at is None or record.rank != self.cfg.victim:
+                self._steps[record.rank] = record.iteration
+        budget = self.cfg.max_steps
+        mean = sum(self._steps.values()) / self.cfg.num_workers
+        if self.killed_at is None and mean >= fault.at * budget:
+            victim = next(p for n, p in self.processes if n == f"rank {self.cfg.victim}")
+            os.killpg(victim.pid, signal.SIGKILL)
+            self.killed_at = time.time()
+        elif (self.killed_at is not None and self.replaced_at is None
+              and time.time() >= self.killed_at + fault.replace_after_seconds):
+            self.replaced_at = time.time()
+            self.spawn(self.cfg.victim, incarnation=1)
+        survivors = [s for r, s in self._steps.items() if r != self.cfg.victim]
+        if (self.killed_at is not None and not self.files.stop.exists()
+                and len(survivors) == self.cfg.num_workers - 1
+                and sum(survivors) / len(survivors) >= budget):
+            self.files.stop.touch()
 
     def _target_reached(self) -> bool:
         """Whether the mean loss reached the target, from the lines written since the
@@ -170,8 +226,8 @@ class PeerRun:
         if start is None:
             raise RuntimeError(f"the {cfg.peer} run never started: not every worker was "
                                f"ready (see the worker logs in {cfg.output})")
-        progress = replay(read_step_logs(cfg.output, cfg.num_workers),
-                          num_workers=cfg.num_workers, start=start,
+        records = read_step_logs(cfg.output, cfg.num_workers)
+        progress = replay(records, num_workers=cfg.num_workers, start=start,
                           target_loss=cfg.target_loss)
         states = []
         for rank in range(cfg.num_workers):
@@ -215,8 +271,28 @@ class PeerRun:
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
             "workers": workers,
         }
+        if cfg.fault is not None:
+            summary["fault"] = self._fault_summary(records, start)
         (cfg.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+    def _fault_summary(self, records: list[StepRecord], start: float) -> dict[str, object]:
+        cfg = self.cfg
+        if self.killed_at is None or self.replaced_at is None:
+            raise RuntimeError(f"the {cfg.peer} run ended before its fault (mean step "
+                               f"{cfg.fault.at if cfg.fault else 0:g} x {cfg.max_steps}) "
+                               f"and replacement: see {cfg.output}")
+        times = fault_times(records, victim=cfg.victim, killed_at=self.killed_at)
+        ready = self.files.ready_times().get((cfg.victim, 1))
+        first = times.replacement_first_step_seconds
+        return {**asdict(times), "victim": cfg.victim,
+                "killed_at_seconds": self.killed_at - start,
+                "replacement_started_after_kill_seconds": self.replaced_at - self.killed_at,
+                "replacement_ready_after_start_seconds":
+                    ready - self.replaced_at if ready is not None else None,
+                "replacement_first_step_after_start_seconds":
+                    self.killed_at + first - self.replaced_at if first is not None else None}
 
 
 def run_peer(cfg: PeerRunConfig) -> dict[str, object]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,3 +143,41 @@ class StepLogTail:
                 except (ValueError, KeyError):
                     continue
         return sorted(records, key=lambda r: r.time)
+
+
+@dataclass(kw_only=True)
+class FaultTimes:
+    """What a killed worker cost its run, from the step logs."""
+
+    stall_seconds: float
+    """The survivors' stall: the longest time one of them went without completing a step,
+    over the steps completed after the kill (their normal step time included)."""
+    stalled_rank: int
+    step_seconds_before: float
+    """The survivors' median step time before the kill (what no stall looks like)."""
+    longest_before_seconds: float
+    """The survivors' longest step before the kill (the system's own pauses)."""
+    replacement_first_step_seconds: float | None
+    """From the kill to the replacement's first completed step (None: it made none)."""
+
+
+def fault_times(records: list[StepRecord], *, victim: int, killed_at: float) -> FaultTimes:
+    """The survivors' stall and the replacement's first step, from every worker's step
+    records (the victim's rank holds the victim's, then its replacement's, by time)."""
+    times: dict[int, list[float]] = {}
+    for rec in sorted(records, key=lambda r: r.time):
+        times.setdefault(rec.rank, []).append(rec.time)
+    stall, stalled, before = 0.0, -1, []
+    for rank, ts in times.items():
+        if rank == victim:
+            continue
+        for a, b in zip(ts, ts[1:], strict=False):
+            if b <= killed_at:
+                before.append(b - a)
+            elif b - a > stall:
+                stall, stalled = b - a, rank
+    after = [t for t in times.get(victim, []) if t > killed_at]
+    return FaultTimes(stall_seconds=stall, stalled_rank=stalled,
+                      step_seconds_before=statistics.median(before) if before else math.nan,
+                      longest_before_seconds=max(before, default=math.nan),
+                      replacement_first_step_seconds=after[0] - killed_at if after else None)

@@ -68,8 +68,11 @@ def train(cfg: PeerWorkerConfig) -> int:
     compute_total = sync_total = 0.0
     samples = 0
     log = files.step_log(cfg.rank).open("a", buffering=1)
+    if cfg.incarnation:  # end the line the killed worker may have left half-written
+        log.write("\n")
     step = backend.start_step
-    last, stop_seen = work.planned_steps, False
+    last = sys.maxsize if cfg.until_stopped else work.planned_steps
+    stop_seen = False
     try:
         while step < last:
             if not stop_seen and files.stop.exists():

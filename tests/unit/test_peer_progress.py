@@ -14,6 +14,7 @@ from ripples.bench.peers.config import PeerRunFiles, PeerWorkerConfig
 from ripples.bench.peers.progress import (
     StepLogTail,
     StepRecord,
+    fault_times,
     read_step_logs,
     replay,
     step_log_path,
@@ -145,3 +146,21 @@ def test_scenarios_give_peers_the_slowdowns_ripples_runs_get() -> None:
     assert SCENARIOS["homogeneous"].slowdowns(8) == {}
     assert SCENARIOS["slow-5x"].slowdowns(8) == {0: "5"}
     assert SCENARIOS["random-6x"].slowdowns(4) == {r: "6@0.25" for r in range(4)}
+
+
+def test_a_fault_costs_the_survivors_longest_gap_after_the_kill_and_the_replacements_wait(
+        ) -> None:
+    # Rank 2 is killed at t=10.05: its replacement's first step lands at 14.0. Rank 0
+    # waited from 10.0 to 13.0 (a collective with the dead worker); rank 1 did not wait.
+    # Rank 1's 1.5 s pause before the kill is the system's own, not the fault's.
+    records = [rec(0, t, i, 1.0) for i, t in enumerate((9.0, 9.5, 10.0, 13.0, 13.5), 1)]
+    records += [rec(1, t, i, 1.0) for i, t in enumerate((7.5, 9.0, 9.5, 10.1, 10.6), 1)]
+    records += [rec(2, 9.2, 1, 1.0), rec(2, 9.7, 2, 1.0), rec(2, 14.0, 1, 1.0)]
+    times = fault_times(records, victim=2, killed_at=10.05)
+    assert times.stall_seconds == pytest.approx(3.0) and times.stalled_rank == 0
+    assert times.step_seconds_before == pytest.approx(0.5)
+    assert times.longest_before_seconds == pytest.approx(1.5)
+    assert times.replacement_first_step_seconds == pytest.approx(3.95)
+    # No replacement step: None, not a number.
+    alone = fault_times(records[:-1], victim=2, killed_at=10.05)
+    assert alone.replacement_first_step_seconds is None
