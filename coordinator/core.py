@@ -38,6 +38,10 @@ from ripples.coordinator.schema import Schema, SchemaCheck
 from ripples.coordinator.stop import BudgetWatch, StateAdoption, StopAgreement
 from ripples.protocols import Coordination, GroupGeneratorSettings
 
+SUSPECT_HEARTBEATS = 3
+"""A worker whose Synchronize stream broke keeps its lease for this many heartbeat
+intervals only, unless it heartbeats (`suspect`): with the default 0.5 s, a SIGKILLed
+worker's groups are cancelled 1.5 s after its death instead of a lease (10 s) after."""
 RESTART_STRAGGLER_WINDOWS = 3
 """A restart round forms without the restarting workers that are not back after this many
 join windows (with at least min_workers)."""
@@ -285,13 +289,33 @@ class CoordinatorCore:
         w.leave_reason = reason
         return self._remove(w, WorkerState.FAILED if error else WorkerState.LEFT, now)
 
+    def suspect(self, worker_id: int, now: float) -> float | None:
+        """The worker's Synchronize stream ended while it trains: its process died (the
+        kernel closed its connection), its connection did, or it is reopening the
+        stream. A live worker heartbeats every heartbeat interval, which renews its whole
+        lease; so its lease is cut to SUSPECT_HEARTBEATS intervals from now, and a dead
+        worker's groups are cancelled then, not a whole lease later
+        (docs/fault-tolerance.md). Returns when the cut lease ends (None: the worker is
+        gone or not started, the run stopped, or its lease ends sooner anyway)."""
+        w = self.registry.live_by_id().get(worker_id)
+        if w is None or not w.ready or self.stopped:  # stopped: the final average's turn
+            return None
+        ends = now + SUSPECT_HEARTBEATS * self.settings.heartbeat_interval_seconds
+        if ends >= w.lease_expires_at:
+            return None
+        w.lease_expires_at, w.stream_broken = ends, True
+        return ends
+
     def expire_leases(self, now: float) -> Deliveries:
         """Remove the workers whose lease ran out; close an open restart round whose join
         window passed (the lease reaper calls this periodically)."""
         deliveries: Deliveries = {}
         for w in self.registry.expired(now):
             self.registry.num_lease_expirations += 1
-            w.error = f"lease expired: no heartbeat for {self.settings.lease_seconds:.1f} s"
+            w.error = (f"lease expired: its connection closed and no heartbeat followed "
+                       f"within {SUSPECT_HEARTBEATS * self.settings.heartbeat_interval_seconds:.1f}"
+                       " s" if w.stream_broken else
+                       f"lease expired: no heartbeat for {self.settings.lease_seconds:.1f} s")
             deliveries.update(self._remove(w, WorkerState.EXPIRED, now))
         deliveries.update(self._close_restart_round(now))
         return deliveries

@@ -94,6 +94,8 @@ class WorkerRecord:
     """The digest of the tensors it averages now (at the start, then with the optimizer
     state): groups form only among workers whose digests are equal."""
     ready: bool = False  # built its model and waits in AwaitStart
+    stream_broken: bool = False
+    """Its Synchronize stream broke and no heartbeat came since (core.suspect)."""
     listening: bool = False  # gossip: waits only to serve partners (GroupRequest.listen)
     own_seconds: float | None = None
     """Smart GG's speed signal: moving average of the seconds per iteration the worker
@@ -357,6 +359,7 @@ class Registry:
 
     def renew(self, w: WorkerRecord, now: float) -> None:
         w.lease_expires_at = now + self.lease_seconds
+        w.stream_broken = False
 
     def expired(self, now: float) -> list[WorkerRecord]:
         """Live workers whose lease ran out (the caller removes them). A worker that is

@@ -220,8 +220,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._resolve(self.core.stop("coordinator shutting down", self.clock()))
         heap.release()
 
+    def _suspect(self, wid: int) -> None:
+        """Worker `wid`'s stream broke: cut its lease (core.suspect) and reap it as soon
+        as the cut lease ends, unless a heartbeat renews it first."""
+        ends = self.core.suspect(wid, self.clock())
+        if ends is None:
+            return
+        logger.info("worker %d's stream broke: its lease ends in %.1f s unless it "
+                    "heartbeats", wid, ends - self.clock())
+        asyncio.get_running_loop().call_later(max(0.0, ends - self.clock()) + 0.01,
+                                              self._reap_leases_once)
+
     async def _reap_leases(self) -> None:
         """One round of the lease reaper: remove the workers whose lease ran out."""
+        self._reap_leases_once()
+
+    def _reap_leases_once(self) -> None:
+        """Remove the workers whose lease ran out and tell whoever waited on them."""
         deliveries = self.core.expire_leases(self.clock())
         for wid in deliveries:
             logger.info("worker %d notified after lease expiry", wid)
@@ -404,8 +419,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         bound: int | None = None  # the stream's worker id, fixed by its first message
         read, write = context.read, context.write
         while True:
-            message = await read()
+            try:
+                message = await read()
+            except asyncio.CancelledError:  # the connection broke: a dead worker?
+                if bound is not None:
+                    self._suspect(bound)
+                raise
             if message is grpc.aio.EOF:
+                # A SIGKILLed worker's stream ends so too (measured: EOF, the call's
+                # cancellation only after); a live one heartbeats its lease back.
+                if bound is not None:
+                    self._suspect(bound)
                 return
             kind = message.WhichOneof("kind")
             body = message.request if kind == "request" else message.release

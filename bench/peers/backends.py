@@ -138,6 +138,19 @@ def _wait_for(path: Path, what: str) -> str:
     return path.read_text()
 
 
+class _Phases:
+    """One line per phase of joining a peer system, with its seconds, on the worker's log
+    (where a replacement's time to its first step goes)."""
+
+    def __init__(self, who: str) -> None:
+        self.who, self.last = who, time.monotonic()
+
+    def done(self, what: str) -> None:
+        now = time.monotonic()
+        print(f"{self.who}: {what} in {now - self.last:.2f} s", flush=True)
+        self.last = now
+
+
 def _floating_buffers(model: nn.Module) -> list[Tensor]:
     """BatchNorm's running statistics: Ripples averages them with the parameters."""
     return [b for b in model.buffers() if b.dtype.is_floating_point]
@@ -167,6 +180,7 @@ class HivemindBackend(PeerBackend):
         from hivemind.optim.grad_averager import GradientAverager
 
         settings = cfg.settings
+        phase = _Phases(f"hivemind worker {cfg.rank}.{cfg.incarnation}")
         mine = files.rendezvous_file(f"dht.rank{cfg.rank}")
         if cfg.rank == 0 and cfg.incarnation == 0:
             self.dht = hivemind.DHT(start=True, **LOOPBACK_P2P)
@@ -176,6 +190,7 @@ class HivemindBackend(PeerBackend):
                               f"hivemind worker {via}'s DHT address").split()
             self.dht = hivemind.DHT(start=True, initial_peers=peers, **LOOPBACK_P2P)
         write_atomically(mine, "\n".join(str(a) for a in self.dht.get_visible_maddrs()).encode())
+        phase.done("joined the DHT")
         model = work.model
         target = (int(settings["target_batch_size"]) if local_updates
                   else cfg.num_workers * cfg.batch_size)
@@ -197,8 +212,10 @@ class HivemindBackend(PeerBackend):
             shutdown_timeout=5.0, verbose=False, **gradients)
         self.model = model
         self.optimizer = self.hivemind_optimizer.state_averager.optimizer
+        phase.done("built hivemind.Optimizer")
         if cfg.incarnation > 0:  # a replacement: the collaboration's state first
             self.hivemind_optimizer.load_state_from_peers()
+            phase.done("loaded the state from its peers")
 
     def zero_grad(self) -> None:
         self.hivemind_optimizer.zero_grad(set_to_none=True)

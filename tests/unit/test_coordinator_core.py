@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import (
+    SUSPECT_HEARTBEATS,
     CoordinatorCore,
     CoordinatorError,
     Deliveries,
@@ -622,3 +623,27 @@ def test_a_starting_worker_gets_a_grace_beyond_its_lease() -> None:
     assert not core.stopped and len(core.live()) == 2
     core.expire_leases(5.0 * STARTUP_LEASE_FACTOR + 1)
     assert core.stopped and "lease expired" in core.stop_reason
+
+
+def test_a_worker_whose_stream_broke_loses_its_lease_unless_it_heartbeats() -> None:
+    """A SIGKILLed worker's connection closes at once: its groups are cancelled after
+    SUSPECT_HEARTBEATS heartbeat intervals, not a whole lease later; a live worker whose
+    stream broke renews its whole lease with its next heartbeat."""
+    run = RunSettings(num_workers=3, iterations=100, lease_seconds=10,
+                      heartbeat_interval_seconds=0.5)
+    core, ids = _registered(run, ["a", "a", "a"])
+    for wid in ids:
+        core.mark_ready(wid, 100, 0.0)
+    for wid in ids:
+        core.heartbeat(wid, None, 1.0)  # leases end at 11.0
+    assert core.suspect(ids[0], 2.0) == pytest.approx(2.0 + SUSPECT_HEARTBEATS * 0.5)
+    assert core.suspect(ids[1], 2.0) is not None
+    core.heartbeat(ids[1], None, 2.4)  # alive after all: its whole lease again
+    core.expire_leases(2.0 + SUSPECT_HEARTBEATS * 0.5 + 0.01)
+    assert [w.worker_id for w in core.live()] == ids[1:]
+    gone = core.registry.workers[ids[0]]
+    assert "connection closed and no heartbeat followed within 1.5 s" in gone.error
+    core.expire_leases(11.5)  # worker 2's plain lease (no heartbeat since 1.0)
+    assert "no heartbeat for 10.0 s" in core.registry.workers[ids[2]].error
+    # Unknown, departed or not yet started workers: nothing to cut.
+    assert core.suspect(ids[0], 13.0) is None and core.suspect(999, 13.0) is None
