@@ -92,6 +92,7 @@ class PeerRun:
         self._tail = StepLogTail(cfg.output, cfg.num_workers)
         self._live: Replay | None = None
         self._steps: dict[int, int] = {}  # rank -> its latest step (the fault scenario)
+        self._victim: subprocess.Popen[bytes] | None = None
         self.killed_at: float | None = None
         """When the fault scenario's victim was killed (time.time())."""
         self.replaced_at: float | None = None
@@ -138,7 +139,7 @@ class PeerRun:
         while True:
             time.sleep(POLL_SECONDS)
             failed = [(name, p) for name, p in self.processes
-                      if p.poll() not in (None, 0) and p.returncode != -signal.SIGKILL]
+                      if p.poll() not in (None, 0) and p is not self._victim]
             if failed:
                 name, process = failed[0]
                 raise RuntimeError(f"{cfg.peer} worker {name} exited {process.returncode}:\n"
@@ -162,8 +163,9 @@ class PeerRun:
         budget = self.cfg.max_steps
         mean = sum(self._steps.values()) / self.cfg.num_workers
         if self.killed_at is None and mean >= fault.at * budget:
-            victim = next(p for n, p in self.processes if n == f"rank {self.cfg.victim}")
-            os.killpg(victim.pid, signal.SIGKILL)
+            self._victim = next(p for n, p in self.processes
+                                if n == f"rank {self.cfg.victim}")
+            os.killpg(self._victim.pid, signal.SIGKILL)
             self.killed_at = time.time()
         elif (self.killed_at is not None and self.replaced_at is None
               and time.time() >= self.killed_at + fault.replace_after_seconds):
