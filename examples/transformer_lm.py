@@ -70,7 +70,10 @@ class ByteStream(IterableDataset):  # type: ignore[type-arg]
         while True:  # passes over this stream's files, until the training loop stops
             rng.shuffle(files)
             for path in files:
-                data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+                raw = path.read_bytes()
+                if len(raw) < n:  # an empty __init__.py: no block (frombuffer refuses 0 bytes)
+                    continue
+                data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
                 for start in range(0, len(data) - n + 1, n):
                     buffer.append(data[start : start + n].long())
                     if len(buffer) >= self.shuffle_buffer:

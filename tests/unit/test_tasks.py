@@ -221,3 +221,24 @@ def test_synthetic_vgg16_is_vgg16_sized_and_steps() -> None:
     assert 14_000_000 <= _num_params(task.build_model()) <= 16_000_000
     assert task.batch_size == 32
     assert math.isfinite(_train_step(task, batch_size=4))
+
+
+def test_transformer_lm_stream_skips_files_too_short_for_a_block(tmp_path) -> None:
+    """The standard library holds empty __init__.py files; a worker whose share of the
+    files starts with one trained nothing (torch.frombuffer refuses 0 bytes: the bench's
+    8-worker transformer-lm run failed on it). Such files are skipped, and every block
+    that the stream yields is a full block from the other files."""
+    from ripples.examples.transformer_lm import ByteStream
+
+    (tmp_path / "empty.py").write_bytes(b"")
+    (tmp_path / "short.py").write_bytes(b"x = 1\n")
+    text = bytes(range(256)) * 4
+    (tmp_path / "long.py").write_bytes(text)
+    files = sorted(tmp_path.iterdir())
+    stream = iter(ByteStream(files, 16, rank=0, num_workers=1, seed=0, shuffle_buffer=4))
+    blocks = [next(stream) for _ in range(20)]
+    for x, y in blocks:
+        assert x.shape == y.shape == (16,)
+        assert torch.equal(x[1:], y[:-1])  # y is x shifted by one byte of the same file
+        start = int(x[0])
+        assert bytes(x.tolist()) == text[start:start + 16]
