@@ -107,13 +107,17 @@ def start_service(peer: str, files: PeerRunFiles, settings: dict[str, Any]
 
 
 def _lighthouse_binary() -> str:
-    """torchft's wheel installs `torchft_lighthouse` next to this interpreter."""
+    """torchft's wheel installs `torchft_lighthouse` next to this interpreter, or, installed
+    elsewhere (`pip install --target`, `--user`), in a folder on PATH."""
+    import shutil
     import sys
 
     path = Path(sys.executable).parent / "torchft_lighthouse"
-    if not path.exists():
-        raise RuntimeError(f"torchft's lighthouse is not at {path}: pip install 'ripples[peers]'")
-    return str(path)
+    found = str(path) if path.exists() else shutil.which("torchft_lighthouse")
+    if found is None:
+        raise RuntimeError(f"torchft's lighthouse is neither at {path} nor on PATH: "
+                           "pip install 'ripples[peers]'")
+    return found
 
 
 def free_port() -> int:
