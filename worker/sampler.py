@@ -110,7 +110,10 @@ class DistributedSampler(TorchDistributedSampler):  # type: ignore[type-arg]
         if self.shuffle:
             generator = torch.Generator().manual_seed(
                 self.seed * 7919 + self.rank + 1 + 104729 * epoch)
-            shard = [shard[i] for i in torch.randperm(len(shard), generator=generator)]
+            # .tolist(): iterating the tensor makes a 0-d tensor per index (40 ms for a
+            # shard of 6,250 against 0.4 ms), at every epoch boundary of every worker.
+            order = torch.randperm(len(shard), generator=generator).tolist()
+            shard = [shard[i] for i in order]
         return shard
 
     def state_dict(self) -> dict[str, int]:

@@ -184,7 +184,8 @@ class HivemindBackend(PeerBackend):
         from hivemind.optim.grad_averager import GradientAverager
 
         settings = cfg.settings
-        phase = _Phases(f"hivemind worker {cfg.rank}.{cfg.incarnation}")
+        self.who = f"hivemind worker {cfg.rank}.{cfg.incarnation}"
+        phase = _Phases(self.who)
         mine = files.rendezvous_file(f"dht.rank{cfg.rank}")
         if cfg.rank == 0 and cfg.incarnation == 0:
             self.dht = hivemind.DHT(start=True, **LOOPBACK_P2P)
@@ -231,6 +232,10 @@ class HivemindBackend(PeerBackend):
         return self.model.state_dict()
 
     def close(self) -> None:
+        # How many hivemind epochs (averaging rounds; in sync mode, optimizer steps) this
+        # worker's steps became: where its time went (docs/benchmarks.md).
+        print(f"{self.who}: ended at hivemind epoch {self.hivemind_optimizer.local_epoch}",
+              flush=True)
         self.hivemind_optimizer.shutdown()
         self.dht.shutdown()
 

@@ -164,3 +164,27 @@ def test_a_fault_costs_the_survivors_longest_gap_after_the_kill_and_the_replacem
     # No replacement step: None, not a number.
     alone = fault_times(records[:-1], victim=2, killed_at=10.05)
     assert alone.replacement_first_step_seconds is None
+
+
+def test_torchft_lighthouse_is_found_next_to_the_interpreter_or_on_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pip install --target DIR` puts the wheel's torchft_lighthouse in DIR/bin, not next
+    to the interpreter (the 16-core host's run of the bench): PATH is searched too, and
+    a lighthouse found nowhere is named with where it was looked for."""
+    from ripples.bench.peers import backends
+
+    interpreter = tmp_path / "venv" / "bin"
+    interpreter.mkdir(parents=True)
+    monkeypatch.setattr("sys.executable", str(interpreter / "python"))
+    elsewhere = tmp_path / "site" / "bin"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.setenv("PATH", str(elsewhere))
+    with pytest.raises(RuntimeError, match="neither at .*venv/bin/torchft_lighthouse nor on PATH"):
+        backends._lighthouse_binary()
+    on_path = elsewhere / "torchft_lighthouse"
+    on_path.write_text("#!/bin/sh\n")
+    on_path.chmod(0o755)
+    assert backends._lighthouse_binary() == str(on_path)
+    beside = interpreter / "torchft_lighthouse"
+    beside.write_text("#!/bin/sh\n")
+    assert backends._lighthouse_binary() == str(beside)  # next to the interpreter first
