@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -127,11 +126,11 @@ def test_a_worker_whose_first_steps_are_skipped_averages_its_optimizer_state_lat
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [s["skipped"] for s in seen] == [5, 0, 0, 0]
-    # Every worker trained (from about 2.3): the mean of its last 10 steps' batch losses,
-    # not one batch's (a full suite once saw rank 0's last batch at 1.015, its peers' at
-    # 0.87 and 0.55).
-    recent = [statistics.fmean(p["loss"] for p in s["seen"][-10:]) for s in seen]
-    assert all(loss < 1.0 for loss in recent), recent
+    # Every worker trained: its loss over the whole dataset fell to under half its start
+    # (about 2.3). Batch losses were too noisy to judge by: a CI run saw rank 0's last 10
+    # batches average 1.03, its peers' 0.75 to 0.90.
+    losses = [(s["initial_loss"], s["final_loss"]) for s in seen]
+    assert all(final < 0.5 * initial for initial, final in losses), losses
 
 
 def test_any_exception_marks_the_worker_failed_with_its_error(tmp_path: Path) -> None:

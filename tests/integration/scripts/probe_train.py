@@ -52,6 +52,18 @@ def main() -> None:
     sampler = ripples.DistributedSampler(dataset, seed=0)
     loader = DataLoader(dataset, batch_size=16, sampler=sampler,
                         num_workers=args.loader_workers)
+    full_x, full_y = dataset.tensors
+
+    def full_loss() -> float:
+        """The loss over the whole dataset in eval mode: no batch's noise in it."""
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            value = nn.functional.cross_entropy(model(full_x), full_y).item()
+        model.train(was_training)
+        return value
+
+    initial_loss = full_loss()
     seen: list[dict[str, float]] = []
     step = micro = 0
     epoch = 0
@@ -80,6 +92,7 @@ def main() -> None:
             if opt.stopped or step >= args.steps:
                 break
         epoch += 1
+    final_loss = full_loss()
     x, y = dataset[:16]
     for _ in range(args.steps_after_stop if worker.rank == 0 else 0):
         nn.functional.cross_entropy(model(x), y).backward()
@@ -88,7 +101,8 @@ def main() -> None:
     if args.record:
         with open(args.record.format(rank=worker.rank), "w") as f:
             json.dump({"rank": worker.rank, "seen": seen, "skipped": opt.skipped_steps,
-                       "stop_reason": opt.stop_reason}, f)
+                       "stop_reason": opt.stop_reason, "initial_loss": initial_loss,
+                       "final_loss": final_loss}, f)
 
 
 if __name__ == "__main__":
