@@ -34,7 +34,7 @@ PEERS: dict[str, PeerSpec] = {p.name: p for p in (
         description="hivemind.Optimizer, use_local_updates: a local step every step, "
                     "parameters averaged in the background once the peers together did "
                     "target_batch_size samples",
-        defaults={"target_batch_size": 4096, "matchmaking_time": 1.0,
+        defaults={"target_batch_size": 16384, "matchmaking_time": 1.0,
                   "averaging_timeout": 10.0},
         sweep={"target_batch_size": (1024, 4096, 16384), "matchmaking_time": (0.5, 1.0, 2.0)}),
     PeerSpec(
