@@ -42,7 +42,7 @@ PEERS: dict[str, PeerSpec] = {p.name: p for p in (
         description="hivemind.Optimizer's default mode: gradients accumulated until the "
                     "peers did one batch each (target batch = workers x batch), averaged, "
                     "then one optimizer step",
-        defaults={"matchmaking_time": 0.5, "averaging_timeout": 10.0},
+        defaults={"matchmaking_time": 2.0, "averaging_timeout": 10.0},
         sweep={"matchmaking_time": (0.5, 1.0, 2.0)}),
     PeerSpec(
         name="torchft", package="torchft",
