@@ -126,11 +126,11 @@ def test_a_worker_whose_first_steps_are_skipped_averages_its_optimizer_state_lat
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [s["skipped"] for s in seen] == [5, 0, 0, 0]
-    # Every worker trained: its loss over the whole dataset fell to under half its start
-    # (about 2.3). Batch losses were too noisy to judge by: a CI run saw rank 0's last 10
-    # batches average 1.03, its peers' 0.75 to 0.90.
+    # Every worker trained (from about 2.3): its loss over the whole dataset is under 1.0.
+    # Batch losses were too noisy to judge by: a CI run saw rank 0's last 10 batches
+    # average 1.03, its peers' 0.75 to 0.90; the whole dataset's loss was 0.73-0.83 here.
     losses = [(s["initial_loss"], s["final_loss"]) for s in seen]
-    assert all(final < 0.5 * initial for initial, final in losses), losses
+    assert all(final < 1.0 for _, final in losses), losses
 
 
 def test_any_exception_marks_the_worker_failed_with_its_error(tmp_path: Path) -> None:
