@@ -570,6 +570,8 @@ class CoordinatorCore:
         its budget, its target or a request (the service's history calls it failed)."""
         if not self.stopper.stop(reason):
             return {}
+        if self.started_at is not None:
+            self.progress.close(now - self.started_at)
         self.stopped_by_failure = failure
         return self.groups.stop(reason, now)
 

@@ -101,6 +101,20 @@ class ProgressTracker:
             if len(self.loss_curve) > LOSS_CURVE_MAX_POINTS:
                 self._thin_curve()
 
+    def close(self, elapsed: float) -> None:
+        """The run stopped at `elapsed`: the curve ends with the mean loss at the stop
+        (the history shows a finished run's last loss, and a run shorter than one curve
+        step, or whose first try at a point found a worker not yet reported, still has a
+        curve). Nothing when a live worker never reported a loss."""
+        if self.loss_curve and self.loss_curve[-1][0] >= elapsed:
+            return
+        mean = self.mean_loss()
+        if mean is None:
+            return
+        self.loss_curve.append((elapsed, mean, self.mean_iterations()))
+        if len(self.loss_curve) > LOSS_CURVE_MAX_POINTS:
+            self._thin_curve()
+
     def _thin_curve(self) -> None:
         """Double the curve's minimum spacing and keep the points that honour it, until
         it fits again: about every other point goes (evenly over the whole run), but never

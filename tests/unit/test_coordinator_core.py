@@ -647,3 +647,28 @@ def test_a_worker_whose_stream_broke_loses_its_lease_unless_it_heartbeats() -> N
     assert "no heartbeat for 10.0 s" in core.registry.workers[ids[2]].error
     # Unknown, departed or not yet started workers: nothing to cut.
     assert core.suspect(ids[0], 13.0) is None and core.suspect(999, 13.0) is None
+
+
+def test_a_run_shorter_than_one_curve_step_still_ends_its_curve_at_the_stop() -> None:
+    """The first point waits for every worker's loss and, after a try that found one
+    missing, for a curve step (0.2 s); a run whose budget ends inside that step (60 fast
+    iterations on a loaded host) still shows its curve: the stop closes it."""
+    run = RunSettings(protocol="ripples-smart", num_workers=2, workers_per_node=2,
+                      iterations=3)
+    core = CoordinatorCore(run, now=0.0)
+    ids = [core.register("node0", r, "cpu", r, 0.0) for r in range(2)]
+    for wid in ids:
+        core.mark_ready(wid, 3, 0.0)
+    def report(wid: int, iteration: int, now: float, loss: float) -> None:
+        core.request_group(wid, iteration, now, Progress(iteration=iteration, loss=loss,
+                                                         planned_iterations=3))
+
+    report(ids[0], 1, 0.01, 2.0)  # worker 1 has not reported: no point yet
+    report(ids[1], 1, 0.02, 1.8)
+    assert core.loss_curve == []  # the retry is due at 0.21 s
+    report(ids[0], 3, 0.04, 1.2)
+    report(ids[1], 3, 0.05, 1.0)
+    assert core.stopped and "iteration budget" in core.stop_reason
+    assert core.loss_curve == [pytest.approx((0.05, 1.1, 3.0))]
+    core.stop("again", 0.3)  # the first reason stays and the curve gains no point
+    assert len(core.loss_curve) == 1
