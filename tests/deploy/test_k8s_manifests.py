@@ -213,9 +213,10 @@ def checkov(pytestconfig: pytest.Config) -> Path:
     """checkov, pinned, in a venv of its own under pytest's cache (made on first use):
     installed into this project's venv it would downgrade packaging, networkx and
     python-dateutil."""
-    if pytestconfig.cache is None:
+    cache = getattr(pytestconfig, "cache", None)  # absent with -p no:cacheprovider
+    if cache is None:
         pytest.skip("checkov lives in pytest's cache: run without -p no:cacheprovider")
-    venv = pytestconfig.cache.mkdir(f"checkov-{CHECKOV_VERSION}")
+    venv = cache.mkdir(f"checkov-{CHECKOV_VERSION}")
     installed = venv / ".installed"
     if not installed.exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True,
