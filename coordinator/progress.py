@@ -97,9 +97,7 @@ class ProgressTracker:
             self.iterations_to_target = mean_iterations
         # Rate-limited, except for the point that reaches the target: the curve must show it.
         if reached or curve_due or not self.loss_curve:
-            self.loss_curve.append((elapsed, mean, mean_iterations))
-            if len(self.loss_curve) > LOSS_CURVE_MAX_POINTS:
-                self._thin_curve()
+            self._add_point(elapsed, mean, mean_iterations)
 
     def close(self, elapsed: float) -> None:
         """The run stopped at `elapsed`: the curve ends with the mean loss at the stop
@@ -109,9 +107,11 @@ class ProgressTracker:
         if self.loss_curve and self.loss_curve[-1][0] >= elapsed:
             return
         mean = self.mean_loss()
-        if mean is None:
-            return
-        self.loss_curve.append((elapsed, mean, self.mean_iterations()))
+        if mean is not None:
+            self._add_point(elapsed, mean, self.mean_iterations())
+
+    def _add_point(self, elapsed: float, mean: float, mean_iterations: float) -> None:
+        self.loss_curve.append((elapsed, mean, mean_iterations))
         if len(self.loss_curve) > LOSS_CURVE_MAX_POINTS:
             self._thin_curve()
 

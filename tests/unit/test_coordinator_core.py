@@ -659,6 +659,7 @@ def test_a_run_shorter_than_one_curve_step_still_ends_its_curve_at_the_stop() ->
     ids = [core.register("node0", r, "cpu", r, 0.0) for r in range(2)]
     for wid in ids:
         core.mark_ready(wid, 3, 0.0)
+
     def report(wid: int, iteration: int, now: float, loss: float) -> None:
         core.request_group(wid, iteration, now, Progress(iteration=iteration, loss=loss,
                                                          planned_iterations=3))
