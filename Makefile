@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine (Python 3.11; no GPU needed):
 #   make demo   set up .venv, then train on a local cluster (coordinator + 4 workers)
-#   make test   set up .venv, then check stubs, lint, types and run the tests
+#   make test   set up .venv, then check stubs, lint, types, floors and run the tests
+# While developing: make test-fast (the same checks, the tests not marked slow).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo check test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +22,17 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/ripples run --workers 4 --protocol ripples-smart --task digits --epochs 5 --output runs/demo
 
-test: setup
+check: setup
 	$(BIN)/python proto/generate.py --check
 	$(BIN)/ruff check .
 	$(BIN)/python tools/typecheck.py
+	$(BIN)/python tools/layers.py --quiet
+
+test: check
 	$(BIN)/python -m pytest
+
+test-fast: check
+	$(BIN)/python -m pytest -m "not slow"
 
 bench: setup
 	$(BIN)/python -m ripples.bench.preduce

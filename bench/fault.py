@@ -19,7 +19,7 @@ Reported per system:
 - the replacement's first step: from the kill, and from the replacement's process start
   (imports, joining, fetching the model: it contributes from then on).
 
-Ripples runs are `ripples chaos` trials with a fixed plan (ripples/chaos.py: a real
+Ripples runs are `ripples chaos` trials with a fixed plan (bench/chaos.py: a real
 coordinator, `ripples worker run` processes, SIGKILL; its status polls every 0.2 s
 time the steps). Peer runs are `ripples.bench.peers.launch` runs with a `PeerFault`
 (their step logs time the steps exactly). Writes OUTPUT/fault.json and prints a
@@ -89,7 +89,7 @@ class FaultResult:
 
 
 def run_ripples(cfg: FaultConfig, system: str, repeat: int, out: Path) -> FaultResult:
-    from ripples.chaos import ChaosConfig, Trial
+    from ripples.bench.chaos import ChaosConfig, Trial
 
     chaos = ChaosConfig(workers=cfg.workers, iterations=cfg.steps,
                         lease_seconds=cfg.detect_seconds, faults=("sigkill",),

@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ripples.bench.peers import PEERS, missing_package
-from ripples.bench.scenarios import SCENARIOS, Scenario
 from ripples.coordinator.topology import TOPOLOGIES
 from ripples.protocols import PROTOCOLS, Coordination
+from ripples.sim.scenarios import SCENARIOS, Scenario
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ripples.sim.engine import SimConfig, SimResult, simulate
+from ripples.sim.config import SimConfig, SimResult
+from ripples.sim.engine import simulate
 from ripples.sim.models import ComputeModel, ConsensusModel
 
 CAPACITY_RPCS_PER_SECOND = 10_304.0

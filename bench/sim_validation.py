@@ -38,10 +38,11 @@ from pathlib import Path
 import torch
 
 from ripples.bench.harness import HarnessConfig, RunRecord, record_from_summary, run_summary
-from ripples.bench.scenarios import SCENARIOS
 from ripples.protocols import PROTOCOLS, Coordination
-from ripples.sim.engine import SimConfig, SimResult, simulate
+from ripples.sim.config import SimConfig, SimResult
+from ripples.sim.engine import simulate
 from ripples.sim.models import CommModel, ComputeModel
+from ripples.sim.scenarios import SCENARIOS
 
 PROTOCOLS_COMPARED: tuple[str, ...] = ("allreduce", "ripples-random", "ripples-smart", "adpsgd")
 SCENARIOS_COMPARED: tuple[str, ...] = ("homogeneous", "slow-5x")

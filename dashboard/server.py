@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from ripples.dashboard.app import DashboardConfig, create_app
+from ripples.dashboard.app import create_app
+from ripples.dashboard.config import DashboardConfig
 from ripples.http_server import HttpEndpoint, bind
 from ripples.loop_thread import LoopThreadService, serve_until_signal
 

@@ -5,15 +5,7 @@ to a hundred thousand simulated workers ask the real `CoordinatorCore` for group
 heartbeat and release as the real workers do, while models of compute time, links and
 averaging (sim/models.py) stand in for the GPUs. It answers how far one coordinator
 goes, and how the protocols compare at scales no test cluster has (docs/scale.md).
+
+`ripples.sim.config` holds what a run is (SimConfig) and what it measured (SimResult),
+without torch; `ripples.sim.engine` runs it.
 """
-
-from ripples.sim.engine import SIM_PROTOCOLS, SimConfig, SimResult, simulate
-from ripples.sim.models import (
-    SIM_SCENARIOS,
-    CommModel,
-    ComputeModel,
-    ConsensusModel,
-)
-
-__all__ = ["SIM_PROTOCOLS", "SIM_SCENARIOS", "CommModel", "ComputeModel", "ConsensusModel",
-           "SimConfig", "SimResult", "simulate"]

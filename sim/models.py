@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ripples.bench.scenarios import SCENARIOS
+from ripples.sim.scenarios import SCENARIOS
 
 SIM_SCENARIOS: tuple[str, ...] = (*SCENARIOS, "lognormal", "slow-fraction")
 """Compute-time scenarios: the benchmark's (homogeneous, slow-2x/4x/5x/10x: worker 0

@@ -14,16 +14,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def package_dirs() -> dict[str, str]:
-    config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    dirs: dict[str, str] = config["tool"]["setuptools"]["package-dir"]
-    return dirs
+from layout import REPO, package_dirs
 
 
 def build_tree(root: Path) -> Path:

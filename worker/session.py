@@ -147,7 +147,8 @@ class Session:
         assert self.comms is not None and self.store is not None, "start() first"
         heartbeat = self.heartbeat
         if self.root is None and is_head(self.config, self.membership):
-            self.root = RootLink(self.env, self.config, self._progress)
+            self.root = RootLink(self.env, self.config, self._progress,
+                                 lambda env, progress: Session(env, progress=progress))
         return ProtocolContext(
             client=self.client, worker_id=self.worker_id, rank=self.membership.rank,
             num_workers=self.membership.num_workers, config=self.config,

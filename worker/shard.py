@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,12 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.protocols.base import ProtocolContext
+
+if TYPE_CHECKING:
+    from ripples.worker.session import Session
+
+SessionFactory = Callable[[LaunchEnv, Callable[[], pb.Progress]], "Session"]
+"""Makes the head's second session (session.py passes its Session class)."""
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +65,7 @@ class RootLink:
     start timeout) and gives the context a root round runs in; `close` leaves it."""
 
     def __init__(self, env: LaunchEnv, config: pb.RunConfig,
-                 progress: Callable[[], pb.Progress]) -> None:
-        from ripples.worker.session import Session  # session.py builds links
-
+                 progress: Callable[[], pb.Progress], session: SessionFactory) -> None:
         settings = GroupGeneratorSettings.of_config(config)
         self.root = settings.root
         self.inter_period = settings.inter_period
@@ -76,7 +81,7 @@ class RootLink:
         root_env = dataclasses.replace(
             env, coordinator=self.root, host=f"{env.host}@{self.shard}", run_id="",
             metrics_port=-1, connect_timeout_seconds=ROOT_CONNECT_SECONDS)
-        self.session = Session(root_env, progress=root_progress)
+        self.session = session(root_env, root_progress)
         self.context: ProtocolContext | None = None
 
     def open(self, model: torch.nn.Module, state: AveragedState) -> ProtocolContext | None:

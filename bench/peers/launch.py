@@ -1,6 +1,6 @@
 """Launch and measure one peer-system run: N worker processes (plus the peer's own
 service: torchft's lighthouse), stopped when the mean training loss reaches the target,
-summarised into the summary.json a `ripples run` writes (ripples/local_cluster.py), so
+summarised into the summary.json a `ripples run` writes (ripples/cli/local_cluster.py), so
 the bench reports both alike.
 
 The clock starts when the last worker is ready (its peer system joined), as a Ripples

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ripples.bench import harness
 from ripples.bench.peers import PEERS, missing_package
-from ripples.bench.scenarios import SCENARIOS
+from ripples.sim.scenarios import SCENARIOS
 
 SWEEP_SCENARIOS = ("homogeneous", "slow-5x")
 

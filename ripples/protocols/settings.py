@@ -2,7 +2,7 @@
 in the proto.
 
 A protocol that has knobs declares them in one keyword-only dataclass (its own file under
-`ripples/protocols/`), whose field docstrings become the CLI help (ripples.config_cli). The
+`ripples/protocols/`), whose field docstrings become the CLI help (ripples.cli.arguments). The
 settings travel to the workers as a message of their own in `RunConfig` (`proto_field`
 names it), never as fields of a shared class.
 """

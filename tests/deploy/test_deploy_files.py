@@ -41,7 +41,7 @@ from grafana_dashboard import load_dashboard, panels, queries, template_variable
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ripples.cli import build_parser, split_script
+from ripples.cli.main import build_parser, split_script
 from tests.integration.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -790,7 +790,7 @@ and plays its part: serve and agents until SIGTERM, health SERVING once serve st
 submit waits
 STANDIN_SUBMIT_SECONDS and exits STANDIN_SUBMIT_CODE."""
 import json, os, signal, sys, time
-from ripples.cli import build_parser, split_script
+from ripples.cli.main import build_parser, split_script
 
 argv = sys.argv[1:]
 options, script = split_script(argv)

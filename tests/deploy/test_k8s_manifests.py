@@ -30,7 +30,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from ripples.cli import build_parser
+from ripples.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
-from ripples.dashboard.app import DashboardConfig
+from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient

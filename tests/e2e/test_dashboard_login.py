@@ -13,7 +13,7 @@ import pytest
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
-from ripples.dashboard.app import DashboardConfig
+from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.security import ServerSecurity
 from tests.pki import READ_TOKEN, TOKEN, Pki, make_pki

@@ -18,7 +18,7 @@ import pytest
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
-from ripples.dashboard.app import DashboardConfig
+from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.dashboard.view import MAX_WORKER_DETAIL
 from ripples.v1 import coordinator_pb2 as pb

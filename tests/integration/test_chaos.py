@@ -1,4 +1,4 @@
-"""Chaos trials (ripples/chaos.py): real coordinator and worker processes of a
+"""Chaos trials (bench/chaos.py): real coordinator and worker processes of a
 ripples-smart run, workers SIGKILLed and SIGTERMed at seeded moments and replaced; the run
 completes its budget, replacements heal, nothing hangs, the final models are finite and
 their average is accurate. The plan and summary parts are checked without processes."""
@@ -10,18 +10,18 @@ import random
 
 import pytest
 
-from ripples.chaos import (
+from ripples.bench.chaos import (
     FAULT_KINDS,
     ChaosConfig,
     FaultRecord,
     TrialResult,
-    add_arguments,
     format_summary,
     plan_faults,
     run_trials,
     summarise,
 )
-from ripples.cli import build_parser
+from ripples.cli.chaos import add_arguments
+from ripples.cli.main import build_parser
 
 
 def test_the_fault_plan_is_seeded_starts_with_the_first_kind_and_fits_the_window() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ripples.chaos import evaluate_models
+from ripples.bench.chaos import evaluate_models
 from tests.integration.helpers import ripples_cli, running_coordinator, start_worker, wait_for
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from jsonschema import Draft202012Validator
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
-from ripples.dashboard.app import DashboardConfig
+from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 
 

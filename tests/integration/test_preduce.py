@@ -53,7 +53,9 @@ def _worker(rank: int, port: int, rounds: list[list[tuple[int, ...]]], out: mp.Q
                          create=True)
         del comm_id
         preduce(params, comm, 30)
-    out.put((rank, params.flat.clone(), [p.data_ptr() for p in model.parameters()],
+    # Tensors go through the queue as lists: a tensor would travel as a file descriptor
+    # that the parent must fetch from this process, which may have exited by then.
+    out.put((rank, params.flat.tolist(), [p.data_ptr() for p in model.parameters()],
              params.flat.data_ptr(), cache.num_hits, cache.num_misses))
     cache.close()
 
@@ -70,7 +72,7 @@ def test_dynamic_groups_average_exactly_without_hanging() -> None:
     results = {}
     for _ in procs:
         rank, flat, ptrs, flat_ptr, hits, misses = out.get(timeout=120)
-        results[rank] = (flat, ptrs, flat_ptr, hits, misses)
+        results[rank] = (torch.tensor(flat), ptrs, flat_ptr, hits, misses)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
@@ -148,7 +150,7 @@ def _delta_worker(rank: int, port: int, out: mp.Queue) -> None:
     averager = DeltaAverager(live)
     wishes = averager.average(_UpdaterWritesDuringTheExchange(comm, live, update), 30,
                               controls=(float(rank), 2.0))
-    out.put((rank, live.clone(), wishes))
+    out.put((rank, live.tolist(), wishes))  # a list: see _worker
 
 
 def test_the_delta_rule_keeps_updates_made_during_an_averaging_round() -> None:
@@ -161,7 +163,7 @@ def test_the_delta_rule_keeps_updates_made_during_an_averaging_round() -> None:
     results = {}
     for _ in procs:
         rank, live, wishes = out.get(timeout=120)
-        results[rank] = (live, wishes)
+        results[rank] = (torch.tensor(live), wishes)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ripples.bench import harness
-from ripples.bench.scenarios import SCENARIOS
+from ripples.sim.scenarios import SCENARIOS
 
 
 def test_scenarios_translate_to_slowdown_flags() -> None:

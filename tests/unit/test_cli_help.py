@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from ripples.bench import coordinator_load, harness, preduce
-from ripples.cli import build_parser
+from ripples.cli.main import build_parser
 
 
 def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

@@ -1,4 +1,4 @@
-"""`--config FILE.toml` (ripples/config_file.py): each command reads its table, typed as
+"""`--config FILE.toml` (ripples/cli/config_file.py): each command reads its table, typed as
 its flags; flags > environment > file > defaults; errors name the file, the key path and
 what is allowed; `ripples config show` prints every option with its source."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ripples import cli
-from ripples.config_file import ConfigError
+from ripples.cli import main as cli
+from ripples.cli.config_file import ConfigError
 
 FILE = """
 [coordinator.serve]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ripples.cli.local_cluster import LocalCluster, LocalRunConfig
 from ripples.coordinator.config import RunSettings
-from ripples.local_cluster import LocalCluster, LocalRunConfig
 from ripples.v1 import coordinator_pb2 as pb
 
 

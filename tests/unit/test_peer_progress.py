@@ -141,7 +141,7 @@ def test_the_sweep_varies_one_knob_at_a_time_and_scores_misses_as_slow() -> None
 
 
 def test_scenarios_give_peers_the_slowdowns_ripples_runs_get() -> None:
-    from ripples.bench.scenarios import SCENARIOS
+    from ripples.sim.scenarios import SCENARIOS
 
     assert SCENARIOS["homogeneous"].slowdowns(8) == {}
     assert SCENARIOS["slow-5x"].slowdowns(8) == {0: "5"}

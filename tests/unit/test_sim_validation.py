@@ -7,7 +7,7 @@ import pytest
 
 from ripples.bench.harness import HarnessConfig, RunRecord
 from ripples.bench.sim_validation import Calibration, compare, format_rows, sim_config
-from ripples.sim import simulate
+from ripples.sim.engine import simulate
 
 
 def test_an_allreduce_twin_is_eight_workers_sharing_two_cores_plus_one_ring() -> None:

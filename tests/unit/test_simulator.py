@@ -14,16 +14,16 @@ import math
 import numpy as np
 import pytest
 
-from ripples.sim import (
-    SIM_PROTOCOLS,
+from ripples.sim.config import SIM_PROTOCOLS, SimConfig
+from ripples.sim.engine import Simulation, simulate
+from ripples.sim.models import (
     CommModel,
     ComputeModel,
     ConsensusModel,
-    SimConfig,
-    simulate,
+    ConsensusState,
+    SharedCores,
+    shared_finish_times,
 )
-from ripples.sim.engine import Simulation
-from ripples.sim.models import ConsensusState, SharedCores, shared_finish_times
 from tests.integration.helpers import ripples_cli
 
 

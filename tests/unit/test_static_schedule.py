@@ -130,7 +130,7 @@ def test_bad_arguments_raise(call: Callable[[], object], message: str) -> None:
 
 
 def _cli(*flags: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "ripples.schedule_command", *flags]
+    command = [sys.executable, "-m", "ripples.cli.schedule", *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 

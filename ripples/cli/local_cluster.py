@@ -28,7 +28,7 @@ from ripples.consensus import average_state_dicts
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.history import DB_NAME
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
-from ripples.dashboard.app import DashboardConfig
+from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient

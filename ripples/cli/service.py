@@ -5,6 +5,7 @@
     ripples status [RUN]                                one run, as the dashboard shows it
     ripples stop RUN                                    stop a run (cancel a queued one)
     ripples logs RUN [--worker HOST/LOCAL_RANK]         its workers' output
+    ripples checkpoint --output model.pt                the live workers' average, now
     ripples coordinator health                          the gRPC health check (probes)
 
 Each one talks to `--coordinator HOST:PORT` (default: $RIPPLES_COORDINATOR) with the
@@ -21,9 +22,10 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
+from ripples.cli.arguments import add_client_security_arguments, add_coordinator_option
+from ripples.cli.run import SCRIPT_RUN_DEFAULTS, add_run_arguments, run_settings
 from ripples.coordinator.history import ENDED, agent_summary, state_name, summary
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
@@ -75,14 +77,13 @@ def _what(info: pb.RunInfo) -> str:
 
 
 # ---------------------------------------------------------------------------- submit
-def cmd_submit(args: argparse.Namespace, run_settings: Callable[..., object]) -> int:
-    """`run_settings(args, script)`: the run's RunSettings from the run options (cli.py)."""
+def cmd_submit(args: argparse.Namespace) -> int:
     script: list[str] = args.script
     try:
         settings = run_settings(args, script)
     except ValueError as err:
         return _fail("submit", err, 2)
-    options = settings.options()  # type: ignore[attr-defined]
+    options = settings.options()
     workdir = args.workdir or (str(Path.cwd()) if script else "")
     try:
         client = _client(args)
@@ -346,15 +347,42 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if serving else 1
 
 
+# ---------------------------------------------------------------------------- checkpoint
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from ripples.files import write_atomically
+    from ripples.worker.client import CoordinatorClient
+
+    if args.timeout_seconds <= 0:
+        return _fail("checkpoint", ValueError("--timeout-seconds must be positive"), 2)
+    client = CoordinatorClient(args.coordinator)
+    try:
+        info, data = client.consensus(args.timeout_seconds)
+    except CoordinatorCallError as err:
+        return _fail("checkpoint", err)
+    finally:
+        client.close()
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, data)
+    done = {"path": str(path), "consensus_id": info.consensus_id,
+            "workers": list(info.workers), "iterations": list(info.iterations),
+            "consensus_distance": info.consensus_distance,
+            "seconds": round(info.seconds, 3), "bytes": len(data)}
+    if args.json:
+        print(json.dumps(done, indent=2))
+    else:
+        print(f"wrote {path}: the average of workers {done['workers']} at iterations "
+              f"{done['iterations']} (consensus distance {info.consensus_distance:.3g}, "
+              f"{info.seconds:.2f} s)")
+    return 0
+
+
 # ---------------------------------------------------------------------------- parsers
-def add_parsers(sub: argparse._SubParsersAction, *, coordinator_option: Callable[
-        [argparse.ArgumentParser], None], client_security: Callable[
-        [argparse.ArgumentParser], None], run_arguments: Callable[
-        [argparse.ArgumentParser], None], submit: Callable[[argparse.Namespace], int]) -> None:
-    """The service's commands, on `ripples`' sub-parsers (the option helpers are cli.py's)."""
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """The service's commands, on `ripples`' sub-parsers."""
     p = sub.add_parser("submit", help="queue a run on a coordinator service",
                        usage="ripples submit [options] [-- python train.py ARGS]")
-    run_arguments(p)
+    add_run_arguments(p, defaults=SCRIPT_RUN_DEFAULTS)
     p.add_argument("--name", default="", help="the run's name (default: protocol and task "
                    "or script)")
     p.add_argument("--workdir", default="", help="the script's working directory on the "
@@ -362,12 +390,12 @@ def add_parsers(sub: argparse._SubParsersAction, *, coordinator_option: Callable
     p.add_argument("--wait", action="store_true",
                    help="follow the run until it ends; exit 0 if it finished, 1 otherwise")
     p.add_argument("--json", action="store_true", help="print the run as JSON")
-    _common(p, coordinator_option, client_security)
-    p.set_defaults(func=submit)
+    _common(p)
+    p.set_defaults(func=cmd_submit, takes_script=True)
 
     p = sub.add_parser("runs", help="list a coordinator service's runs and host agents")
     p.add_argument("--json", action="store_true", help="print JSON")
-    _common(p, coordinator_option, client_security)
+    _common(p)
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("status", help="one run's status (default: the active run)")
@@ -375,14 +403,14 @@ def add_parsers(sub: argparse._SubParsersAction, *, coordinator_option: Callable
                    help="run id, unique id prefix or name (default: the active run, else "
                         "the newest)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    _common(p, coordinator_option, client_security)
+    _common(p)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("stop", help="stop a run (a queued one is cancelled)")
     p.add_argument("run", metavar="RUN", help="run id, unique id prefix or name")
     p.add_argument("--reason", default="stopped by an operator",
                    help="recorded as the run's stop reason")
-    _common(p, coordinator_option, client_security)
+    _common(p)
     p.set_defaults(func=cmd_stop)
 
     p = sub.add_parser("logs", help="a run's worker output (sent by the host agents)")
@@ -394,13 +422,24 @@ def add_parsers(sub: argparse._SubParsersAction, *, coordinator_option: Callable
                    help="keep printing while the run is active")
     p.add_argument("--tail", type=_count, default=0, metavar="N",
                    help="only the last N lines of each worker (0: all)")
-    _common(p, coordinator_option, client_security)
+    _common(p)
     p.set_defaults(func=cmd_logs)
 
+    p = sub.add_parser("checkpoint", help="write the running run's consensus model now "
+                       "(the average of the live workers' models)")
+    add_coordinator_option(p)
+    p.add_argument("--output", required=True,
+                   help="file to write (a state_dict, torch.load-able), written whole or "
+                        "not at all")
+    p.add_argument("--timeout-seconds", type=float, default=60.0,
+                   help="how long the workers have to publish their models, each at its "
+                        "next step boundary (default: 60)")
+    p.add_argument("--json", action="store_true", help="print what was averaged as JSON")
+    add_client_security_arguments(p)
+    p.set_defaults(func=cmd_checkpoint)
 
-def add_health_parser(coord_sub: argparse._SubParsersAction, *, coordinator_option: Callable[
-        [argparse.ArgumentParser], None], client_security: Callable[
-        [argparse.ArgumentParser], None]) -> None:
+
+def add_health_parser(coord_sub: argparse._SubParsersAction) -> None:
     p = coord_sub.add_parser("health", help="check that a coordinator serves (gRPC health; "
                              "exit 0 when SERVING)")
     p.add_argument("--tls-server-name", default="",
@@ -408,8 +447,8 @@ def add_health_parser(coord_sub: argparse._SubParsersAction, *, coordinator_opti
                         "dials 127.0.0.1)")
     p.add_argument("--timeout-seconds", type=float, default=5.0,
                    help="how long to wait for the answer (default: 5)")
-    coordinator_option(p)
-    client_security(p)
+    add_coordinator_option(p)
+    add_client_security_arguments(p)
     p.set_defaults(func=cmd_health)
 
 
@@ -420,11 +459,9 @@ def _count(text: str) -> int:
     return value
 
 
-def _common(parser: argparse.ArgumentParser,
-            coordinator_option: Callable[[argparse.ArgumentParser], None],
-            client_security: Callable[[argparse.ArgumentParser], None]) -> None:
-    coordinator_option(parser)
+def _common(parser: argparse.ArgumentParser) -> None:
+    add_coordinator_option(parser)
     parser.add_argument("--connect-timeout-seconds", type=float, default=30.0,
                         help="how long to wait for the coordinator to be reachable "
                              "(default: 30)")
-    client_security(parser)
+    add_client_security_arguments(parser)

@@ -16,8 +16,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ripples.config_cli import add_dataclass_arguments, dataclass_from_args
-from ripples.sim.engine import SIM_PROTOCOLS, SimConfig, SimResult, simulate
+from ripples.cli.arguments import add_dataclass_arguments, dataclass_from_args
+from ripples.sim.config import SIM_PROTOCOLS, SimConfig, SimResult
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("protocol", "protocol", "{}"),
@@ -142,6 +142,8 @@ def write_plot(results: list[SimResult], path: str) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from ripples.sim.engine import simulate
+
     try:
         runs = configs(args)
         for config in runs:  # every configuration is checked before the first run starts

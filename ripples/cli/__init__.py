@@ -1,0 +1,2 @@
+"""The roof: the `ripples` command (one module per command family) and the local cluster
+behind `ripples run`. Nothing below imports this package."""

@@ -1,0 +1,145 @@
+"""`ripples run`: a coordinator and N local worker processes, from the start of a run to
+its summary; and the run options every command that makes a run shares (`ripples run`,
+`ripples coordinator serve`, `ripples submit`).
+
+The options are RunSettings' fields, then every protocol's settings (flat: --group-size,
+--hop-mode, ...), each documented once, on its field. Building them imports no torch;
+the local cluster is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ripples.cli.arguments import add_dataclass_arguments, dataclass_from_args, setup_logging
+
+if TYPE_CHECKING:
+    from ripples.coordinator.config import RunSettings
+
+_RUN_SKIP = {"run_id", "protocol_settings"}
+"""Fields of RunSettings that the CLI sets under other names or not at all."""
+
+SCRIPT_RUN_DEFAULTS: dict[str, object] = {"task": None, "epochs": None}
+"""Defaults of the commands that take a script: unset, so that a script run can refuse
+--task and --epochs (see run_settings)."""
+
+
+def add_run_arguments(parser: argparse.ArgumentParser,
+                      defaults: dict[str, object] | None = None) -> None:
+    """The options of a run: RunSettings' fields, then every protocol's settings."""
+    from ripples.coordinator.config import RunSettings
+    from ripples.protocols import SETTINGS_CLASSES
+
+    add_dataclass_arguments(parser, RunSettings, skip=_RUN_SKIP,
+                            rename={"num_workers": "workers"}, defaults=defaults)
+    for settings_cls in SETTINGS_CLASSES:
+        add_dataclass_arguments(parser, settings_cls, option_names=settings_cls.cli_names)
+
+
+def run_option_dests() -> set[str]:
+    """The argument names of the run options (`coordinator serve`: were any given?)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_run_arguments(parser)
+    return {a.dest for a in parser._actions}
+
+
+def run_settings(args: argparse.Namespace, script: list[str] | None = None) -> RunSettings:
+    """The run's settings from its options. `ripples run` leaves --task and --epochs unset
+    (None) so that a script run can refuse them: a script trains its own model for its
+    own epochs (cap it with --iterations)."""
+    from ripples.coordinator.config import RunSettings, option_names
+    from ripples.protocols import SETTINGS_CLASSES
+
+    names = {f for cls in SETTINGS_CLASSES for f in option_names(cls)}
+    base = dataclass_from_args(RunSettings, args, build=False)
+    options = {**base, **{name: getattr(args, name) for name in names if hasattr(args, name)}}
+    if script is not None:
+        if script and options.get("task") is not None:
+            raise ValueError("give --task or a script after --, not both")
+        if script and options.get("epochs") is not None:
+            raise ValueError("a script runs its own epochs: drop --epochs (cap the run with "
+                             "--iterations or --target-loss)")
+        defaults = RunSettings.__dataclass_fields__
+        options["task"] = "" if script else (options.get("task") or defaults["task"].default)
+        options["epochs"] = 0.0 if script else (options["epochs"] if options.get("epochs")
+                                                is not None else defaults["epochs"].default)
+    return RunSettings.build(**options)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ripples.cli.local_cluster import INTERRUPTED, LocalRunConfig, parse_slowdowns, run_local
+    from ripples.worker.launch_env import CheckpointOptions
+
+    setup_logging(args.verbose)
+    script: list[str] = args.script
+    try:
+        run = run_settings(args, script)
+        slowdowns = parse_slowdowns(args.slowdown, run.num_workers)
+        if args.threads_per_worker < 1:
+            raise ValueError("--threads-per-worker must be at least 1")
+        if args.timeout_seconds < 0:
+            raise ValueError("--timeout-seconds must not be negative (0: no limit)")
+        if not script:
+            from ripples.worker.tasks import resolve_task
+
+            resolve_task(run.task)  # unknown task: fail before spawning anything
+        checkpoint: CheckpointOptions = dataclass_from_args(CheckpointOptions, args)
+        checkpoint.validate()
+    except ValueError as err:
+        print(f"ripples run: error: {err}", file=sys.stderr)
+        return 2
+    config = LocalRunConfig(run=run, slowdowns=slowdowns, output=Path(args.output),
+                            threads_per_worker=args.threads_per_worker,
+                            timeout_seconds=args.timeout_seconds, progress=not args.quiet,
+                            dashboard_port=args.dashboard_port if args.dashboard else None,
+                            worker_log_level=logging.INFO if args.verbose else logging.WARNING,
+                            script=tuple(script), checkpoint=checkpoint,
+                            resume=args.resume)
+    try:
+        summary = run_local(config)
+    except (RuntimeError, TimeoutError, OSError) as err:
+        print(f"ripples run: failed: {err}", file=sys.stderr)
+        return 1
+    shown = {k: v for k, v in summary.items() if k not in ("loss_curve", "workers")}
+    print(json.dumps(shown, indent=2))
+    print(f"wrote {config.output / 'summary.json'} and {config.output / 'model.pt'}",
+          file=sys.stderr)
+    return 130 if summary.get("stop_reason") == INTERRUPTED else 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ripples.worker.launch_env import CheckpointOptions
+
+    run = sub.add_parser("run", help="run a coordinator and N local workers (loopback, gloo)",
+                         usage="ripples run [options] [-- python train.py ARGS]")
+    add_run_arguments(run, defaults=SCRIPT_RUN_DEFAULTS)
+    add_dataclass_arguments(run, CheckpointOptions)
+    run.add_argument("--slowdown", action="append", default=[], metavar="RANK:FACTOR",
+                     help="make worker RANK FACTOR times slower (RANK:FACTOR@PROBABILITY for a "
+                          "random straggler); repeat for several workers")
+    run.add_argument("--output", default="runs/latest", help="directory for model.pt and "
+                     "summary.json (default: runs/latest)")
+    run.add_argument("--threads-per-worker", type=int, default=1,
+                     help="torch threads per worker process (default: 1)")
+    run.add_argument("--timeout-seconds", type=float, default=0.0,
+                     help="stop the run and fail if it has not finished after this long "
+                     "(default: 0, no limit: every wait inside a run has its own timeout)")
+    run.add_argument("--dashboard", action="store_true",
+                     help="serve the live dashboard during the run (see --dashboard-port)")
+    run.add_argument("--dashboard-port", type=int, default=8080,
+                     help="port of the dashboard on 127.0.0.1 (0: any free port; default: 8080)")
+    run.add_argument("--resume", action="store_true",
+                     help="go on with the run in --output after a total failure (the "
+                          "launcher, the machine): the coordinator's state from "
+                          "OUTPUT/state (its run settings win over the options given) and "
+                          "new workers that continue each rank from its newest checkpoint "
+                          "(OUTPUT/checkpoints unless --checkpoint-dir); give the same "
+                          "script after --")
+    run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--verbose", action="store_true", help="log coordinator and worker events")
+    run.set_defaults(func=cmd_run, takes_script=True)
