@@ -32,7 +32,8 @@ from pathlib import Path
 
 from ripples.bench.peers import PEERS, missing_package
 from ripples.coordinator.topology import TOPOLOGIES
-from ripples.protocols import PROTOCOLS, Coordination
+from ripples.protocols.registry import PROTOCOLS
+from ripples.protocols.spec import Coordination
 from ripples.sim.scenarios import SCENARIOS, Scenario
 
 

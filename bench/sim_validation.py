@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from ripples.bench.harness import HarnessConfig, RunRecord, record_from_summary, run_summary
-from ripples.protocols import PROTOCOLS, Coordination
+from ripples.protocols.registry import PROTOCOLS
+from ripples.protocols.spec import Coordination
 from ripples.sim.config import SimConfig, SimResult
 from ripples.sim.engine import simulate
 from ripples.sim.models import CommModel, ComputeModel

@@ -1,8 +1,8 @@
 """Typed configuration of a run, as the coordinator holds it and hands it to workers.
 
 `RunSettings` holds what every run has (protocol, budget, timeouts, topology); each
-protocol family's knobs are a settings object of their own (ripples/protocols/), one per
-class in `ripples.protocols.SETTINGS_CLASSES`, reached with `settings(cls)`. On the
+protocol family's knobs are a settings object of their own (protocols/<name>/settings.py),
+one per class in `ripples.protocols.registry.SETTINGS_CLASSES`, reached with `settings(cls)`. On the
 command line they are flat options (`--group-size`, `--hop-mode`, ...): `RunSettings.build`
 routes flat options to the class that owns each one.
 """
@@ -22,15 +22,10 @@ from ripples.coordinator.topology import (
     build_topology,
     parse_edge_list,
 )
-from ripples.protocols import (
-    SETTINGS_CLASSES,
-    ProtocolSettings,
-    ProtocolSpec,
-    Role,
-    get_protocol,
-)
-from ripples.protocols.group_generator import SHARDED_PROTOCOLS, GroupGeneratorSettings
-from ripples.protocols.settings import RunFacts, TopologyFacts
+from ripples.protocols.group_generator.settings import GroupGeneratorSettings
+from ripples.protocols.registry import PROTOCOLS, SETTINGS_CLASSES, get_protocol
+from ripples.protocols.settings import ProtocolSettings, RunFacts, TopologyFacts
+from ripples.protocols.spec import Membership, ProtocolSpec, Role
 from ripples.v1 import coordinator_pb2 as pb
 
 S = TypeVar("S", bound=ProtocolSettings)
@@ -50,17 +45,17 @@ class RunSettings:
     """One training run. Every field is documented once, here."""
 
     protocol: str = "ripples-smart"
-    """Synchronisation protocol: allreduce, ripples-random, ripples-smart, ripples-static,
-    adpsgd, a2cid2, hop, lap-sgd or lpp-sgd."""
+    """Synchronisation protocol: one of the registry's (protocols/registry.py; `ripples run
+    --help` lists them with a line each)."""
     task: str = "digits"
     """Training task: a built-in name (digits, synthetic-cnn, synthetic-vgg16) or
     module:function; empty when the workers run the user's own script."""
     num_workers: int = 4
     """Workers that must register before training starts."""
     min_workers: int = 2
-    """Elastic protocols (ripples-random, ripples-smart) go on while at least this many
-    workers are live; a member that leaves can be replaced meanwhile (a replacement takes
-    its rank and heals from a live peer). Fewer: the run stops."""
+    """Elastic protocols go on while at least this many workers are live; a member that
+    leaves can be replaced meanwhile (a replacement takes its rank and heals from a live
+    peer). Fewer: the run stops."""
     max_workers: int = 0
     """Elastic protocols: workers may join a running run beyond num_workers, up to this
     many (each takes the next rank, heals from a live peer and averages; 0: num_workers,
@@ -107,7 +102,7 @@ class RunSettings:
     checkpoint_interval: int = 8
     """Lock-step protocols agree on a common stop iteration every this many iterations."""
     max_restarts: int = 3
-    """Lock-step protocols (allreduce, ripples-static) whose workers write checkpoints: a
+    """Protocols that restart (lock-step ones) whose workers write checkpoints: a
     member that fails, or a worker that joins, opens a restart round (every worker restarts
     its process, registers anew and restores the last checkpoint every rank holds, as
     torchelastic does) at most this many times; past it, or without checkpoints, a failure
@@ -117,7 +112,7 @@ class RunSettings:
     long with at least min_workers (the run then goes on with fewer ranks until a joiner
     opens another round)."""
     topology: str = "complete"
-    """Who may average with whom (ripples-random, ripples-smart, adpsgd, a2cid2): complete,
+    """Who may average with whom (protocols whose averaging follows a graph): complete,
     ring, ring-based, double-ring, exponential, hierarchical (a clique per host, hosts in a
     ring) or file (see topology_file)."""
     topology_file: str = ""
@@ -184,12 +179,12 @@ class RunSettings:
 
     def run_facts(self) -> RunFacts:
         """What the protocol's settings check against the rest of the run."""
-        return RunFacts(protocol=self.protocol, policy=self.role.policy, task=self.task,
+        return RunFacts(protocol=self.protocol, policy=self.role.label, task=self.task,
                         iterations=self.iterations, epochs=self.epochs)
 
     def check_topology(self, topology: Topology) -> None:
         """Raise ValueError if the protocol cannot run on `topology` (each settings class
-        says: adpsgd's bipartite mode needs a bipartite graph)."""
+        says, e.g. a pairing that needs a bipartite graph)."""
         facts = TopologyFacts(name=self.topology, num_workers=topology.num_workers,
                               bipartite=topology.is_bipartite())
         for settings_cls in self.spec.settings:
@@ -206,13 +201,12 @@ class RunSettings:
         if self.max_workers and self.max_workers < self.num_workers:
             raise ValueError(f"max_workers must be 0 or at least num_workers "
                              f"({self.num_workers}), got {self.max_workers}")
-        if self.max_workers > self.num_workers and (spec.fixed_membership
-                                                    or self.protocol == "a2cid2"):
-            why = spec.fixed_membership or ("its momentum constants are computed for the "
-                                            "run's graph at the start")
+        fixed = spec.fixed_membership or spec.fixed_size
+        if self.max_workers > self.num_workers and fixed:
+            growing = [s.name for s in PROTOCOLS.values()
+                       if s.membership is Membership.ELASTIC and not s.fixed_size]
             raise ValueError(f"{self.protocol} takes no workers beyond num_workers "
-                             f"({why}); max_workers is for ripples-random, ripples-smart "
-                             "and adpsgd")
+                             f"({fixed}); max_workers is for {', '.join(growing)}")
         if self.workers_per_node < 1:
             raise ValueError("workers_per_node must be at least 1")
         if self.iterations < 0 or self.epochs < 0:
@@ -242,9 +236,10 @@ class RunSettings:
         for settings_cls in spec.settings:
             self.settings(settings_cls).validate()
             self.settings(settings_cls).check_run(self.run_facts())
-        if self.settings(GroupGeneratorSettings).root and self.protocol not in SHARDED_PROTOCOLS:
+        if self.settings(GroupGeneratorSettings).root and not spec.shardable:
+            shardable = [s.name for s in PROTOCOLS.values() if s.shardable]
             raise ValueError(f"root (a shard of a sharded job) needs protocol "
-                             f"{' or '.join(SHARDED_PROTOCOLS)}, not {self.protocol}")
+                             f"{' or '.join(shardable)}, not {self.protocol}")
         self._validate_topology()
 
     def _validate_topology(self) -> None:
@@ -256,9 +251,10 @@ class RunSettings:
         if self.topology_file and self.topology != "file":
             raise ValueError("topology_file is given: set topology to 'file' to use it")
         if not self.role.takes_topology and self.topology != "complete":
+            graphs = [s.name for s in PROTOCOLS.values()
+                      if s.role.takes_topology]
             raise ValueError(f"{self.protocol} synchronises all workers together and takes "
-                             "no topology; use ripples-random, ripples-smart, adpsgd, a2cid2 "
-                             "or hop")
+                             f"no topology; use {', '.join(graphs)}")
         if self.topology == "file":
             try:
                 text = Path(self.topology_file).read_text(encoding="utf-8")

@@ -36,7 +36,7 @@ from ripples.coordinator.registry import GONE, Progress, Registry, WorkerRecord,
 from ripples.coordinator.run_graph import RunGraph
 from ripples.coordinator.schema import Schema, SchemaCheck
 from ripples.coordinator.stop import BudgetWatch, StateAdoption, StopAgreement
-from ripples.protocols import Coordination, GroupGeneratorSettings
+from ripples.protocols.spec import Coordination
 
 SUSPECT_HEARTBEATS = 3
 """A worker whose Synchronize stream broke keeps its lease for this many heartbeat
@@ -69,7 +69,7 @@ class CoordinatorCore:
                                         everyone=self.registry.counted,
                                         lockstep=settings.restarts,
                                         version=lambda: self.registry.version)
-        self.groups = GroupService(self.role, settings.settings(GroupGeneratorSettings),
+        self.groups = GroupService(self.role, settings.settings,
                                    registry=self.registry, graph=lambda: self.graph,
                                    progress=self.progress, rng=random.Random(settings.seed),
                                    max_comms_per_worker=settings.max_comms_per_worker)
@@ -476,14 +476,15 @@ class CoordinatorCore:
                 "FAILED_PRECONDITION",
                 f"protocol {self.settings.protocol} does not use the group generator",
             )
-        if listen and not self.groups.listening_allowed:
+        if listen and not self.role.listening:
             raise CoordinatorError(
                 "INVALID_ARGUMENT",
-                f"listen requests belong to adpsgd, not to {self.settings.protocol}")
+                f"{self.settings.protocol}'s workers do not listen for partners")
         if not listen and worker_id in self.graph.passive and w.healed:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
-                f"worker {worker_id} is passive in adpsgd's bipartite mode: it only listens")
+                f"worker {worker_id} is on the passive side of {self.settings.protocol}'s "
+                "graph: it only listens")
         if self.started_at is None:
             raise CoordinatorError("FAILED_PRECONDITION", "the run has not started yet")
         if progress is not None:

@@ -1,7 +1,7 @@
 """The Group Generator's service (pure code): group requests, deliveries and releases.
 
-A worker asks for its next group; the policy (random, smart) or the gossip pairing
-decides the members, the GroupTable orders overlapping groups, and the reply goes to
+A worker asks for its next group; the protocol's group policy or pairing (its Role's
+objects) decides the members, the GroupTable orders overlapping groups, and the reply goes to
 every member at once when the group may execute and every member has asked for it
 (`Deliveries`: the decisions this event completes for other waiting workers). Failed
 groups retire their communicator; a departed member cancels its groups.
@@ -9,29 +9,21 @@ groups retire their communicator; a departed member cancels its groups.
 
 from __future__ import annotations
 
-import enum
 import random
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ripples.coordinator.comm_directory import CommDirectory
+from ripples.coordinator.decisions import Deliveries, GroupDecision, Outcome
 from ripples.coordinator.errors import CoordinatorError
 from ripples.coordinator.groups import GroupRecord, GroupTable
 from ripples.coordinator.pairing import FifoPairing
-from ripples.coordinator.policies import (
-    ClusterView,
-    GroupPolicy,
-    RandomPolicy,
-    SmartPolicy,
-    make_policy,
-    straggler_bound,
-)
+from ripples.coordinator.policies import ClusterView, GroupPolicy, straggler_bound
 from ripples.coordinator.progress import ProgressTracker
 from ripples.coordinator.registry import GONE, Registry, WorkerRecord, WorkerState
 from ripples.coordinator.run_graph import RunGraph
-from ripples.protocols import Coordination, GroupGeneratorSettings, Role
+from ripples.protocols.spec import Role, SettingsLookup
 
 _T = TypeVar("_T")
 
@@ -69,32 +61,10 @@ class _RecordFields:
                                                        lambda w: w.own_seconds)
 
 
-class Outcome(enum.Enum):
-    GROUP = "group"
-    STOP = "stop"
-    CANCELLED = "cancelled"
-    NO_GROUP = "no_group"
-    RETRY = "retry"
-
-
-@dataclass(kw_only=True)
-class GroupDecision:
-    """What a worker waiting for the reply to its group request is told."""
-
-    outcome: Outcome
-    group: GroupRecord | None = None
-    more: bool = False
-    evictions: list[int] = field(default_factory=list)
-    detail: str = ""
-
-
-Deliveries = dict[int, GroupDecision]
-
-
 class GroupService:
     """Groups of one run: the policy or pairing, the table, the communicator directory."""
 
-    def __init__(self, role: Role, group_settings: GroupGeneratorSettings, *,
+    def __init__(self, role: Role, settings: SettingsLookup[Any], *,
                  registry: Registry, graph: Callable[[], RunGraph],
                  progress: ProgressTracker, rng: random.Random,
                  max_comms_per_worker: int) -> None:
@@ -102,17 +72,9 @@ class GroupService:
         self._graph = graph
         self.progress = progress
         self.rng = rng
-        self.policy: GroupPolicy | None = None
-        if role.coordination is Coordination.GROUPS:
-            self.policy = make_policy(role.policy, group_size=group_settings.group_size,
-                                      c_thres=group_settings.c_thres,
-                                      inter_intra=group_settings.inter_intra)
-        elif role.policy == "adpsgd":
-            # AD-PSGD: each averaging pairs the initiator with one random neighbour; the
-            # group table serialises overlapping pairs in one global order.
-            self.policy = RandomPolicy(group_size=2)
-        self.pairing = FifoPairing() if role.policy == "a2cid2" else None
-        self.listening_allowed = role.policy == "adpsgd"
+        self.policy: GroupPolicy | None = (
+            role.group_policy(settings) if role.group_policy is not None else None)
+        self.pairing: FifoPairing | None = role.pairing() if role.pairing is not None else None
         self.table = GroupTable()
         self.table.on_idle = self._became_idle
         self.table.on_busy = self._became_busy
@@ -152,7 +114,7 @@ class GroupService:
         if not w.healed:
             return self._heal(w, now)
         if self.pairing is not None and not listen and self.table.head(worker_id) is not None:
-            # A2CiD2's pairs execute at once: a group waiting in its buffer is a heal
+            # Paired workers execute at once: a group waiting in its buffer is a heal
             # group it donates to, which it meets before any new pairing.
             return self._arrive(w, now)
         if self.pairing is not None or listen:
@@ -207,7 +169,7 @@ class GroupService:
             head = self._add_group((donor.worker_id, w.worker_id), w.worker_id, now)
             head.heal_donor = donor.worker_id
             if self.pairing is not None and self.pairing.withdraw(donor.worker_id):
-                # An a2cid2 donor waiting for a partner takes the heal group instead.
+                # A donor waiting for a partner takes the heal group instead.
                 found = self.table.arrive(donor.worker_id)
                 deliveries.update(self._deliver([found] if found else [], now))
             deliveries.update(self._arrive_listeners([head], now))  # a listening donor
@@ -216,7 +178,7 @@ class GroupService:
         return decision, deliveries
 
     def _offer_pair(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
-        """A2CiD2: the worker is available; pair it first-in-first-out with a neighbour."""
+        """The worker is available; pair it first-in-first-out with a neighbour."""
         assert self.pairing is not None
         w.request_count += 1
         w.state = WorkerState.WAITING
@@ -240,7 +202,7 @@ class GroupService:
         return deliveries.pop(w.worker_id), deliveries
 
     def _listen(self, w: WorkerRecord, now: float) -> tuple[GroupDecision | None, Deliveries]:
-        """AD-PSGD's passive side: arrive at the head of the buffer, or wait until a
+        """The passive side of a pairing: arrive at the head of the buffer, or wait until a
         partner's group lands in it (see _generate)."""
         w.state = WorkerState.WAITING
         w.wait_started_at = now
@@ -307,7 +269,7 @@ class GroupService:
         return {**stranded, **deliveries}
 
     def _strand_isolated(self, departed: int, now: float, why: str) -> Deliveries:
-        """A2CiD2 on a graph: a queued neighbour of `departed` whose last live neighbour
+        """Pairing on a graph: a queued neighbour of `departed` whose last live neighbour
         it was can never be paired; answer it NO_GROUP (it trains on alone and asks
         again later, as a worker without live neighbours is answered when it asks)
         rather than leave it waiting for nobody."""
@@ -422,7 +384,7 @@ class GroupService:
             live=self._members, live_set=self._member_set, idle=self._idle,
             request_counts=records.request_counts, node_of=records.node_of,
             neighbours=self._graph().neighbours, own_seconds=records.own_seconds,
-            straggler_bound=(self._straggler_bound() if isinstance(self.policy, SmartPolicy)
+            straggler_bound=(self._straggler_bound() if self.policy.uses_straggler_bound
                              else None),
         )
         created = []
@@ -432,7 +394,7 @@ class GroupService:
         return created
 
     def _arrive_listeners(self, created: list[GroupRecord], now: float) -> Deliveries:
-        """Listening workers (adpsgd) arrive at once at the new groups that reach their
+        """Listening workers arrive at once at the new groups that reach their
         head, so a partner's request completes the pair without waiting for them."""
         ready = []
         workers = self.registry.workers

@@ -47,6 +47,9 @@ class GroupPolicy(Protocol):
     # created (random GG: every request makes a group, Fig. 7 step 3). False: it executes
     # only the head of its buffer (Group Buffer, §5.1).
     drain_to_own_group: bool
+    # True: the view carries the straggler bound (a median over every live worker, which
+    # the coordinator keeps up to date only for the policies that read it).
+    uses_straggler_bound: bool
 
     def generate(
         self, initiator: int, view: ClusterView, rng: random.Random
@@ -95,6 +98,7 @@ class RandomPolicy:
     group_size: int = 3
     name: str = "random"
     drain_to_own_group: bool = True
+    uses_straggler_bound: bool = False
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -143,6 +147,7 @@ class SmartPolicy:
     inter_intra: bool = False
     name: str = "smart"
     drain_to_own_group: bool = False
+    uses_straggler_bound: bool = True
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -247,14 +252,3 @@ def straggler_bound(own_seconds: Mapping[int, float], live: Collection[int]) -> 
     of the live workers whose speed is known (None: nobody's yet)."""
     known = [s for w, s in own_seconds.items() if w in live]
     return STRAGGLER_FACTOR * statistics.median(known) if known else None
-
-
-def make_policy(
-    name: str, *, group_size: int, c_thres: int = 5, inter_intra: bool = False
-) -> GroupPolicy:
-    """Build a policy by name: `random` or `smart`."""
-    if name == "random":
-        return RandomPolicy(group_size=group_size)
-    if name == "smart":
-        return SmartPolicy(group_size=group_size, c_thres=c_thres, inter_intra=inter_intra)
-    raise ValueError(f"unknown group policy {name!r}; choose 'random' or 'smart'")

@@ -1,9 +1,10 @@
 """Who may average with whom in a run, on worker ids (pure code).
 
 Built once, when the membership is formed: the run's topology on ranks (topology.py)
-mapped to worker ids, its spectral gap, A2CiD2's constants for gossip runs, AD-PSGD's
-passive side in bipartite mode, and the edges the dashboard draws (or, for a complete
-graph, a flag: its n(n-1)/2 pairs would be 500k edges in every run status at 1,000 workers).
+mapped to worker ids, its spectral gap, what the protocol's role derives from the graph
+(constants its workers receive, a passive side), and the edges the dashboard draws (or,
+for a complete graph, a flag: its n(n-1)/2 pairs would be 500k edges in every run status
+at 1,000 workers).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import dataclass, field
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.registry import WorkerRecord
-from ripples.coordinator.topology import A2cid2Constants, build_topology
-from ripples.protocols import Coordination, GossipSettings
+from ripples.coordinator.topology import build_topology
+from ripples.protocols.spec import Coordination
 from ripples.static_schedule import PERIOD, static_groups
+from ripples.v1 import coordinator_pb2 as pb
 
 Edge = tuple[int, int]
 
@@ -36,9 +38,10 @@ class RunGraph:
     edges_always_used: bool = False
     """Every edge carries traffic every iteration (lock-step, static, peer to peer)."""
     spectral_gap: float = 0.0
-    gossip_constants: A2cid2Constants | None = None
+    gossip: pb.GossipConstants | None = None
+    """What the protocol's role gives every worker with its membership (None: nothing)."""
     passive: frozenset[int] = frozenset()
-    """adpsgd bipartite mode: workers that only answer partners, never initiate."""
+    """Workers that only answer partners, never initiate (the role's passive ranks)."""
 
     @classmethod
     def build(cls, settings: RunSettings, ordered: list[WorkerRecord]) -> RunGraph:
@@ -65,13 +68,10 @@ class RunGraph:
         if settings.topology != "complete":
             graph.neighbours = {by_rank[r]: tuple(by_rank[j] for j in ns)
                                 for r, ns in enumerate(topology.neighbours)}
-        gossip = settings.settings(GossipSettings)
-        if role.coordination is Coordination.GOSSIP:
-            graph.gossip_constants = topology.a2cid2_constants(gossip.rate_com)
-        if role.policy == "adpsgd" and gossip.adpsgd_mode == "bipartite":
-            colours = topology.two_colouring()
-            assert colours is not None, "check_topology admits bipartite graphs only"
-            graph.passive = frozenset(by_rank[r] for r, c in enumerate(colours) if c == 1)
+        if role.graph_extras is not None:
+            extras = role.graph_extras(topology, settings.settings)
+            graph.gossip = extras.gossip
+            graph.passive = frozenset(by_rank[r] for r in extras.passive_ranks)
         return graph
 
     def replace_worker(self, old: int, new: int) -> None:

@@ -36,7 +36,8 @@ from ripples.coordinator.root_watch import ROOT_POLL_SECONDS, RootWatch
 from ripples.coordinator.schema import Schema
 from ripples.coordinator.state_store import StateStore
 from ripples.guarded import guarded_loop
-from ripples.protocols import Coordination, GroupGeneratorSettings
+from ripples.protocols.group_generator.settings import GroupGeneratorSettings
+from ripples.protocols.spec import Coordination
 from ripples.store_blobs import delete_blob, get_blob, has_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
@@ -361,11 +362,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             num_nodes=core.num_nodes(), neighbours=core.neighbours_of(me.worker_id),
             spectral_gap=core.graph.spectral_gap, replacement=me.replacement,
             start_iteration=me.progress.iteration if me.replacement else 0)
-        if core.graph.gossip_constants is not None:
-            c = core.graph.gossip_constants
-            reply.gossip.CopyFrom(pb.GossipConstants(
-                chi_1=c.chi_1, chi_2=c.chi_2, eta=c.eta, alpha_tilde=c.alpha_tilde,
-                passive=me.worker_id in core.graph.passive))
+        if core.graph.gossip is not None:
+            reply.gossip.CopyFrom(core.graph.gossip)
+            reply.gossip.passive = me.worker_id in core.graph.passive
         return reply
 
     async def AwaitStart(self, request: pb.AwaitStartRequest, context: grpc.aio.ServicerContext

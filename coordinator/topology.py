@@ -15,15 +15,13 @@ The spectral quantities follow the papers:
   `spectral_gap` is 1 - rho = lambda_2(L) / n: the fraction of disagreement one
   averaging per worker removes, in expectation. It is 0 exactly when the graph is
   disconnected.
-- A2CiD2 (notes/a2cid2-algorithm.md): with rate_com averagings per worker per gradient
-  step the communication Laplacian is rate_com * L; chi_1 = 1 / lambda_2 of it, chi_2 the
-  largest half effective resistance over edges, and the momentum constants follow. For a
-  regular graph this L is the note's I - W with W_ij = 1/|N_i|.
+- `algebraic_connectivity` (lambda_2 of L) and `max_half_resistance` (the largest half
+  effective resistance over edges) are what a protocol's constants need of the graph
+  (A2CiD2's: protocols/gossip/coordinator.py).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,17 +32,6 @@ TOPOLOGIES = ("complete", "ring", "ring-based", "double-ring", "exponential",
 """Names accepted by `build_topology` ("file" reads an edge list)."""
 
 Edge = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class A2cid2Constants:
-    """A2CiD2's constants for one graph and communication rate."""
-
-    chi_1: float  # 1 / algebraic connectivity of the communication Laplacian
-    chi_2: float  # max over edges of half the effective resistance
-    eta: float  # momentum mixing rate, per gradient step
-    alpha: float  # weight of the partner's model in x (always 1/2)
-    alpha_tilde: float  # weight of the partner's model in the momentum copy x~
 
 
 @dataclass(frozen=True)
@@ -60,7 +47,7 @@ class Topology:
     offsets: tuple[int, ...] | None = None
     """A circulant graph (ring, ring-based, exponential): rank i's neighbours are
     i +- each offset (mod n). Its spectrum has a closed form (a discrete Fourier
-    transform), so the spectral gap and A2CiD2's constants cost O(n) instead of a dense
+    transform), so the spectral gap and the effective resistances cost O(n) instead of a dense
     n x n eigendecomposition (minutes and gigabytes at 10,000 workers)."""
 
     @property
@@ -96,10 +83,10 @@ class Topology:
 
     def spectral_gap(self) -> float:
         """1 - lambda_2(E[W]) of uniform pairwise gossip (module docstring)."""
-        return float(max(0.0, self._lambda_2()) / self.num_workers)
+        return float(max(0.0, self.algebraic_connectivity()) / self.num_workers)
 
-    def _lambda_2(self) -> float:
-        """The algebraic connectivity of `laplacian()`."""
+    def algebraic_connectivity(self) -> float:
+        """lambda_2 of `laplacian()` (0 exactly when the graph is disconnected)."""
         if self.offsets is not None:
             return float(_circulant_spectrum(self.num_workers, self.offsets)[1:].min())
         if self.num_workers > DENSE_SPECTRUM_LIMIT:
@@ -124,8 +111,8 @@ class Topology:
         values = eigsh(lap, k=2, sigma=-1e-3, which="LM", return_eigenvectors=False)
         return float(max(values))
 
-    def _max_half_resistance(self) -> float:
-        """chi_2 of `laplacian()`: the largest half effective resistance over edges."""
+    def max_half_resistance(self) -> float:
+        """The largest half effective resistance of `laplacian()` over the edges."""
         if self.offsets is not None:
             return max(_circulant_half_resistance(self.num_workers, self.offsets, s)
                        for s in self.offsets)
@@ -137,21 +124,10 @@ class Topology:
     def _check_dense(self) -> None:
         if self.num_workers > DENSE_SPECTRUM_LIMIT:
             raise ValueError(
-                f"a2cid2 on the {self.name} topology with {self.num_workers} workers: its "
-                "constants need a dense pseudo-inverse of the n x n Laplacian; above "
+                f"the {self.name} topology with {self.num_workers} workers: its effective "
+                "resistances need a dense pseudo-inverse of the n x n Laplacian; above "
                 f"{DENSE_SPECTRUM_LIMIT} workers use complete, ring, ring-based or "
                 "exponential (closed forms)")
-
-    def a2cid2_constants(self, rate_com: float) -> A2cid2Constants:
-        """chi_1, chi_2, eta and alpha~ for `rate_com` averagings per gradient step
-        (the communication Laplacian is rate_com x `laplacian()`)."""
-        if rate_com <= 0:
-            raise ValueError(f"rate_com must be positive, got {rate_com}")
-        chi_1 = 1.0 / (rate_com * self._lambda_2())
-        chi_2 = self._max_half_resistance() / rate_com
-        return A2cid2Constants(
-            chi_1=chi_1, chi_2=chi_2, eta=1.0 / (2.0 * math.sqrt(chi_1 * chi_2)),
-            alpha=0.5, alpha_tilde=0.5 * math.sqrt(chi_1 / chi_2))
 
     def is_bipartite(self) -> bool:
         return self.two_colouring() is not None
@@ -264,11 +240,11 @@ class CompleteTopology(Topology):
     def degree(self, rank: int) -> int:
         return self.num_workers - 1
 
-    def _lambda_2(self) -> float:
+    def algebraic_connectivity(self) -> float:
         n = self.num_workers
         return n / (n - 1)
 
-    def _max_half_resistance(self) -> float:
+    def max_half_resistance(self) -> float:
         n = self.num_workers
         return (n - 1) / n
 

@@ -10,12 +10,13 @@ import math
 from dataclasses import dataclass, field
 
 from ripples.coordinator.config import RunSettings
+from ripples.protocols.registry import PROTOCOLS
 from ripples.sim.models import CommModel, ComputeModel, ConsensusModel
 
-SIM_PROTOCOLS: tuple[str, ...] = ("allreduce", "ripples-random", "ripples-smart", "adpsgd",
-                                  "a2cid2")
-"""Protocols the simulator runs (the lock-step static schedule, hop and the LPP family
-are not simulated: docs/scale.md)."""
+SIM_PROTOCOLS: tuple[str, ...] = tuple(
+    name for name, spec in PROTOCOLS.items() if spec.simulation is not None)
+"""Protocols the simulator runs: those whose spec has a model of their workers (the
+static schedule, hop and the LPP family have none: docs/scale.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +83,10 @@ class SimConfig:
         if not self.service_seconds >= 0:
             raise ValueError("service_seconds must not be negative")
         if self.shards > 1:
-            if self.protocol not in ("ripples-random", "ripples-smart"):
-                raise ValueError("shards > 1 simulates the Group Generator's hierarchy: "
-                                 f"ripples-random or ripples-smart, not {self.protocol}")
+            shardable = [n for n in SIM_PROTOCOLS if PROTOCOLS[n].shardable]
+            if self.protocol not in shardable:
+                raise ValueError(f"shards > 1 simulates a sharded job: {' or '.join(shardable)}"
+                                 f", not {self.protocol}")
             hosts = math.ceil(self.workers / self.workers_per_host)
             if self.shards > hosts or min(map(len, self.shard_ranks())) < 2:
                 raise ValueError(f"{self.shards} shards of {self.workers} workers on {hosts} "

@@ -4,16 +4,9 @@ Nothing of the coordinator is modelled: `CoordinatorCore` (registry, run graph, 
 policies, group table, pairing, progress, stop rule) runs as in the service, called with
 a fake clock. What is modelled is the workers (sim/models.py): how long an iteration
 takes, how long a collective takes, and what averaging does to their models. Each
-simulated worker follows its protocol's real loop (worker/protocols/):
-
-- `ripples-random`, `ripples-smart` (group_generator.py): compute an iteration, ask for
-  a group, wait until it is delivered, P-Reduce, release it; `more` asks again at once;
-  a server-side wait of GROUP_POLL_SECONDS ends in a retry (`abandon_wait`).
-- `adpsgd`, `a2cid2` (gossip/protocol.py): the compute loop never waits; each step owes
-  averagings (StepCredit, capped backlog); a communication thread asks for a partner
-  while it owes one, and otherwise (adpsgd) listens in polls of LISTEN_POLL_SECONDS.
-- `allreduce`: lock-step; an iteration takes the slowest worker's compute plus one ring
-  all-reduce over every worker (the coordinator takes no part per iteration).
+protocol's workers follow that protocol's real loop, modelled in its own package
+(protocols/<name>/sim.py, a `SimulatedWorkers`: sim/worker_model.py); a protocol whose
+spec has no such model is not simulated.
 
 Every worker heartbeats (with its progress) at the run's interval and the lease reaper
 runs, as in the service, so the core's per-worker work is all there. The wall time of
@@ -31,70 +24,35 @@ import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from ripples.coordinator import heap
 from ripples.coordinator.core import CoordinatorCore, GroupDecision, Outcome, Progress
 from ripples.coordinator.groups import GroupRecord
-from ripples.protocols import Coordination, GossipSettings
+from ripples.protocols.registry import get_protocol
 from ripples.sim.config import SimConfig, SimResult
-from ripples.sim.models import (
-    ConsensusState,
-    SharedCores,
-    shared_finish_times,
-)
-from ripples.worker.protocols.gossip.protocol import (
-    LISTEN_POLL_SECONDS,
-    MAX_BACKLOG_STEPS,
-    REQUEST_WAIT_SECONDS,
-)
-from ripples.worker.protocols.gossip.state import StepCredit
-from ripples.worker.protocols.group_generator import GROUP_POLL_SECONDS
+from ripples.sim.models import ConsensusState, SharedCores
+from ripples.sim.worker_model import SimulatedWorkers, SimWorker
 
 REAP_INTERVAL_SECONDS = 1.0
 """How often the simulated service expires leases (coordinator/service.py's reaper)."""
 
 # Event kinds (ints: the heap compares tuples).
-(_COMPUTE, _GROUP_END, _TIMEOUT, _COMM_NEXT, _HEARTBEAT, _REAP, _SAMPLE, _CPU_END,
+(_COMPUTE, _GROUP_END, _TIMEOUT, _TIMER, _HEARTBEAT, _REAP, _SAMPLE, _CPU_END,
  _SERVED, _RELEASE) = range(10)
-
-
-class _Worker:
-    __slots__ = ("rank", "wid", "host", "shard", "root_wid", "core_at",
-                 "iteration", "compute_s", "wait_s", "comm_s", "partner_s",
-                 "wait_since", "token", "listen", "owed", "done", "more", "credit",
-                 "comm_idle", "in_group", "compute_started", "factor")
-
-    def __init__(self, rank: int, wid: int, host: int, shard: int = 0) -> None:
-        self.rank, self.wid, self.host, self.shard = rank, wid, host, shard
-        self.root_wid = -1  # a head's id in the root core (-1: not a head)
-        self.core_at = shard  # the core of its current request or group
-        self.iteration = 0
-        self.compute_s = self.wait_s = self.comm_s = 0.0
-        self.partner_s = 0.0  # gossip: the communication thread's waits for a partner
-        self.wait_since: float | None = None
-        self.token = 0
-        self.listen = False
-        self.owed = 0
-        self.done = False
-        self.more = False
-        self.credit: StepCredit | None = None
-        self.comm_idle = False  # a2cid2: the communication thread waits for owed work
-        self.in_group = False
-        self.compute_started = 0.0  # shared cores: when this iteration's work began
-        self.factor = 1.0  # shared cores: this iteration's slowdown (a sleep after it)
 
 
 class Simulation:
     """One run: the cores (one, or a shard's each and the root's), the simulated
-    workers, the event heap."""
+    workers, the event heap. It is the `SimHost` its protocol's model acts through."""
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.settings = config.settings()
-        self.role = self.settings.role
+        simulation = get_protocol(config.protocol).simulation
+        if simulation is None:  # SimConfig refuses it first; kept for direct callers
+            raise ValueError(f"protocol {config.protocol} has no model in the simulator")
         self.rng = random.Random(config.seed)
-        self.compute = config.compute.sampler(config.workers, self.rng)
+        self.compute_times = config.compute.sampler(config.workers, self.rng)
         self.comm = config.comm
         self.model = ConsensusState(config.consensus, config.workers, config.seed,
                                     config.data_block_ranks())
@@ -115,21 +73,19 @@ class Simulation:
         self.group_sizes: list[int] = []
         self.curve: list[tuple[float, float]] = []
         self.events = 0
-        gossip = self.settings.settings(GossipSettings)
-        self.rate_com = gossip.rate_com
-        self.max_backlog = max(2, MAX_BACKLOG_STEPS * math.ceil(self.rate_com))
-        self.coordination = self.role.coordination
         self.core_bytes_per_worker = 0.0
-        self.workers: list[_Worker] = []
+        self.workers: list[SimWorker] = []
         self.cores: list[CoordinatorCore] = []
         """The shards' cores, then (sharded) the root's."""
-        self.by_wid: list[dict[int, _Worker]] = []
+        self.by_wid: list[dict[int, SimWorker]] = []
         """Per core: its worker ids' simulated workers."""
         self.root = -1  # the root core's index (sharded runs)
         self.rpcs: list[int] = []  # per core: RPCs served
         self._free_at: list[float] = []  # per core: when it is done with its queue
         self._releases: dict[int, tuple[int, int, int]] = {}  # queued: worker, group, core
         self._release_seq = 0
+        self.protocol: SimulatedWorkers = simulation()(self)
+        """The model of this protocol's workers (its package's sim.py)."""
 
     # ------------------------------------------------------------------ set-up
     def _build_core(self, num_workers: int, iterations: int, hosts: list[int]
@@ -153,9 +109,9 @@ class Simulation:
         for s, ranks in enumerate(cfg.shard_ranks()):
             core = self._build_core(len(ranks), cfg.iterations, [r // k for r in ranks])
             by_rank = sorted(core.live(), key=lambda x: x.rank)
-            index: dict[int, _Worker] = {}
+            index: dict[int, SimWorker] = {}
             for r, rec in zip(ranks, by_rank, strict=True):
-                w = _Worker(r, rec.worker_id, r // k, s)
+                w = SimWorker(r, rec.worker_id, r // k, s)
                 self.workers.append(w)
                 index[rec.worker_id] = w
             self.cores.append(core)
@@ -179,7 +135,7 @@ class Simulation:
         """The first shard's core (the only one of a flat run)."""
         return self.cores[0]
 
-    def _wid(self, w: _Worker, core: int) -> int:
+    def _wid(self, w: SimWorker, core: int) -> int:
         return w.root_wid if core == self.root else w.wid
 
     def _stopped(self) -> bool:
@@ -233,25 +189,20 @@ class Simulation:
     def _loop(self) -> SimResult:
         started = time.perf_counter()
         cfg = self.config
-        if self.coordination is Coordination.LOCKSTEP:
-            return self._run_lockstep(started)
-        poisson = self.role.policy == "a2cid2"
+        own_loop = self.protocol.run()
+        if own_loop is not None:
+            return self._result(own_loop, started)
         for w in self.workers:
-            if self.coordination is Coordination.GOSSIP:
-                w.credit = StepCredit(self.rate_com, torch.Generator().manual_seed(
-                    cfg.seed * 1000 + w.rank + 17), poisson=poisson)
-                self._comm_next(w)
-            self._compute(w)
+            self.protocol.start(w)
             # Heartbeats spread over one interval, as workers start at different moments.
             self._push(self.rng.random() * self.settings.heartbeat_interval_seconds,
                        _HEARTBEAT, w.rank)
         self._push(REAP_INTERVAL_SECONDS, _REAP)
-        sample_every = self._sample_interval()
+        sample_every = self.sample_interval()
         self._push(0.0, _SAMPLE, 0, 0)
         handlers: dict[int, Callable[[int, int], None]] = {
             _COMPUTE: self._on_compute, _GROUP_END: self._on_group_end,
-            _TIMEOUT: self._on_timeout, _COMM_NEXT: lambda r, _: self._comm_next(
-                self.workers[r]),
+            _TIMEOUT: self._on_timeout, _TIMER: self._on_timer,
             _HEARTBEAT: self._on_heartbeat, _REAP: lambda _a, _b: self._on_reap(),
             _SAMPLE: lambda _a, _b: self._on_sample(sample_every),
             _CPU_END: self._on_cpu_end, _SERVED: self._on_served,
@@ -270,14 +221,14 @@ class Simulation:
             if events else "stalled: no event left (every worker waits)")
         return self._result(stop_reason, started)
 
-    def _sample_interval(self) -> float:
+    def sample_interval(self) -> float:
         """The curve's spacing: the run's expected length (unslowed) over `samples`."""
         cfg = self.config
         return max(cfg.iterations * cfg.compute.step_seconds / cfg.samples, 1e-6)
 
-    def _compute(self, w: _Worker) -> None:
+    def start_iteration(self, w: SimWorker) -> None:
         """The worker starts its next iteration."""
-        work, factor = self.compute.draw(w.rank)
+        work, factor = self.compute_times.draw(w.rank)
         if self.shared is None:
             w.compute_s += work * factor
             self._push(work * factor, _COMPUTE, w.rank)
@@ -318,7 +269,7 @@ class Simulation:
         self.seq += 1
         heapq.heappush(self.heap, (self.now + delay, self.seq, kind, a, b))
 
-    def _progress(self, w: _Worker, at: int) -> Progress:
+    def _progress(self, w: SimWorker, at: int) -> Progress:
         """What `w` reports to core `at`; to the root, no budget of its own (a worker
         without one holds a budget stop off: the shards end the run)."""
         return Progress(iteration=w.iteration, loss=self.model.loss(w.rank),
@@ -327,7 +278,7 @@ class Simulation:
                         planned_iterations=0 if at == self.root else self.config.iterations)
 
     # ------------------------------------------------------------------ core calls
-    def _request(self, w: _Worker, *, listen: bool = False) -> None:
+    def request(self, w: SimWorker, *, listen: bool = False) -> None:
         """The worker asks its current core (w.core_at) for a group; the reply comes when
         the core has served it."""
         w.listen = listen
@@ -345,7 +296,13 @@ class Simulation:
         if w.token == token and not w.done:
             self._ask(w)
 
-    def _ask(self, w: _Worker) -> None:
+    def later(self, delay: float, w: SimWorker) -> None:
+        self._push(delay, _TIMER, w.rank)
+
+    def _on_timer(self, rank: int, _: int) -> None:
+        self.protocol.on_timer(self.workers[rank])
+
+    def _ask(self, w: SimWorker) -> None:
         at = w.core_at
         core = self.cores[at]
         progress = self._progress(w, at)
@@ -357,9 +314,7 @@ class Simulation:
         if decision is None:
             self.num_waits += 1
             w.token += 1
-            poll = (GROUP_POLL_SECONDS if self.coordination is Coordination.GROUPS
-                    else LISTEN_POLL_SECONDS if w.listen else REQUEST_WAIT_SECONDS)
-            self._push(poll, _TIMEOUT, w.rank, w.token)
+            self._push(self.protocol.poll_seconds(w), _TIMEOUT, w.rank, w.token)
         self._deliver(at, deliveries)
         if decision is not None:
             self._decided(w, decision)
@@ -371,12 +326,12 @@ class Simulation:
             if w is not None:
                 self._decided(w, decision)
 
-    def _decided(self, w: _Worker, d: GroupDecision) -> None:
+    def _decided(self, w: SimWorker, d: GroupDecision) -> None:
         if w.wait_since is not None:
-            if self.coordination is Coordination.GOSSIP:  # the compute loop never waits
-                w.partner_s += self.now - w.wait_since
-            else:
+            if self.protocol.waits_hold_compute:
                 w.wait_s += self.now - w.wait_since
+            else:  # the compute loop went on meanwhile
+                w.partner_s += self.now - w.wait_since
             w.wait_since = None
         w.token += 1  # a pending timeout is void
         outcome = d.outcome
@@ -387,17 +342,8 @@ class Simulation:
             self._start_group(w.core_at, d.group)
         elif outcome is Outcome.STOP:
             w.done = True
-        elif outcome is Outcome.RETRY:
-            if self.coordination is Coordination.GROUPS:
-                self._request(w)
-            else:
-                self._comm_next(w)
-        elif self.coordination is Coordination.GROUPS:  # NO_GROUP, CANCELLED: train on
-            self._compute(w)
-        else:
-            if outcome is Outcome.NO_GROUP and not w.listen:
-                w.owed = max(0, w.owed - 1)
-            self._push(LISTEN_POLL_SECONDS, _COMM_NEXT, w.rank)
+        else:  # RETRY, NO_GROUP, CANCELLED: the protocol's loop says what next
+            self.protocol.on_decision(w, d)
 
     def _start_group(self, at: int, g: GroupRecord) -> None:
         key = (g.group_id, at)
@@ -432,20 +378,7 @@ class Simulation:
             return
         w.iteration += 1
         self.model.step(rank)
-        if self.coordination is Coordination.GROUPS:
-            # A head's every inter_period-th group is with the other shards' heads.
-            inter = w.root_wid >= 0 and w.iteration % self.config.inter_period == 0
-            w.core_at = self.root if inter else w.shard
-            self._request(w)
-            return
-        # Gossip: the compute loop goes on; the step owes averagings.
-        assert w.credit is not None
-        owed = 0 if w.wid in self._passive else w.credit.next_step()
-        w.owed = min(w.owed + owed, self.max_backlog)
-        self._compute(w)
-        if w.comm_idle and w.owed > 0:
-            w.comm_idle = False
-            self._comm_next(w)
+        self.protocol.on_compute(w)
 
     def _on_group_end(self, group_id: int, at: int) -> None:
         ranks, started = self.groups.pop((group_id, at))
@@ -466,18 +399,8 @@ class Simulation:
             else:
                 self._release(self._wid(w, at), group_id, at)
         for w in members:
-            if w.done:
-                continue
-            if self.coordination is Coordination.GROUPS:
-                if w.more:
-                    self._request(w)
-                else:
-                    self._compute(w)
-                continue
-            settled = self.role.policy == "a2cid2" or (not w.listen and not w.more)
-            if settled and not w.listen:
-                w.owed = max(0, w.owed - 1)
-            self._comm_next(w)
+            if not w.done:
+                self.protocol.on_group_end(w)
 
     def _on_release(self, key: int, _: int) -> None:
         self._release(*self._releases.pop(key))
@@ -498,18 +421,6 @@ class Simulation:
         decision = self.cores[at].abandon_wait(self._wid(w, at), self.now)
         self.core_seconds["group"] += time.perf_counter() - t0
         self._decided(w, decision)
-
-    def _comm_next(self, w: _Worker) -> None:
-        """Gossip's communication thread asks for its next exchange (or waits for owed
-        work: a2cid2)."""
-        if w.done or w.in_group or w.wait_since is not None:
-            return
-        if w.owed > 0:
-            self._request(w, listen=False)
-        elif self.role.policy == "adpsgd":
-            self._request(w, listen=True)
-        else:
-            w.comm_idle = True
 
     def _on_heartbeat(self, rank: int, _: int) -> None:
         w = self.workers[rank]
@@ -540,45 +451,6 @@ class Simulation:
         self.curve.append((self.now, self.model.distance()))
         self._push(every, _SAMPLE)
 
-    @property
-    def _passive(self) -> frozenset[int]:
-        return self.core.graph.passive
-
-    # ------------------------------------------------------------------ allreduce
-    def _run_lockstep(self, started: float) -> SimResult:
-        """Lock-step all-reduce: iteration k ends when the slowest worker computed it and
-        the ring all-reduce over every worker is done; every model is the average."""
-        cfg = self.config
-        n = cfg.workers
-        spans = n > cfg.workers_per_host
-        ring = self.comm.allreduce_seconds(n, spans_hosts=spans)
-        sample_every = self._sample_interval()
-        next_sample = 0.0
-        cores = cfg.compute.cores
-        for _ in range(cfg.iterations):
-            draws = [self.compute.draw(w.rank) for w in self.workers]
-            took = (shared_finish_times([work for work, _ in draws], cores) if cores
-                    else [work for work, _ in draws])
-            times = [t * factor for t, (_, factor) in zip(took, draws, strict=True)]
-            slowest = max(times)
-            # Shared cores: the ring's n threads share them too.
-            collective = ring * max(1.0, n / cores) if cores else ring
-            for w, t in zip(self.workers, times, strict=True):
-                w.compute_s += t
-                w.wait_s += slowest - t
-                w.comm_s += collective
-                w.iteration += 1
-            self.now += slowest + collective
-            self.events += 1
-            for r in range(n):
-                self.model.step(r)
-            self.model.set_all_to_mean()
-            if self.now >= next_sample:
-                self.curve.append((self.now, self.model.distance()))
-                next_sample = self.now + sample_every
-        return self._result(f"iteration budget reached ({cfg.iterations * n} iterations)",
-                            started)
-
     # ------------------------------------------------------------------ the result
     def _result(self, stop_reason: str, started: float) -> SimResult:
         cfg = self.config
@@ -589,7 +461,7 @@ class Simulation:
         wait = sum(w.wait_s for w in workers)
         comm = sum(w.comm_s for w in workers)
         # Gossip's collectives overlap compute: its fractions are of compute + waits.
-        busy = compute + wait + (comm if self.coordination is not Coordination.GOSSIP else 0.0)
+        busy = compute + wait + (0.0 if self.protocol.comm_overlaps_compute else comm)
         busy = busy or 1.0
         group_core = self.core_seconds["group"]
         heartbeat_core = self.core_seconds["heartbeat"]

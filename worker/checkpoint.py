@@ -52,14 +52,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ripples.protocols import get_protocol
+from ripples.protocols.registry import get_protocol
 from ripples.store_blobs import delete_blob, put_blob, wait_blob
 from ripples.worker.launch_env import CheckpointInterval
 from ripples.worker.optimizer import Optimizer
 from ripples.worker.sampler import DistributedSampler
 
 if TYPE_CHECKING:
-    from ripples.worker.protocols.base import Protocol as SyncProtocol
+    from ripples.worker.protocol import Protocol as SyncProtocol
 
 logger = logging.getLogger(__name__)
 

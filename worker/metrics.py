@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 from ripples.security import wsgi_token_gate
 
 if TYPE_CHECKING:
-    from ripples.worker.protocols.base import SyncResult
+    from ripples.worker.protocol import SyncResult
 
 # `_created` series double every counter and histogram and are of no use to the dashboards.
 disable_created_metrics()

@@ -21,13 +21,12 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, TensorDataset
 
-from ripples.protocols import get_protocol
+from ripples.protocols.registry import create_runtime, get_protocol
 from ripples.worker.api import Worker
 from ripples.worker.checkpoint import Checkpointer
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.optimizer import Optimizer
-from ripples.worker.protocols import create_protocol
-from ripples.worker.protocols.base import TrainingJob
+from ripples.worker.protocol import TrainingJob
 from ripples.worker.sampler import DistributedSampler
 from ripples.worker.synchronizer import parameter_names
 from ripples.worker.tasks import Task, TaskOptions, build_task
@@ -160,7 +159,7 @@ def _run_protocol_runtime(worker: Worker, task: Task, spec: str, options: TaskOp
     planned = settings.iterations or math.ceil(settings.epochs * per_epoch)
     session.start(state.schema(), planned)
     ctx = session.protocol_context(model, state)
-    protocol = create_protocol(settings.protocol, ctx)
+    protocol = create_runtime(settings.protocol, ctx)
     training = _RunnerOnlyTraining(model=model, record={})
     worker._register_optimizer(training)  # type: ignore[arg-type]
     job = TrainingJob(task_spec=spec, task_options=options, batch_size=task.batch_size,

@@ -34,7 +34,7 @@ from ripples.worker.dataplane.communicators import (
 )
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.metrics import WorkerMetrics
-from ripples.worker.protocols.base import ProtocolContext
+from ripples.worker.protocol import ProtocolContext
 from ripples.worker.shard import RootLink, is_head
 from ripples.worker.stats import WorkerStats
 

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import torch
 
-from ripples.protocols import GroupGeneratorSettings
-from ripples.protocols.group_generator import SHARDED_PROTOCOLS
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.launch_env import LaunchEnv
-from ripples.worker.protocols.base import ProtocolContext
+from ripples.worker.protocol import ProtocolContext
 
 if TYPE_CHECKING:
     from ripples.worker.session import Session
@@ -66,9 +64,9 @@ class RootLink:
 
     def __init__(self, env: LaunchEnv, config: pb.RunConfig,
                  progress: Callable[[], pb.Progress], session: SessionFactory) -> None:
-        settings = GroupGeneratorSettings.of_config(config)
-        self.root = settings.root
-        self.inter_period = settings.inter_period
+        sharding = config.group_generator  # the shard's GroupGeneratorSettings, on the wire
+        self.root = sharding.root
+        self.inter_period = sharding.inter_period
         self.shard = config.run_id
 
         def root_progress() -> pb.Progress:  # the head's own; no budget at the root
@@ -84,16 +82,18 @@ class RootLink:
         self.session = session(root_env, root_progress)
         self.context: ProtocolContext | None = None
 
-    def open(self, model: torch.nn.Module, state: AveragedState) -> ProtocolContext | None:
+    def open(self, model: torch.nn.Module, state: AveragedState, *,
+             accepts: Collection[str]) -> ProtocolContext | None:
         """Join the root's run and wait for its other heads; None (with a warning) if the
-        root cannot have this head: the shard trains on, its head averaging in it alone."""
+        root cannot have this head (its run's protocol is none of `accepts`, ...): the
+        shard trains on, its head averaging in it alone."""
         session = self.session
         try:
             session.join()
             config = session.config
-            if config.protocol not in SHARDED_PROTOCOLS:
+            if config.protocol not in accepts:
                 raise ValueError(f"the root's run uses {config.protocol}; a root needs "
-                                 f"{' or '.join(SHARDED_PROTOCOLS)}")
+                                 f"{' or '.join(accepts)}")
             session.start(state.schema(), 0)
         except (CoordinatorCallError, TimeoutError, ValueError, RuntimeError) as err:
             logger.warning("this shard's head could not join the root at %s; the shard "

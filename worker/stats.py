@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ripples.v1 import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
-    from ripples.worker.protocols.base import SyncResult
+    from ripples.worker.protocol import SyncResult
 
 LOSS_WINDOW = 16
 """The reported training loss is smoothed over this many iterations: one mini-batch loss

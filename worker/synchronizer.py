@@ -31,14 +31,14 @@ import grpc
 import torch
 
 from ripples.consensus import encode_model, publish_key
-from ripples.protocols import PROTOCOLS, Coordination, get_protocol, role_of_config
+from ripples.protocols.registry import PROTOCOLS, create_runtime, get_protocol, role_of_config
+from ripples.protocols.spec import Coordination
 from ripples.store_blobs import put_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.preduce import preduce
-from ripples.worker.protocols import create_protocol
-from ripples.worker.protocols.base import GROUP_CHECK_IN_SECONDS, Protocol, SyncResult
+from ripples.worker.protocol import GROUP_CHECK_IN_SECONDS, Protocol, SyncResult
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class StepSynchronizer:
         self.state = AveragedState(model)
         session.start(self.state.schema(), planned_steps)
         self.ctx = session.protocol_context(model, self.state)
-        self.protocol: Protocol = create_protocol(config.protocol, self.ctx)
+        self.protocol: Protocol = create_runtime(config.protocol, self.ctx)
         self.adopt_state = (self.average_optimizer_state
                             and self.protocol.averages_optimizer_state)
         self._adopted = False

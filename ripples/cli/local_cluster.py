@@ -362,7 +362,7 @@ class LocalCluster:
         1's bound); without a hook each worker's record as it is, if it kept one."""
         run = self.config.run
         records = self._protocol_records()
-        summariser = run.spec.summariser()
+        summariser = run.spec.summarise
         extra: dict[str, object]
         if summariser is None:
             per_worker, extra = {r: rec for r, rec in records.items() if rec}, {}

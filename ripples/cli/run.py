@@ -33,7 +33,7 @@ def add_run_arguments(parser: argparse.ArgumentParser,
                       defaults: dict[str, object] | None = None) -> None:
     """The options of a run: RunSettings' fields, then every protocol's settings."""
     from ripples.coordinator.config import RunSettings
-    from ripples.protocols import SETTINGS_CLASSES
+    from ripples.protocols.registry import SETTINGS_CLASSES
 
     add_dataclass_arguments(parser, RunSettings, skip=_RUN_SKIP,
                             rename={"num_workers": "workers"}, defaults=defaults)
@@ -53,7 +53,7 @@ def run_settings(args: argparse.Namespace, script: list[str] | None = None) -> R
     (None) so that a script run can refuse them: a script trains its own model for its
     own epochs (cap it with --iterations)."""
     from ripples.coordinator.config import RunSettings, option_names
-    from ripples.protocols import SETTINGS_CLASSES
+    from ripples.protocols.registry import SETTINGS_CLASSES
 
     names = {f for cls in SETTINGS_CLASSES for f in option_names(cls)}
     base = dataclass_from_args(RunSettings, args, build=False)

@@ -666,7 +666,7 @@ def exported_series() -> dict[str, str]:
     from ripples.coordinator.config import RunSettings
     from ripples.coordinator.core import CoordinatorCore
     from ripples.coordinator.metrics import CoordinatorMetrics
-    from ripples.protocols import PROTOCOLS
+    from ripples.protocols.registry import PROTOCOLS
     from ripples.worker.metrics import WorkerMetrics
 
     class EmptyCache:

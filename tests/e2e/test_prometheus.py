@@ -192,7 +192,7 @@ def test_every_dashboard_query_returns_data_from_a_real_run(protocol: str,
 
 def _protocol_metrics() -> dict[str, set[str]]:
     """Protocol -> the metric names its runtime declares besides the shared ones."""
-    from ripples.protocols import PROTOCOLS
+    from ripples.protocols.registry import PROTOCOLS
 
     return {name: {m.name for m in getattr(spec.runtime_class(), "metrics", ())}
             for name, spec in PROTOCOLS.items()}

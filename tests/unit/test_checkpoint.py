@@ -21,12 +21,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ripples
+from ripples.protocols.gossip.state import GossipState, MomentumParameters
 from ripples.worker import checkpoint as checkpoint_module
 from ripples.worker.api import current_worker
 from ripples.worker.checkpoint import StoreExchange, agree_on_step
 from ripples.worker.launch_env import CheckpointInterval, CheckpointOptions, LaunchEnv
 from ripples.worker.process_launcher import launch_environment, runner_argv
-from ripples.worker.protocols.gossip.state import GossipState, MomentumParameters
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore, CoordinatorError, Outcome
 from ripples.coordinator.pairing import FifoPairing
 from ripples.coordinator.topology import build_topology
-from ripples.worker.protocols.gossip.state import (
+from ripples.protocols.gossip.state import (
     GossipState,
     MomentumParameters,
     StepCredit,
@@ -228,7 +228,7 @@ def test_adpsgd_bipartite_passive_workers_only_listen() -> None:
     assert core.graph.passive == frozenset({1, 3})
     with pytest.raises(CoordinatorError, match="passive"):
         core.request_group(1, 1, 0.1)
-    with pytest.raises(CoordinatorError, match="listen requests belong to adpsgd"):
+    with pytest.raises(CoordinatorError, match="a2cid2.s workers do not listen"):
         _started("a2cid2").request_group(0, 1, 0.1, listen=True)
 
 

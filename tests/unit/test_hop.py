@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ripples.coordinator.topology import build_topology
-from ripples.protocols.hop import HopSettings, check_iteration_gaps, graph_distances
-from ripples.worker.protocols.hop.engine import CreditMsg, HopProtocolError, HopWorker, UpdateMsg
+from ripples.protocols.hop.engine import CreditMsg, HopProtocolError, HopWorker, UpdateMsg
+from ripples.protocols.hop.gaps import check_iteration_gaps, graph_distances
+from ripples.protocols.hop.settings import HopSettings
 
 
 def _pair(mode: str = "standard", **kw: int) -> tuple[HopWorker[float], HopWorker[float]]:

@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ripples.coordinator.config import RunSettings
-from ripples.protocols import Coordination, Role
-from ripples.protocols.lpp import LppSettings
+from ripples.protocols.lpp.rules import FULL_MODEL, BlockSelection, partition_blocks
+from ripples.protocols.lpp.settings import LppSettings
+from ripples.protocols.spec import Coordination, Role
 from ripples.worker.dataplane.averaged_state import AveragedState, bind_parameters
-from ripples.worker.protocols.lpp.rules import FULL_MODEL, BlockSelection, partition_blocks
 from ripples.worker.tasks import TaskOptions, build_task
 
 
@@ -77,12 +77,13 @@ def test_run_settings_name_what_is_wrong(change: dict, message: str) -> None:
 
 
 def test_averaging_in_groups_makes_the_coordinator_generate_groups() -> None:
-    assert RunSettings(protocol="lap-sgd").role == Role(Coordination.LOCKSTEP)
+    assert RunSettings(protocol="lap-sgd").role == Role(coordination=Coordination.LOCKSTEP)
     grouped = RunSettings.build(protocol="lpp-sgd", lpp_averaging="ripples-smart")
-    assert grouped.role == Role(Coordination.GROUPS, "smart")
+    assert grouped.role is RunSettings(protocol="ripples-smart").role
+    assert grouped.role.coordination is Coordination.GROUPS and grouped.role.forms_groups
     assert not grouped.role.needs_every_worker
     assert RunSettings.build(protocol="lpp-sgd", lpp_averaging="ripples-random",
-                             topology="ring").role.policy == "random"
+                             topology="ring").role.label == "random"
     with pytest.raises(ValueError, match="takes no topology"):
         RunSettings(protocol="lap-sgd", topology="ring")
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ripples.protocols.lpp.checkpoints import LppCheckpoints
 from ripples.worker.checkpoint import StoreExchange
 from ripples.worker.launch_env import CheckpointOptions
-from ripples.worker.protocols.lpp.checkpoints import LppCheckpoints
 
 
 def _checkpoints(tmp_path: Path, model: torch.nn.Module, every: str = "100",

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from ripples.coordinator.comm_directory import CommDirectory
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.groups import GroupState, GroupTable
-from ripples.coordinator.policies import ClusterView, RandomPolicy, SmartPolicy, make_policy
-from ripples.protocols import GroupGeneratorSettings
+from ripples.coordinator.policies import ClusterView, RandomPolicy, SmartPolicy
+from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 
 
 def _view(live: range | list[int], *, idle: set[int] | None = None,
@@ -214,9 +214,7 @@ def test_global_division_is_a_partition_of_idle_filter_passing_workers(
         assert groups == []
 
 
-def test_make_policy_rejects_unknown_names_and_bad_sizes() -> None:
-    with pytest.raises(ValueError, match="unknown group policy"):
-        make_policy("fancy", group_size=3)
+def test_policies_reject_bad_sizes() -> None:
     with pytest.raises(ValueError, match="group_size"):
         RandomPolicy(group_size=1)
     with pytest.raises(ValueError, match="c_thres"):

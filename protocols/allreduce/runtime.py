@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._composable import replicate
 
-from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult
-from ripples.worker.protocols.lockstep import LockstepStop
+from ripples.protocols.lockstep import LockstepStop
+from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 
 class AllReduceProtocol(Protocol):

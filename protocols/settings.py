@@ -21,7 +21,7 @@ class RunFacts:
 
     protocol: str
     policy: str
-    """The coordinator's group policy or pairing (Role.policy): random, smart, adpsgd..."""
+    """The label of the coordinator's group policy or pairing (Role.label)."""
     task: str
     """The built-in task; empty for a user's script."""
     iterations: int

@@ -35,16 +35,16 @@ from multiprocessing.process import BaseProcess
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from ripples.protocols.lpp import LppSettings
+from ripples.protocols.group_generator.runtime import GroupGeneratorProtocol
+from ripples.protocols.lpp.checkpoints import LppCheckpoints, Restored
+from ripples.protocols.lpp.rules import partition_blocks
+from ripples.protocols.lpp.settings import LppSettings
+from ripples.protocols.lpp.updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
 from ripples.worker.checkpoint import StoreExchange
 from ripples.worker.client import RestartRequested
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import DeltaAverager
-from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult, TrainingJob
-from ripples.worker.protocols.group_generator import GroupGeneratorProtocol
-from ripples.worker.protocols.lpp.checkpoints import LppCheckpoints, Restored
-from ripples.worker.protocols.lpp.rules import partition_blocks
-from ripples.worker.protocols.lpp.updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
+from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult, TrainingJob
 from ripples.worker.stats import WorkerStats
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ripples.protocols.hop import HopSettings
+from ripples.protocols.hop.settings import HopSettings
 
 P = TypeVar("P")  # the payload: a flat parameter tensor at run time, anything in tests
 

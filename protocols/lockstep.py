@@ -3,7 +3,7 @@ where all stop, and after which iteration all average their optimizer state too.
 
 from __future__ import annotations
 
-from ripples.worker.protocols.base import ProtocolContext, SyncResult
+from ripples.worker.protocol import ProtocolContext, SyncResult
 
 
 class LockstepStop:

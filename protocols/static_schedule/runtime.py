@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
+from ripples.protocols.lockstep import LockstepStop
 from ripples.static_schedule import static_group_of
 from ripples.worker.dataplane.preduce import preduce
-from ripples.worker.protocols.base import Protocol, ProtocolContext, SyncResult
-from ripples.worker.protocols.lockstep import LockstepStop
+from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 
 class StaticScheduleProtocol(Protocol):

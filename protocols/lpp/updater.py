@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, DistributedSampler, TensorDataset, default_collate
 
+from ripples.protocols.lpp.rules import BlockSelection
 from ripples.worker.dataplane.averaged_state import bind_parameters
-from ripples.worker.protocols.lpp.rules import BlockSelection
-from ripples.worker.sampler import DistributedSampler
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 from ripples.worker.tasks import TaskOptions, build_task
 
@@ -97,6 +96,7 @@ class ShardBatches:
     def __init__(self, dataset: Dataset[Any], rank: int, num_workers: int, batch_size: int,
                  seed: int, stream: int, start: int = 0) -> None:
         self.dataset = dataset
+        # ripples.DistributedSampler deals epoch 0 as torch's does.
         self.shard = torch.tensor(list(DistributedSampler(dataset, num_replicas=num_workers,
                                                           rank=rank, seed=seed)))
         if len(self.shard) == 0:

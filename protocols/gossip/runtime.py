@@ -12,7 +12,9 @@ thread owns every collective and every coordinator request of the protocol:
   step (AD-PSGD's passive side). Bipartite mode: passive workers only listen.
 - `a2cid2`: while it owes averagings it is *available*; the coordinator pairs available
   neighbours first-in-first-out. With momentum (the default) the model also follows
-  A2CiD2's continuous mixing with its momentum copy (worker/protocols/gossip/state.py).
+  A2CiD2's continuous mixing with its momentum copy (state.py).
+
+What differs between the two is their `GossipVariant` (spec.py).
 """
 
 from __future__ import annotations
@@ -25,12 +27,19 @@ from collections.abc import Callable
 
 import torch
 
-from ripples.protocols import GossipSettings, role_of_config
+from ripples.protocols.gossip.settings import GossipSettings
+from ripples.protocols.gossip.state import (
+    GossipState,
+    MomentumParameters,
+    StepCredit,
+    exchange_delta,
+)
+from ripples.protocols.gossip.variants import VARIANTS
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import copy_from_donor, copy_model
 from ripples.worker.metrics import MetricSpec
-from ripples.worker.protocols.base import (
+from ripples.worker.protocol import (
     COORDINATOR_RETRY_SECONDS,
     Protocol,
     ProtocolContext,
@@ -39,12 +48,6 @@ from ripples.worker.protocols.base import (
     heal_from_peer,
     max_peer_wait_seconds,
     run_group_collective,
-)
-from ripples.worker.protocols.gossip.state import (
-    GossipState,
-    MomentumParameters,
-    StepCredit,
-    exchange_delta,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,12 +79,13 @@ class GossipProtocol(Protocol):
         super().__init__(ctx)
         cfg = ctx.config
         settings = GossipSettings.of_config(cfg)
-        self.pairing = role_of_config(cfg).policy  # adpsgd | a2cid2
-        if self.pairing not in ("adpsgd", "a2cid2"):
+        variant = VARIANTS.get(cfg.protocol)
+        if variant is None:
             raise ValueError(f"GossipProtocol does not run protocol {cfg.protocol!r}")
+        self.variant = variant
         constants = ctx.membership.gossip
         momentum = MomentumParameters(eta=constants.eta, alpha_tilde=constants.alpha_tilde) \
-            if self.pairing == "a2cid2" and settings.momentum else MomentumParameters()
+            if variant.momentum and settings.momentum else MomentumParameters()
         self.passive = constants.passive
         self.timeout = cfg.collective_timeout_seconds
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
@@ -90,7 +94,7 @@ class GossipProtocol(Protocol):
         self.state = GossipState(ctx.state.flat, momentum)
         self._mine = torch.empty_like(ctx.state.flat)  # this side of an exchange
         self.credit = StepCredit(settings.rate_com, torch.Generator().manual_seed(
-            cfg.seed * 1000 + ctx.rank + 17), poisson=self.pairing == "a2cid2")
+            cfg.seed * 1000 + ctx.rank + 17), poisson=variant.poisson)
         self.max_backlog = max(2, MAX_BACKLOG_STEPS * math.ceil(settings.rate_com))
         self.num_dropped = 0  # owed averagings dropped at the backlog cap
         self.dropped_metric = ctx.metrics.declare(*self.metrics)[DROPPED_METRIC.name]
@@ -207,7 +211,7 @@ class GossipProtocol(Protocol):
                     return None
                 if self._owed > 0:
                     return False, self._iteration
-                if self.pairing == "adpsgd":
+                if self.variant.listens:
                     return True, self._iteration
                 self._cond.wait(1.0)
 
@@ -246,7 +250,7 @@ class GossipProtocol(Protocol):
             waited_since = None
             if reply.outcome == pb.GROUP_OUTCOME_GROUP:
                 self._exchange(reply.group)
-                settled = self.pairing == "a2cid2" or (not listen and not reply.more)
+                settled = self.variant.pairs_at_once or (not listen and not reply.more)
             else:  # NO_GROUP (no live neighbour) or CANCELLED (the partner left)
                 logger.info("no averaging: %s", reply.detail)
                 settled = reply.outcome == pb.GROUP_OUTCOME_NO_GROUP

@@ -10,7 +10,7 @@ from ripples.rpc import ID_SPACE_BITS, CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import copy_model, preduce
-from ripples.worker.protocols.base import (
+from ripples.worker.protocol import (
     COORDINATOR_RETRY_SECONDS,
     Protocol,
     ProtocolContext,
@@ -25,6 +25,9 @@ from ripples.worker.shard import ROOT_GROUP_WAIT_SECONDS, ROOT_HEAL_WAIT_SECONDS
 logger = logging.getLogger(__name__)
 
 # Server-side bound on the wait for one group reply; the worker then asks again.
+ROOT_PROTOCOLS = ("ripples-random", "ripples-smart")
+"""What the root's run of a sharded job may use: this package's protocols (spec.py marks
+them shardable), whose rounds at the root are the same P-Reduce rounds."""
 GROUP_POLL_SECONDS = 10.0
 
 
@@ -62,7 +65,7 @@ class GroupGeneratorProtocol(Protocol):
             heal_from_peer(self.ctx, self.stream, self._execute, self.max_group_wait_seconds)
         link = self.ctx.root
         if link is not None:  # a shard's head joins the root's run (worker/shard.py)
-            root_ctx = link.open(self.ctx.model, self.ctx.state)
+            root_ctx = link.open(self.ctx.model, self.ctx.state, accepts=ROOT_PROTOCOLS)
             if root_ctx is not None:
                 root = self._root = GroupGeneratorProtocol(root_ctx)
                 root.poll_seconds = ROOT_GROUP_WAIT_SECONDS

@@ -25,16 +25,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ripples.protocols.hop import HopSettings
+from ripples.protocols.hop.engine import CreditMsg, HopWorker, UpdateMsg
+from ripples.protocols.hop.settings import HopSettings
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.metrics import MetricSpec
-from ripples.worker.protocols.base import (
+from ripples.worker.protocol import (
     Protocol,
     ProtocolContext,
     SyncResult,
     max_peer_wait_seconds,
 )
-from ripples.worker.protocols.hop.engine import CreditMsg, HopWorker, UpdateMsg
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,6 @@ from dataclasses import dataclass
 from ripples.protocols.settings import ProtocolSettings
 from ripples.rpc import parse_target
 
-SHARDED_PROTOCOLS = ("ripples-random", "ripples-smart")
-"""The protocols whose runs may be shards of a sharded job (their head's rounds at the
-root are the same P-Reduce rounds; docs/scale.md)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class GroupGeneratorSettings(ProtocolSettings):

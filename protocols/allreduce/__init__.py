@@ -1,0 +1,2 @@
+"""allreduce: PyTorch DDP over every worker, the baseline (runtime.py; sim.py: lock-step
+workers in the simulator)."""

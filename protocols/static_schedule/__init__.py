@@ -1,0 +1,2 @@
+"""ripples-static: P-Reduce on the static conflict-free schedule, computed by the workers
+themselves (runtime.py)."""
