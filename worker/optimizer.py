@@ -8,7 +8,7 @@ mode (no coordinator) `step()` is the wrapped step and nothing else.
 
 It is a `torch.optim.Optimizer` itself, sharing the wrapped optimizer's `param_groups`
 and `state`, so learning-rate schedulers, `torch.amp.GradScaler` and gradient clipping
-work on it as on the optimizer it wraps.
+work on it as on the optimizer it wraps (the class doc says how).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -56,11 +55,25 @@ class Optimizer(torch.optim.Optimizer):
     when it is True: the coordinator stopped the run (budget, target loss, a stop
     request, a peer that lock-step protocols cannot do without) or a signal asked this
     worker to stop.
+
+    Why it is built this way: as any `torch.optim.Optimizer` subclass, it runs the base
+    class's `__init__` (over copies of the wrapped optimizer's parameter groups), so what
+    torch sets up for an optimizer (step hooks, the profiler's step wrapper, whatever a
+    later version adds) is torch's own, not rebuilt here from private names. Then its
+    `param_groups` and `state` (public attributes) become the wrapped optimizer's objects,
+    so schedulers and GradScaler change the wrapped optimizer's values, and become them
+    again each time the wrapped optimizer's load_state_dict replaces both (a hook
+    registered through its public `register_load_state_dict_post_hook`). `step()` is an
+    ordinary subclass step: torch calls the step hooks around all of it (local step and
+    synchronisation).
     """
 
     _step_supports_amp_scaling = True
     """GradScaler hands the step its inf check (`found_inf`) instead of skipping step()
     altogether, so that a skipped local step still takes part in the synchronisation."""
+
+    _constructed = False
+    """False while torch.optim.Optimizer.__init__ adds the parameter groups."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  average_optimizer_state: bool | None = None,
@@ -84,19 +97,11 @@ class Optimizer(torch.optim.Optimizer):
         if foreign:
             raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not "
                              "parameters of the model; build it over model.parameters()")
-        # torch.optim.Optimizer's own attributes; the state and param groups are the
-        # wrapped optimizer's (properties below), so its __init__ is not called.
-        self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict())
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict())
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict())
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict())
+        # Copies: the base class normalises the groups it is given in place, and the
+        # wrapped optimizer's are the user's. The shared ones replace them right after.
+        super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
+        self._constructed = True
+        self._share_wrapped(optimizer)
         self.optimizer = optimizer
         """The wrapped (local) optimizer."""
         self.model = model
@@ -124,20 +129,23 @@ class Optimizer(torch.optim.Optimizer):
                 self.local_step = int(membership.start_iteration)
         self._check_gradients = on_nonfinite == "skip" or (
             self._sync is not None and self._sync.protocol.syncs_gradients)
+        # Last: a construction refused above leaves the user's optimizer untouched.
+        optimizer.register_load_state_dict_post_hook(self._share_wrapped)
 
     # ------------------------------------------------------------------ torch.optim API
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
+    def _share_wrapped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point `param_groups` and `state` at the wrapped optimizer's (again after its
+        load_state_dict, which replaces both)."""
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not self._constructed:  # torch.optim.Optimizer.__init__ adding the copies
+            super().add_param_group(param_group)
+            return
         raise NotImplementedError("the averaged state is fixed when ripples.Optimizer is "
                                   "built: add every parameter group to the optimizer first")
 
@@ -149,8 +157,9 @@ class Optimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the wrapped optimizer; its new state tensors rejoin the averaged
-        state (the protocols that average it keep doing so)."""
+        """Load into the wrapped optimizer (its new `param_groups` and `state` are this
+        optimizer's too); its new state tensors rejoin the averaged state (the protocols
+        that average it keep doing so)."""
         state_dict = dict(state_dict)
         own = state_dict.pop("ripples", None)
         self.optimizer.load_state_dict(state_dict)
@@ -199,8 +208,6 @@ class Optimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """The local step, then the protocol's synchronisation (see the class doc)."""
-        for hook in self._optimizer_step_pre_hooks.values():
-            hook(self, (), {})
         started = time.perf_counter()
         loss = self._local_step(closure)
         local_seconds = time.perf_counter() - started
@@ -215,8 +222,6 @@ class Optimizer(torch.optim.Optimizer):
             self.stop_reason = sync.after_local_step(self.local_step, local_seconds, started)
         elif self.planned_steps and self.local_step >= self.planned_steps:
             self.stop_reason = f"iteration budget reached ({self.planned_steps} steps)"
-        for hook in self._optimizer_step_post_hooks.values():
-            hook(self, (), {})
         return loss
 
     def _local_step(self, closure: Callable[[], float] | None) -> float | None:
