@@ -18,11 +18,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ripples.worker.synchronizer import StepSynchronizer, StepTimes
+
+if TYPE_CHECKING:
+    from ripples.worker.api import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,16 @@ class Optimizer(torch.optim.Optimizer):
             len(loader)): the run's progress and its iteration budget. None: the run's
             `--iterations`, else no budget (your loop decides; `stopped` still turns True
             when the coordinator stops the run).
+        worker: The worker `ripples.init()` returned in this process (and that has not
+            shut down): for a script that calls init() itself and wants that explicit.
+            None: this calls `ripples.init()`, which returns the process's worker or, the
+            first time, joins the run the launch environment names.
+
+    Raises:
+        ValueError: a misuse, with what to do instead: an optimizer that holds tensors
+            that are not the model's, a second ripples.Optimizer in the process, a
+            `worker` that is not this process's live one.
+        TypeError: `optimizer`, `model` or `worker` is not of its type.
 
     One ripples.Optimizer per process. Check `stopped` after each step and leave the loop
     when it is True: the coordinator stopped the run (budget, target loss, a stop
@@ -78,9 +91,8 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  average_optimizer_state: bool | None = None,
                  on_nonfinite: Literal["raise", "skip"] = "raise",
-                 planned_steps: int | None = None) -> None:
-        from ripples.worker.api import init
-
+                 planned_steps: int | None = None,
+                 worker: Worker | None = None) -> None:
         if isinstance(optimizer, Optimizer):
             raise ValueError("this optimizer is already a ripples.Optimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -97,6 +109,7 @@ class Optimizer(torch.optim.Optimizer):
         if foreign:
             raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not "
                              "parameters of the model; build it over model.parameters()")
+        worker = _this_process_worker(worker)
         # Copies: the base class normalises the groups it is given in place, and the
         # wrapped optimizer's are the user's. The shared ones replace them right after.
         super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
@@ -113,7 +126,7 @@ class Optimizer(torch.optim.Optimizer):
         self.stop_reason = ""
         self._pending_losses: list[torch.Tensor] = []
         self._warned_after_stop = False
-        self.worker = init()
+        self.worker = worker
         self.worker._register_optimizer(self)
         config = self.worker._session.config if self.worker._session else None
         if planned_steps is None:
@@ -309,3 +322,19 @@ class Optimizer(torch.optim.Optimizer):
         if not error and not self.worker._session.fatal_error:  # type: ignore[union-attr]
             self._sync.final_average()
         return self._sync.record(self.stop_reason or error or "the training loop ended")
+
+
+def _this_process_worker(worker: Worker | None) -> Worker:
+    """`worker` if it is this process's live worker (None: `ripples.init()`'s)."""
+    from ripples.worker.api import Worker, current_worker, init
+
+    if worker is None:
+        return init()
+    if not isinstance(worker, Worker):
+        raise TypeError(f"worker must be the ripples.Worker that ripples.init() returned, "
+                        f"got {type(worker).__name__}")
+    if worker is not current_worker():
+        state = "has shut down" if worker._shut_down else "is not this process's worker"
+        raise ValueError(f"this worker {state}: pass the worker ripples.init() returns now "
+                         "(or leave worker out and ripples.Optimizer calls ripples.init())")
+    return worker

@@ -195,6 +195,28 @@ def test_misuse_is_refused_with_what_to_do() -> None:
                           on_nonfinite="ignore")  # type: ignore[arg-type]
 
 
+def test_an_explicit_worker_must_be_this_process_s_live_one() -> None:
+    model = _model()
+    worker = ripples.init()
+    with pytest.raises(TypeError, match="the ripples.Worker that ripples.init"):
+        ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                          worker="local")  # type: ignore[arg-type]
+    stranger = ripples.Worker(LaunchEnv(host="test"), None)
+    with pytest.raises(ValueError, match="not this process's worker: pass the worker "
+                                         r"ripples.init\(\) returns"):
+        ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, worker=stranger)
+    opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, worker=worker)
+    assert opt.worker is worker and worker._optimizer is opt
+    _train(model, opt, 2)
+    assert opt.local_step == 2
+    worker.shutdown()
+    with pytest.raises(ValueError, match="has shut down: pass the worker ripples.init"):
+        ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, worker=worker)
+    fresh = ripples.init(env=LaunchEnv(host="test"))
+    again = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, worker=fresh)
+    assert again.worker is fresh is current_worker()
+
+
 def test_the_sampler_shards_and_deals_fixed_or_per_epoch() -> None:
     data = torch.utils.data.TensorDataset(torch.arange(10))
     shards = [list(ripples.DistributedSampler(data, num_replicas=3, rank=r, seed=1))
