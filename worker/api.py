@@ -16,6 +16,7 @@ process; a handler the script installed itself is left alone.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import signal
 import sys
@@ -28,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ripples.files import write_atomically
 from ripples.worker.client import PROCESS_RESTART
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.session import Session, resolve_device
-from ripples.worker.synchronizer import write_json
 
 if TYPE_CHECKING:
     from ripples.worker.optimizer import Optimizer
@@ -170,16 +171,13 @@ class Worker:
     def _save(self, record: dict[str, object] | None) -> None:
         assert self._optimizer is not None
         if self.env.save_model:
-            path = Path(self.env.save_model)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".partial")
             # The model's tensors are views into the averaged state's flat buffer: saved
             # as they are, each file would hold the whole buffer (optimizer state too).
             state = {k: v.detach().clone() for k, v in self._optimizer.model.state_dict().items()}
-            torch.save(state, partial)
-            partial.replace(path)
+            write_atomically(Path(self.env.save_model), lambda f: torch.save(state, f))
         if self.env.save_record and record is not None:
-            write_json(Path(self.env.save_record), record)
+            write_atomically(Path(self.env.save_record),
+                             (json.dumps(record) + "\n").encode())
 
 
 _current: Worker | None = None

@@ -24,7 +24,8 @@ resumed single-process run ends bit-identical to an uninterrupted one
 
 **Atomic.** A checkpoint is written to a hidden temporary file in its directory, flushed
 and fsync'ed, renamed to its final name (os.replace, atomic on POSIX) and the directory
-fsync'ed: a file under a checkpoint's name is always whole, whenever the process dies.
+fsync'ed (ripples/files.py: write_atomically): a file under a checkpoint's name is always
+whole, whenever the process dies.
 Older checkpoints are deleted (beyond the newest `keep`) only after a new one is complete.
 
 **Lock-step protocols** (allreduce, ripples-static: every worker in every collective) need
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ripples.files import partial_path, write_atomically
 from ripples.protocols.registry import get_protocol
 from ripples.store_blobs import delete_blob, put_blob, wait_blob
 from ripples.worker.launch_env import CheckpointInterval
@@ -188,7 +190,8 @@ class Checkpointer:
         started = time.perf_counter()
         step = self.optimizer.local_step
         path = self._files.path(step)
-        write_atomically(path, self._state(step))
+        state = self._state(step)
+        write_atomically(path, lambda f: torch.save(state, f))
         self._saved_step, self._last_save = step, time.monotonic()
         self._holds(step)
         self._files.prune(self.keep)
@@ -359,7 +362,7 @@ class NumberedFiles:
 
     def numbers(self) -> list[int]:
         """The numbers of the complete files, newest first (a partial one is hidden
-        under another name: write_atomically)."""
+        under another name: ripples.files.partial_path)."""
         if not self.directory.is_dir():
             return []
         matches = (self._name.fullmatch(p.name) for p in self.directory.iterdir())
@@ -372,7 +375,7 @@ class NumberedFiles:
 
     def drop_partials(self) -> None:
         """Delete the hidden partial files a killed writer left."""
-        for partial in self.directory.glob(f".{self.kind}-*.pt.partial"):
+        for partial in self.directory.glob(partial_path(Path(f"{self.kind}-*.pt")).name):
             partial.unlink(missing_ok=True)
 
     def read(self, n: int) -> bytes:
@@ -506,25 +509,3 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         import numpy
 
         numpy.random.set_state(state["numpy"])
-
-
-def write_atomically(path: Path, state: dict[str, Any] | bytes) -> None:
-    """Write `state` (or a checkpoint file's bytes) under `path` whole or not at all,
-    durably: a hidden temporary file in the same directory (same file system: the rename
-    is atomic), flushed and fsync'ed, renamed over `path`, then the directory fsync'ed so
-    that the rename itself survives a crash of the machine."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "wb") as f:
-        if isinstance(state, bytes):
-            f.write(state)
-        else:
-            torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)

@@ -8,7 +8,7 @@ mode (no coordinator) `step()` is the wrapped step and nothing else.
 
 It is a `torch.optim.Optimizer` itself, sharing the wrapped optimizer's `param_groups`
 and `state`, so learning-rate schedulers, `torch.amp.GradScaler` and gradient clipping
-work on it as on the optimizer it wraps.
+work on it as on the optimizer it wraps (the class doc says how).
 """
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ripples.worker.synchronizer import StepSynchronizer, StepTimes
+
+if TYPE_CHECKING:
+    from ripples.worker.api import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +53,46 @@ class Optimizer(torch.optim.Optimizer):
             len(loader)): the run's progress and its iteration budget. None: the run's
             `--iterations`, else no budget (your loop decides; `stopped` still turns True
             when the coordinator stops the run).
+        worker: The worker `ripples.init()` returned in this process (and that has not
+            shut down): for a script that calls init() itself and wants that explicit.
+            None: this calls `ripples.init()`, which returns the process's worker or, the
+            first time, joins the run the launch environment names.
+
+    Raises:
+        ValueError: a misuse, with what to do instead: an optimizer that holds tensors
+            that are not the model's, a second ripples.Optimizer in the process, a
+            `worker` that is not this process's live one.
+        TypeError: `optimizer`, `model` or `worker` is not of its type.
 
     One ripples.Optimizer per process. Check `stopped` after each step and leave the loop
     when it is True: the coordinator stopped the run (budget, target loss, a stop
     request, a peer that lock-step protocols cannot do without) or a signal asked this
     worker to stop.
+
+    Why it is built this way: as any `torch.optim.Optimizer` subclass, it runs the base
+    class's `__init__` (over copies of the wrapped optimizer's parameter groups), so what
+    torch sets up for an optimizer (step hooks, the profiler's step wrapper, whatever a
+    later version adds) is torch's own, not rebuilt here from private names. Then its
+    `param_groups` and `state` (public attributes) become the wrapped optimizer's objects,
+    so schedulers and GradScaler change the wrapped optimizer's values, and become them
+    again each time the wrapped optimizer's load_state_dict replaces both (a hook
+    registered through its public `register_load_state_dict_post_hook`). `step()` is an
+    ordinary subclass step: torch calls the step hooks around all of it (local step and
+    synchronisation).
     """
 
     _step_supports_amp_scaling = True
     """GradScaler hands the step its inf check (`found_inf`) instead of skipping step()
     altogether, so that a skipped local step still takes part in the synchronisation."""
 
+    _constructed = False
+    """False while torch.optim.Optimizer.__init__ adds the parameter groups."""
+
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
                  average_optimizer_state: bool | None = None,
                  on_nonfinite: Literal["raise", "skip"] = "raise",
-                 planned_steps: int | None = None) -> None:
-        from ripples.worker.api import init
-
+                 planned_steps: int | None = None,
+                 worker: Worker | None = None) -> None:
         if isinstance(optimizer, Optimizer):
             raise ValueError("this optimizer is already a ripples.Optimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -84,19 +109,12 @@ class Optimizer(torch.optim.Optimizer):
         if foreign:
             raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not "
                              "parameters of the model; build it over model.parameters()")
-        # torch.optim.Optimizer's own attributes; the state and param groups are the
-        # wrapped optimizer's (properties below), so its __init__ is not called.
-        self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict())
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict())
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict())
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict())
+        worker = _this_process_worker(worker)
+        # Copies: the base class normalises the groups it is given in place, and the
+        # wrapped optimizer's are the user's. The shared ones replace them right after.
+        super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
+        self._constructed = True
+        self._share_wrapped(optimizer)
         self.optimizer = optimizer
         """The wrapped (local) optimizer."""
         self.model = model
@@ -108,7 +126,7 @@ class Optimizer(torch.optim.Optimizer):
         self.stop_reason = ""
         self._pending_losses: list[torch.Tensor] = []
         self._warned_after_stop = False
-        self.worker = init()
+        self.worker = worker
         self.worker._register_optimizer(self)
         config = self.worker._session.config if self.worker._session else None
         if planned_steps is None:
@@ -124,20 +142,23 @@ class Optimizer(torch.optim.Optimizer):
                 self.local_step = int(membership.start_iteration)
         self._check_gradients = on_nonfinite == "skip" or (
             self._sync is not None and self._sync.protocol.syncs_gradients)
+        # Last: a construction refused above leaves the user's optimizer untouched.
+        optimizer.register_load_state_dict_post_hook(self._share_wrapped)
 
     # ------------------------------------------------------------------ torch.optim API
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
+    def _share_wrapped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point `param_groups` and `state` at the wrapped optimizer's (again after its
+        load_state_dict, which replaces both)."""
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not self._constructed:  # torch.optim.Optimizer.__init__ adding the copies
+            super().add_param_group(param_group)
+            return
         raise NotImplementedError("the averaged state is fixed when ripples.Optimizer is "
                                   "built: add every parameter group to the optimizer first")
 
@@ -149,8 +170,9 @@ class Optimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the wrapped optimizer; its new state tensors rejoin the averaged
-        state (the protocols that average it keep doing so)."""
+        """Load into the wrapped optimizer (its new `param_groups` and `state` are this
+        optimizer's too); its new state tensors rejoin the averaged state (the protocols
+        that average it keep doing so)."""
         state_dict = dict(state_dict)
         own = state_dict.pop("ripples", None)
         self.optimizer.load_state_dict(state_dict)
@@ -199,8 +221,6 @@ class Optimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """The local step, then the protocol's synchronisation (see the class doc)."""
-        for hook in self._optimizer_step_pre_hooks.values():
-            hook(self, (), {})
         started = time.perf_counter()
         loss = self._local_step(closure)
         local_seconds = time.perf_counter() - started
@@ -215,8 +235,6 @@ class Optimizer(torch.optim.Optimizer):
             self.stop_reason = sync.after_local_step(self.local_step, local_seconds, started)
         elif self.planned_steps and self.local_step >= self.planned_steps:
             self.stop_reason = f"iteration budget reached ({self.planned_steps} steps)"
-        for hook in self._optimizer_step_post_hooks.values():
-            hook(self, (), {})
         return loss
 
     def _local_step(self, closure: Callable[[], float] | None) -> float | None:
@@ -304,3 +322,19 @@ class Optimizer(torch.optim.Optimizer):
         if not error and not self.worker._session.fatal_error:  # type: ignore[union-attr]
             self._sync.final_average()
         return self._sync.record(self.stop_reason or error or "the training loop ended")
+
+
+def _this_process_worker(worker: Worker | None) -> Worker:
+    """`worker` if it is this process's live worker (None: `ripples.init()`'s)."""
+    from ripples.worker.api import Worker, current_worker, init
+
+    if worker is None:
+        return init()
+    if not isinstance(worker, Worker):
+        raise TypeError(f"worker must be the ripples.Worker that ripples.init() returned, "
+                        f"got {type(worker).__name__}")
+    if worker is not current_worker():
+        state = "has shut down" if worker._shut_down else "is not this process's worker"
+        raise ValueError(f"this worker {state}: pass the worker ripples.init() returns now "
+                         "(or leave worker out and ripples.Optimizer calls ripples.init())")
+    return worker

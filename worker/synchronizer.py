@@ -20,11 +20,9 @@ ran inside backward (DDP); `wait` and `preduce` come from the protocol.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -318,11 +316,3 @@ class StepSynchronizer:
 def parameter_names(state: AveragedState) -> list[str]:
     """The state_dict keys of the model's parameters (the launcher's consensus distance)."""
     return [n.removeprefix("param:") for n in state.names if n.startswith("param:")]
-
-
-def write_json(path: Path, value: object) -> None:
-    """Write whole or not at all (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value) + "\n")
-    partial.replace(path)

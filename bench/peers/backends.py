@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ripples.bench.peers.config import PeerRunFiles, PeerWorkerConfig
 from ripples.bench.peers.workloads import PeerWorkload
-from ripples.worker.checkpoint import write_atomically
+from ripples.files import write_atomically
 
 RENDEZVOUS_TIMEOUT_SECONDS = 60.0
 """How long a worker waits for its peer system's first member, or a service, to appear."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ripples.bench.peers.progress import step_log_path
-from ripples.worker.checkpoint import write_atomically
+from ripples.files import write_atomically
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ checkpoints it, not the updaters:
   synchronisation period go on where they were), and the round count too (so the next
   checkpoints are newer).
 
-The write is atomic (worker/checkpoint.py: write_atomically); the newest `keep` files
+The write is atomic (ripples/files.py: write_atomically); the newest `keep` files
 are kept.
 """
 
@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
+from ripples.files import write_atomically
 from ripples.worker.checkpoint import (
     NumberedFiles,
     StoreExchange,
     agree_on_step,
     cpu_copy,
-    write_atomically,
 )
 from ripples.worker.launch_env import CheckpointOptions
 
@@ -106,10 +106,11 @@ class LppCheckpoints:
             return None
         started = time.perf_counter()
         path = self._files.path(round_)
-        write_atomically(path, {
+        state = {
             "format": FORMAT, "round": round_, "updates": list(updates),
             "rank": self.rank, "num_workers": self.num_workers, "protocol": self.protocol,
-            "saved_at": time.time(), "model": cpu_copy(self.model.state_dict())})
+            "saved_at": time.time(), "model": cpu_copy(self.model.state_dict())}
+        write_atomically(path, lambda f: torch.save(state, f))
         self._saved_updates, self._saved_at = sum(updates), time.monotonic()
         self._files.prune(self.keep)
         logger.info("checkpoint of round %d (%d updates): %s (%.2f s)", round_, sum(updates),

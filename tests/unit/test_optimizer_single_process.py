@@ -93,6 +93,26 @@ def test_state_dict_round_trips_and_loads_into_a_plain_optimizer() -> None:
     assert opt.local_step == 3
 
 
+def test_step_hooks_run_around_the_whole_step_and_the_state_stays_shared() -> None:
+    model = _model()
+    opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    seen: list[tuple[str, int]] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o.local_step)))
+    post = opt.register_step_post_hook(
+        lambda o, args, kwargs: seen.append(("post", o.local_step)))
+    _train(model, opt, 2)
+    post.remove()
+    _train(model, opt, 1)
+    assert seen == [("pre", 0), ("post", 1), ("pre", 1), ("post", 2), ("pre", 2)]
+    momentum = opt.state[next(model.parameters())]["momentum_buffer"]
+    opt.optimizer.load_state_dict(opt.state_dict())  # replaces its param_groups and state
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.state is opt.optimizer.state
+    assert torch.equal(opt.state[next(model.parameters())]["momentum_buffer"], momentum)
+    opt.param_groups[0]["lr"] = 0.05  # what a scheduler does, after a resume too
+    assert opt.optimizer.param_groups[0]["lr"] == 0.05
+
+
 def test_non_finite_gradients_are_skipped_when_asked() -> None:
     model = _model()
     opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
@@ -173,6 +193,28 @@ def test_misuse_is_refused_with_what_to_do() -> None:
     with pytest.raises(ValueError, match="on_nonfinite"):
         ripples.Optimizer(torch.optim.SGD(other.parameters(), lr=0.1), other,
                           on_nonfinite="ignore")  # type: ignore[arg-type]
+
+
+def test_an_explicit_worker_must_be_this_process_s_live_one() -> None:
+    model = _model()
+    worker = ripples.init()
+    with pytest.raises(TypeError, match="the ripples.Worker that ripples.init"):
+        ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                          worker="local")  # type: ignore[arg-type]
+    stranger = ripples.Worker(LaunchEnv(host="test"), None)
+    with pytest.raises(ValueError, match="not this process's worker: pass the worker "
+                                         r"ripples.init\(\) returns"):
+        ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, worker=stranger)
+    opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, worker=worker)
+    assert opt.worker is worker and worker._optimizer is opt
+    _train(model, opt, 2)
+    assert opt.local_step == 2
+    worker.shutdown()
+    with pytest.raises(ValueError, match="has shut down: pass the worker ripples.init"):
+        ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, worker=worker)
+    fresh = ripples.init(env=LaunchEnv(host="test"))
+    again = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, worker=fresh)
+    assert again.worker is fresh is current_worker()
 
 
 def test_the_sampler_shards_and_deals_fixed_or_per_epoch() -> None:
