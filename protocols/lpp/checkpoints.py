@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ripples.files import write_atomically
-from ripples.worker.checkpoint import (
+from ripples.worker.checkpoint_store import (
     NumberedFiles,
     StoreExchange,
     agree_on_step,

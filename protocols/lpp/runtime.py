@@ -40,7 +40,7 @@ from ripples.protocols.lpp.checkpoints import LppCheckpoints, Restored
 from ripples.protocols.lpp.rules import partition_blocks
 from ripples.protocols.lpp.settings import LppSettings
 from ripples.protocols.lpp.updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
-from ripples.worker.checkpoint import StoreExchange
+from ripples.worker.checkpoint_store import StoreExchange
 from ripples.worker.client import RestartRequested
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import DeltaAverager

@@ -24,7 +24,7 @@ import ripples
 from ripples.protocols.gossip.state import GossipState, MomentumParameters
 from ripples.worker import checkpoint as checkpoint_module
 from ripples.worker.api import current_worker
-from ripples.worker.checkpoint import StoreExchange, agree_on_step
+from ripples.worker.checkpoint_store import StoreExchange, agree_on_step
 from ripples.worker.launch_env import CheckpointInterval, CheckpointOptions, LaunchEnv
 from ripples.worker.process_launcher import launch_environment, runner_argv
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ripples.protocols.lpp.checkpoints import LppCheckpoints
-from ripples.worker.checkpoint import StoreExchange
+from ripples.worker.checkpoint_store import StoreExchange
 from ripples.worker.launch_env import CheckpointOptions
 
 
