@@ -23,7 +23,12 @@ from ripples.coordinator.topology import (
     parse_edge_list,
 )
 from ripples.protocols.group_generator.settings import GroupGeneratorSettings
-from ripples.protocols.registry import PROTOCOLS, SETTINGS_CLASSES, get_protocol
+from ripples.protocols.registry import (
+    DEFAULT_PROTOCOL,
+    PROTOCOLS,
+    SETTINGS_CLASSES,
+    get_protocol,
+)
 from ripples.protocols.settings import ProtocolSettings, RunFacts, TopologyFacts
 from ripples.protocols.spec import Membership, ProtocolSpec, Role
 from ripples.v1 import coordinator_pb2 as pb
@@ -44,7 +49,7 @@ def _default_protocol_settings() -> dict[type[ProtocolSettings], ProtocolSetting
 class RunSettings:
     """One training run. Every field is documented once, here."""
 
-    protocol: str = "ripples-smart"
+    protocol: str = DEFAULT_PROTOCOL
     """Synchronisation protocol: one of the registry's (protocols/registry.py; `ripples run
     --help` lists them with a line each)."""
     task: str = "digits"

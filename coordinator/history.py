@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from ripples.coordinator.state_store import open_database
+from ripples.run_records import ENDED, agent_summary, state_name, summary
 from ripples.v1 import coordinator_pb2 as pb
+
+__all__ = ["DB_NAME", "ENDED", "RunHistory", "agent_summary", "state_name", "summary"]
 
 DB_NAME = "history.db"
 SCHEMA = """
@@ -33,22 +36,6 @@ CREATE TABLE IF NOT EXISTS runs (
     final_status BLOB            -- RunStatus at the end (NULL until then)
 );
 """
-ENDED = frozenset({pb.RUN_STATE_FINISHED, pb.RUN_STATE_FAILED, pb.RUN_STATE_STOPPED,
-                   pb.RUN_STATE_CANCELLED})
-STATE_NAMES: dict[int, str] = {
-    pb.RUN_STATE_QUEUED: "queued",
-    pb.RUN_STATE_RUNNING: "running",
-    pb.RUN_STATE_FINISHED: "finished",
-    pb.RUN_STATE_FAILED: "failed",
-    pb.RUN_STATE_STOPPED: "stopped",
-    pb.RUN_STATE_CANCELLED: "cancelled",
-}
-
-
-def state_name(state: int) -> str:
-    return STATE_NAMES.get(state, "unknown")
-
-
 class RunHistory:
     """Every run of one coordinator service. Thread-safe."""
 
@@ -142,26 +129,3 @@ class RunHistory:
 def _like_prefix(text: str) -> str:
     """A LIKE pattern (ESCAPE '\\') for the ids that start with `text`."""
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-
-
-def summary(info: pb.RunInfo) -> dict[str, object]:
-    """A run's row as JSON-ready data (`ripples runs --json`, the dashboard's list)."""
-    return {
-        "run_id": info.run_id, "name": info.name, "state": state_name(info.state),
-        "protocol": info.protocol, "workers": info.num_workers,
-        "task": info.task, "command": list(info.command),
-        "submitted_at": info.submitted_at, "started_at": info.started_at or None,
-        "ended_at": info.ended_at or None, "stop_reason": info.stop_reason,
-        "model_path": info.model_path, "queue_position": info.queue_position or None,
-        "mean_loss": info.mean_loss, "mean_iterations": info.mean_iterations,
-        "elapsed_seconds": info.elapsed_seconds,
-    }
-
-
-
-def agent_summary(agent: pb.AgentInfo) -> dict[str, object]:
-    """A host agent as JSON-ready data (`ripples runs --json`, the dashboard)."""
-    return {"agent_id": agent.agent_id, "host": agent.host, "slots": agent.slots,
-            "devices": list(agent.devices), "memory_bytes": agent.memory_bytes,
-            "run_id": agent.run_id, "processes": agent.processes,
-            "seen_seconds_ago": round(agent.seen_seconds_ago, 1), "draining": agent.draining}

@@ -9,12 +9,12 @@ its record stays (with its state and error) for the run's views.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import overload
 
 from ripples.coordinator.errors import CoordinatorError
+from ripples.run_records import natural_key
 
 
 class WorkerState(enum.Enum):
@@ -118,11 +118,6 @@ class WorkerRecord:
 
     def describe(self) -> str:
         return f"worker {self.worker_id} (host {self.host}, local rank {self.local_rank})"
-
-
-def natural_key(text: str) -> list[int | str]:
-    """Sort key of host names in natural order: node2 before node10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 class Registry:

@@ -344,12 +344,12 @@ def build_topology(name: str, num_workers: int, *, nodes: Sequence[int] | None =
                  + [(i, i + half) for i in range(half)])
     elif name == "exponential":
         # Each rank links to the ranks 2^k hops away in both directions, each neighbour
-        # once however many k reach it (the A2CiD2 constants use this simple graph).
+        # once however many k reach it (the gossip constants use this simple graph).
         found = []
-        hop = 1
-        while hop < n:
-            found += [(i, (i + hop) % n) for i in ranks]
-            hop *= 2
+        distance = 1
+        while distance < n:
+            found += [(i, (i + distance) % n) for i in ranks]
+            distance *= 2
         # Offsets s and n - s are the same edges: the circulant's set is the smaller ones.
         hops = {min(1 << k, n - (1 << k)) for k in range(n.bit_length()) if 1 << k < n}
         offsets = tuple(sorted(hops))

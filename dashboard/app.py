@@ -40,12 +40,12 @@ from fastapi.responses import (
 )
 from fastapi.staticfiles import StaticFiles
 
-from ripples.coordinator.history import agent_summary, summary
 from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.models import LossPoint, RunList, Snapshot, WorkerView
 from ripples.dashboard.view import RunView, disconnected
 from ripples.guarded import guarded_loop
 from ripples.rpc import aio_channel, describe_rpc_error
+from ripples.run_records import agent_summary, summary
 from ripples.security import COOKIE, ClientSecurity, HttpTokenGate, http_token_accepted
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc

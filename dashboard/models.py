@@ -131,6 +131,9 @@ class Snapshot(BaseModel):
                                         "when every edge is drawn")
     active_groups: list[GroupView]
     recent_groups: list[GroupView]
+    groups_note: str = Field(description="What the list of groups says while it is empty "
+                                         "(the protocol's hint, e.g. that it forms its "
+                                         "groups without the coordinator)")
     loss_curve: list[LossPoint]
     worker_loss_curves: dict[str, list[LossPoint]]
 

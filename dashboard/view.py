@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ripples.coordinator.history import state_name
-from ripples.coordinator.registry import natural_key
+from ripples.protocols.registry import PROTOCOLS
+from ripples.run_records import natural_key, state_name
 from ripples.v1 import coordinator_pb2 as pb
 
 # A worker is flagged slow when its speed falls below this fraction of the median speed.
@@ -168,6 +168,7 @@ class RunView:
             "topology": topology,
             "active_groups": [_group(g) for g in status.active_groups],
             "recent_groups": [_group(g) for g in list(status.recent_groups)[-16:]],
+            "groups_note": _groups_note(c.protocol),
             "loss_curve": [{"seconds": round(p.seconds, 3), "loss": p.loss}
                            for p in status.loss_curve],
             "worker_loss_curves": {
@@ -350,3 +351,10 @@ def disconnected(error: str, last: dict[str, Any] | None) -> dict[str, Any]:
     snapshot["connected"] = False
     snapshot["error"] = error
     return snapshot
+
+
+def _groups_note(protocol: str) -> str:
+    """What the list of groups says while it is empty: the protocol's hint when it forms
+    its groups without the coordinator (its spec's groups_note), else "none yet"."""
+    spec = PROTOCOLS.get(protocol)
+    return (spec.groups_note if spec is not None else "") or "none yet"

@@ -35,6 +35,9 @@ PROTOCOLS: dict[str, ProtocolSpec] = {spec.name: spec for spec in (
 )}
 """Protocol name -> spec, in the order help texts list them."""
 
+DEFAULT_PROTOCOL = RIPPLES_SMART.name
+"""A run's protocol when none is given."""
+
 SETTINGS_CLASSES: tuple[type[ProtocolSettings], ...] = tuple(dict.fromkeys(
     cls for spec in PROTOCOLS.values() for cls in spec.settings))
 """Every protocol settings class, once each (a run carries all of them)."""
@@ -64,4 +67,5 @@ def create_runtime(name: str, ctx: ProtocolContext) -> Protocol:
     return protocol
 
 
-__all__ = ["PROTOCOLS", "SETTINGS_CLASSES", "create_runtime", "get_protocol", "role_of_config"]
+__all__ = ["DEFAULT_PROTOCOL", "PROTOCOLS", "SETTINGS_CLASSES", "create_runtime", "get_protocol",
+           "role_of_config"]

@@ -10,20 +10,21 @@ import math
 from dataclasses import dataclass, field
 
 from ripples.coordinator.config import RunSettings
-from ripples.protocols.registry import PROTOCOLS
+from ripples.protocols.registry import DEFAULT_PROTOCOL, PROTOCOLS
 from ripples.sim.models import CommModel, ComputeModel, ConsensusModel
 
-SIM_PROTOCOLS: tuple[str, ...] = tuple(
-    name for name, spec in PROTOCOLS.items() if spec.simulation is not None)
-"""Protocols the simulator runs: those whose spec has a model of their workers (the
-static schedule, hop and the LPP family have none: docs/scale.md)."""
+
+def sim_protocols() -> list[str]:
+    """Protocols the simulator runs: those whose spec has a model of their workers (the
+    static schedule, hop and the LPP family have none: docs/scale.md)."""
+    return [name for name, spec in PROTOCOLS.items() if spec.simulation is not None]
 
 
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
     """One simulated run."""
 
-    protocol: str = "ripples-smart"
+    protocol: str = DEFAULT_PROTOCOL
     workers: int = 64
     workers_per_host: int = 1
     iterations: int = 100
@@ -67,8 +68,9 @@ class SimConfig:
     decisions per second are not reported (0)."""
 
     def __post_init__(self) -> None:
-        if self.protocol not in SIM_PROTOCOLS:
-            raise ValueError(f"the simulator runs {', '.join(SIM_PROTOCOLS)}; "
+        spec = PROTOCOLS.get(self.protocol)
+        if spec is None or spec.simulation is None:
+            raise ValueError(f"the simulator runs {', '.join(sim_protocols())}; "
                              f"got {self.protocol!r}")
         if self.workers < 2:
             raise ValueError(f"workers must be at least 2, got {self.workers}")
@@ -83,7 +85,7 @@ class SimConfig:
         if not self.service_seconds >= 0:
             raise ValueError("service_seconds must not be negative")
         if self.shards > 1:
-            shardable = [n for n in SIM_PROTOCOLS if PROTOCOLS[n].shardable]
+            shardable = [n for n in sim_protocols() if PROTOCOLS[n].shardable]
             if self.protocol not in shardable:
                 raise ValueError(f"shards > 1 simulates a sharded job: {' or '.join(shardable)}"
                                  f", not {self.protocol}")

@@ -169,8 +169,7 @@ function drawCounters(s) {
   if (!groups.length) {
     const li = document.createElement("li");
     li.className = "none";
-    li.textContent = r.protocol === "allreduce" || r.protocol === "ripples-static"
-      ? `${r.protocol} forms its groups without the coordinator` : "none yet";
+    li.textContent = s.groups_note || "none yet";
     ol.append(li);
   }
 }

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from ripples.cli.arguments import add_client_security_arguments, add_coordinator_option
 from ripples.cli.run import SCRIPT_RUN_DEFAULTS, add_run_arguments, run_settings
-from ripples.coordinator.history import ENDED, agent_summary, state_name, summary
 from ripples.rpc import CoordinatorCallError
+from ripples.run_records import ENDED, agent_summary, state_name, summary
 from ripples.v1 import coordinator_pb2 as pb
 
 WAIT_POLL_SECONDS = 2.0

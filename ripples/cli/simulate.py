@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ripples.cli.arguments import add_dataclass_arguments, dataclass_from_args
-from ripples.sim.config import SIM_PROTOCOLS, SimConfig, SimResult
+from ripples.sim.config import SimConfig, SimResult, sim_protocols
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("protocol", "protocol", "{}"),
@@ -52,11 +52,11 @@ def _int_list(text: str) -> list[int]:
 
 def _protocol_list(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [n for n in names if n not in SIM_PROTOCOLS]
+    unknown = [n for n in names if n not in sim_protocols()]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown protocol(s) {', '.join(unknown) or '(none)'}; the simulator runs "
-            f"{', '.join(SIM_PROTOCOLS)}")
+            f"{', '.join(sim_protocols())}")
     return names
 
 
@@ -78,7 +78,7 @@ def _run_option(text: str) -> tuple[str, object]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", type=_protocol_list, default=["ripples-smart"],
-                        help=f"protocol(s), comma-separated, from {', '.join(SIM_PROTOCOLS)} "
+                        help=f"protocol(s), comma-separated, from {', '.join(sim_protocols())} "
                              "(default: ripples-smart)")
     parser.add_argument("--workers", type=_int_list, default=[64],
                         help="simulated workers, comma-separated for a sweep (default: 64)")

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from ripples.sim.config import SIM_PROTOCOLS, SimConfig
+from ripples.sim.config import SimConfig, sim_protocols
 from ripples.sim.engine import Simulation, simulate
 from ripples.sim.models import (
     CommModel,
@@ -34,7 +34,7 @@ def run(protocol: str, *, workers: int = 8, iterations: int = 60, scenario: str 
                               **extra))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("protocol", SIM_PROTOCOLS)
+@pytest.mark.parametrize("protocol", sim_protocols())
 def test_every_protocol_runs_to_the_cores_own_budget_stop(protocol: str) -> None:
     result = run(protocol)
     assert result.stop_reason.startswith("iteration budget reached"), result.stop_reason
