@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ripples import events
 from ripples.protocols import get_protocol
 from ripples.store_blobs import delete_blob, put_blob, wait_blob
 from ripples.worker.launch_env import CheckpointInterval
@@ -244,6 +245,7 @@ class Checkpointer:
         self._holds(step)
         self._last_save = time.monotonic()
         logger.info("restored step %d from %s", step, path)
+        events.emit(events.CHECKPOINT_RESTORED, step=step, path=str(path))
         return step
 
     def _holds(self, step: int) -> None:
