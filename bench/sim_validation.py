@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from ripples.bench.harness import HarnessConfig, RunRecord, record_from_summary, run_summary
+from ripples.bench.bench_run import RunRecord, record_from_summary, run_summary
+from ripples.bench.matrix import HarnessConfig
 from ripples.protocols import PROTOCOLS, Coordination
 from ripples.sim.config import SimConfig, SimResult
 from ripples.sim.engine import simulate
