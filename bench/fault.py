@@ -89,7 +89,8 @@ class FaultResult:
 
 
 def run_ripples(cfg: FaultConfig, system: str, repeat: int, out: Path) -> FaultResult:
-    from ripples.bench.chaos import ChaosConfig, Trial
+    from ripples.bench.chaos_config import ChaosConfig
+    from ripples.bench.chaos_trial import Trial
 
     chaos = ChaosConfig(workers=cfg.workers, iterations=cfg.steps,
                         lease_seconds=cfg.detect_seconds, faults=("sigkill",),

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # no display on benchmark machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 if TYPE_CHECKING:
-    from ripples.bench.harness import RunRecord
+    from ripples.bench.bench_run import RunRecord
 
 
 def plot_loss_curves(records: list[RunRecord], path: Path, target_loss: float) -> Path:

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from ripples.bench.harness import HarnessConfig, RunRecord, record_from_summary, run_summary
+from ripples.bench.bench_run import RunRecord, record_from_summary, run_summary
+from ripples.bench.matrix import HarnessConfig
 from ripples.protocols.registry import PROTOCOLS
 from ripples.protocols.spec import Coordination
 from ripples.sim.config import SimConfig, SimResult

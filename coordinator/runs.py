@@ -40,6 +40,7 @@ from typing import Any
 
 import grpc
 
+from ripples import events
 from ripples.coordinator import snapshot
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore
@@ -329,6 +330,10 @@ class RunsService(pb_grpc.CoordinatorServicer):
         self._signal_change()
         logger.info("run %s (%s) %s: %s", info.run_id, info.name, state_name(info.state),
                     info.stop_reason)
+        done = [w.progress.iteration for w in service.core.registry.counted()]
+        events.emit(events.RUN_ENDED, run_id=info.run_id, state=state_name(info.state),
+                    reason=info.stop_reason, iterations=sum(done),
+                    max_worker_iterations=max(done, default=0))
         await self._next()
 
     def _processes_all_ended(self, run_id: str) -> str:

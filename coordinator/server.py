@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from ripples import events
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.history import RunHistory
 from ripples.coordinator.http import build_app
@@ -160,6 +161,9 @@ class CoordinatorServer(LoopThreadService):
                     cfg.host, self.port, cfg.security.describe(), self.store_port,
                     self.metrics_port, f", run {runs.active.info.run_id}" if runs.active
                     else ", no run yet")
+        events.emit(events.COORDINATOR_LISTENING, address=self.address,
+                    metrics_address=self.metrics_address,
+                    run_id=runs.active.info.run_id if runs.active else "")
         try:
             await self._until_stopped()
         finally:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ripples import events
 from ripples.files import write_atomically
 from ripples.protocols.registry import get_protocol
 from ripples.worker.checkpoint_store import NumberedFiles, StoreExchange, agree_on_step, cpu_copy
@@ -242,6 +243,7 @@ class Checkpointer:
         self._holds(step)
         self._last_save = time.monotonic()
         logger.info("restored step %d from %s", step, path)
+        events.emit(events.CHECKPOINT_RESTORED, step=step, path=str(path))
         return step
 
     def _holds(self, step: int) -> None:

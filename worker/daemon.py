@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ripples import events
 from ripples.worker.agent import AgentConfig
 from ripples.worker.launch_env import ENV_RUN_ID, CheckpointOptions, LaunchEnv, default_host
 from ripples.worker.process_launcher import (
@@ -124,6 +125,7 @@ def run_worker(config: WorkerConfig) -> int:
         worker = init(env=config.launch_env())
         reason = train_task(worker, config.task)
         logger.info("worker %d finished: %s", worker.worker_id, reason)
+        events.emit(events.WORKER_FINISHED, worker_id=worker.worker_id, reason=reason)
     except BaseException as err:  # noqa: BLE001 (every failure is reported, none is clean)
         code = 1
         error = f"{type(err).__name__}: {err}"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ripples import events
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient, Restart
 from ripples.worker.dataplane.averaged_state import AveragedState
@@ -244,6 +245,8 @@ def heal_from_peer(ctx: ProtocolContext, stream: GroupStream,
             if ok and reply.group.heal:
                 logger.info("healed from worker %d in %.2f s (%.1f s after asking)",
                             reply.group.heal_donor, seconds, time.perf_counter() - waited_since)
+                events.emit(events.WORKER_HEALED, donor=reply.group.heal_donor, seconds=seconds,
+                            asked_seconds=time.perf_counter() - waited_since)
                 return
         waited = time.perf_counter() - waited_since
         if waited > max_wait_seconds:

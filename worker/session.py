@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ripples import events
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import (
     PROCESS_RESTART,
@@ -103,6 +104,8 @@ class Session:
         self.client.outage_seconds = self.config.coordinator_outage_seconds
         logger.info("registered as worker %d for run %s (%s)", self.worker_id,
                     self.config.run_id, self.config.protocol)
+        events.emit(events.WORKER_REGISTERED, worker_id=self.worker_id, host=env.host,
+                    run_id=self.config.run_id, protocol=self.config.protocol)
         self.heartbeat = HeartbeatThread(self.client, self.worker_id,
                                          self.config.heartbeat_interval_seconds,
                                          self.config.lease_seconds, self._progress,

@@ -22,7 +22,7 @@ class PeerWorkerConfig:
     workload: str
     """A built-in task, or transformer-lm."""
     script_args: tuple[str, ...] = ()
-    """The LM script's model arguments (the bench's, harness.SCRIPT_WORKLOADS)."""
+    """The LM script's model arguments (the bench's, matrix.SCRIPT_WORKLOADS)."""
     num_workers: int
     seed: int
     batch_size: int

@@ -22,7 +22,8 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ripples.bench import harness
+from ripples.bench.bench_run import RunRecord, run_one
+from ripples.bench.matrix import HarnessConfig, config_dict
 from ripples.bench.peers import PEERS, missing_package
 from ripples.sim.scenarios import SCENARIOS
 
@@ -42,7 +43,7 @@ def label(setting: dict[str, object]) -> str:
     return ",".join(f"{k}={v}" for k, v in setting.items()) or "defaults"
 
 
-def score(records: list[harness.RunRecord]) -> float:
+def score(records: list[RunRecord]) -> float:
     """Geometric mean of the times to target (a miss: twice its wall time)."""
     times = [r.time_to_target_seconds or 2 * r.wall_seconds for r in records]
     return math.exp(sum(math.log(max(t, 1e-9)) for t in times) / len(times))
@@ -51,7 +52,7 @@ def score(records: list[harness.RunRecord]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ripples.bench.peers.sweep",
                                      description=__doc__.split("\n\n")[0])
-    defaults = harness.HarnessConfig()
+    defaults = HarnessConfig()
     parser.add_argument("--peers", help=f"comma-separated (default: the installed ones of "
                                         f"{', '.join(PEERS)})")
     parser.add_argument("--scenarios", default=",".join(SWEEP_SCENARIOS))
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     plan = [(peer, setting) for peer in peers for setting in settings_of(peer)]
-    results: dict[tuple[str, str], list[harness.RunRecord]] = {}
+    results: dict[tuple[str, str], list[RunRecord]] = {}
     done = 0
     for scenario in scenarios:
         for peer, setting in plan:
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             cfg = replace(base, peer_settings={peer: setting},
                           output=args.output / f"{peer}-{label(setting)}")
-            rec = harness.run_one(cfg, SCENARIOS[scenario], peer, 0)
+            rec = run_one(cfg, SCENARIOS[scenario], peer, 0)
             ttt = rec.time_to_target_seconds
             print(f"    target {f'{ttt:.1f} s' if ttt else 'not reached'}, "
                   f"{rec.samples_per_second or 0:.0f} samples/s", file=sys.stderr, flush=True)
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             best[peer] = name
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "sweep.json").write_text(json.dumps(
-        {"config": harness.config_dict(base), "best": best,
+        {"config": config_dict(base), "best": best,
          "rows": [{"peer": peer, "setting": name, "score_seconds": scored[(peer, name)],
                    "runs": [asdict(r) for r in records]}
                   for (peer, name), records in results.items()]}, indent=2) + "\n")

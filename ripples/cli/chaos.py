@@ -8,7 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from ripples.bench.chaos import FAULT_KINDS, ChaosConfig, format_summary, run_trials
+from ripples.bench.chaos import (
+    ELASTIC_PROTOCOLS,
+    FAULT_KINDS,
+    LOCKSTEP_PROTOCOLS,
+    ChaosConfig,
+    format_summary,
+    run_trials,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep every trial's logs and models here (default: a temporary "
                              "folder; failing trials are kept and named)")
     parser.add_argument("--protocol", default=d.protocol,
-                        help="ripples-smart, ripples-random, adpsgd (replacements heal) or "
-                             f"allreduce (restart rounds) (default: {d.protocol})")
+                        help=f"{', '.join(ELASTIC_PROTOCOLS)} (replacements heal) or "
+                             f"{', '.join(LOCKSTEP_PROTOCOLS)} (restart rounds) "
+                             f"(default: {d.protocol})")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                         help="workers checkpoint every N steps, and every checkpoint must "
                              f"load at the end; 0: none (default: {d.checkpoint_every})")
