@@ -10,7 +10,8 @@ clock. The core composes one object per concept:
 - `GroupService` (group_service.py): group requests, deliveries, releases, pairing;
 - `ProgressTracker` (progress.py): loss curve, time to target, speed signals;
 - `StopAgreement` (stop.py): the stop and lock-step workers' common stop iteration;
-- `SchemaCheck` (schema.py): every worker averages the same tensors.
+- `SchemaCheck` (schema.py): every worker averages the same tensors;
+- `RestartRounds` (restart_rounds.py): a membership change of a run that restarts.
 
 A run goes through: registration until `num_workers` registered (then the membership is
 formed: ranks and graph are final), readiness until every member built its model and
@@ -20,7 +21,6 @@ its schema matched (then training starts and the clock runs), training, stop.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.errors import CoordinatorError
@@ -31,10 +31,12 @@ from ripples.coordinator.group_service import (
     Outcome,
 )
 from ripples.coordinator.groups import GroupRecord, GroupTable
+from ripples.coordinator.membership import RunMembership
 from ripples.coordinator.progress import ProgressTracker
 from ripples.coordinator.registry import GONE, Progress, Registry, WorkerRecord, WorkerState
-from ripples.coordinator.run_graph import RunGraph
-from ripples.coordinator.schema import Schema, SchemaCheck
+from ripples.coordinator.restart_rounds import RestartRounds
+from ripples.coordinator.run_graph import RunGraph, static_layout_error
+from ripples.coordinator.schema import SchemaCheck
 from ripples.coordinator.stop import BudgetWatch, StateAdoption, StopAgreement
 from ripples.protocols.spec import Coordination
 
@@ -42,20 +44,14 @@ SUSPECT_HEARTBEATS = 3
 """A worker whose Synchronize stream broke keeps its lease for this many heartbeat
 intervals only, unless it heartbeats (`suspect`): with the default 0.5 s, a SIGKILLed
 worker's groups are cancelled 1.5 s after its death instead of a lease (10 s) after."""
-RESTART_STRAGGLER_WINDOWS = 3
-"""A restart round forms without the restarting workers that are not back after this many
-join windows (with at least min_workers)."""
-RESTART_GIVE_UP_WINDOWS = 6
-"""A restart round whose workers did not come back within this many join windows stops
-the run (every wait has an end; 90 s with the default window, within the workers' own
-start timeout of 120 s)."""
 
 __all__ = ["GONE", "CoordinatorCore", "CoordinatorError", "Deliveries", "GroupDecision",
            "Outcome", "Progress", "WorkerRecord", "WorkerState"]
 
 
-class CoordinatorCore:
-    """All state of one run and every rule that changes it."""
+class CoordinatorCore(RunMembership):
+    """All state of one run and every rule that changes it (the membership's rules:
+    RunMembership, membership.py)."""
 
     def __init__(self, settings: RunSettings, *, now: float, first_worker_id: int = 0) -> None:
         self.settings = settings
@@ -91,160 +87,9 @@ class CoordinatorCore:
         """Training time of the run before a total failure it resumed from (`resume`), or
         before its last restart round: the clock goes on from there once every member is
         ready again."""
-        self.restarts = 0
-        """Restart rounds opened so far (lock-step runs: `_restart`)."""
-        self.failure_restarts = 0
-        """Of them, the rounds a failure opened (max_restarts bounds these; a joiner's
-        round does not count, as with torchelastic)."""
-        self.expected_back: set[tuple[str, int]] = set()
-        """The open round's workers that are alive and restart: (host, local rank) of the
-        members it ended and of the one whose failed leave opened it. The round waits
-        for them before it forms with fewer than num_workers."""
-        self.restart_began_at: float | None = None
-        """When the open restart round began (None: none is open)."""
-        self.restart_reason = ""
-        """Why the last restart round was opened."""
+        self.rounds = RestartRounds(settings=settings)
         self.stopped_by_failure = False
         """The run stopped because of a failure (see stop)."""
-
-    # ------------------------------------------------------------------ membership
-    def register(self, host: str, local_rank: int, device: str, pid: int, now: float) -> int:
-        """A worker joins; once all `num_workers` have, the membership is formed."""
-        if self.stopped:
-            raise CoordinatorError("FAILED_PRECONDITION",
-                                   f"the run is over ({self.stop_reason}); start a new "
-                                   "coordinator for a new run")
-        if not host:  # before a joiner may open a restart round
-            raise CoordinatorError("INVALID_ARGUMENT", "host must not be empty")
-        fixed = self.settings.spec.fixed_membership
-        if self.registry.formed and self.settings.restarts:
-            refusal = self._restart_refusal(failure=False)
-            if not refusal:
-                self._join_lockstep(host, local_rank, now)
-            else:
-                fixed = f"{fixed}; no restart round: {refusal}"
-        w = self.registry.register(host, local_rank, device, pid, now, elastic=not fixed,
-                                   fixed_reason=fixed)
-        if w.replacement:
-            self._take_in_replacement(w)
-        elif self.registry.complete:
-            self._form_membership(now)
-        return w.worker_id
-
-    def _join_lockstep(self, host: str, local_rank: int, now: float) -> None:
-        """A worker asks to join a formed lock-step run that restarts on membership
-        changes: a run below num_workers opens a restart round for it (scale-up); a full
-        one asks it to wait (RESOURCE_EXHAUSTED: the client retries until a member leaves
-        and a round opens)."""
-        registry = self.registry
-        if registry.size < registry.num_workers and self.started_at is not None:
-            self._restart(f"host {host} local rank {local_rank} joins: {registry.size} -> "
-                          f"{registry.size + 1} workers", now, failure=False)
-            return
-        raise CoordinatorError(
-            "RESOURCE_EXHAUSTED",
-            f"the run has its {registry.size} workers; a worker joins a lock-step run when "
-            "a restart round opens (a member left)")
-
-    def _take_in_replacement(self, w: WorkerRecord) -> None:
-        """`w` took a departed member's rank: it takes that member's place in the graph
-        (its neighbours on a sparse topology) and, once ready, trains at once. Or `w` is
-        an extra rank (scale-up): the graph is built again over every rank (refused,
-        undone, if the topology does not fit the new size)."""
-        departed = next((x for x in self.registry.workers.values()
-                         if x.replaced_by == w.worker_id), None)
-        if departed is not None:
-            self.graph.replace_worker(departed.worker_id, w.worker_id)
-            return
-        try:
-            self.graph = RunGraph.build(self.settings, self.registry.holders_by_rank())
-        except ValueError as err:
-            self.registry.discard(w.worker_id)
-            self.registry.size -= 1
-            raise CoordinatorError("FAILED_PRECONDITION",
-                                   f"the run cannot grow to {self.registry.size + 1} "
-                                   f"workers: {err}") from None
-        self.progress.num_workers = self.registry.size
-
-    @property
-    def membership_formed(self) -> bool:
-        return self.registry.formed
-
-    def resume(self, now: float) -> None:
-        """Go on with this (restored) run after a total failure: every worker of it is
-        gone, a new set registers, ranks form again, and each new member continues the
-        iteration count of the departed member of its rank (with the checkpoints the
-        workers restore, `ripples run --resume`). The stop that ended it is lifted (a
-        run whose budget was spent stops again at once); training time goes on from
-        where it was once every member is ready."""
-        if self.started_at is not None:  # else a restart round had paused the clock
-            self.resumed_elapsed = self.elapsed(now)
-        self.started_at = None
-        self.restart_began_at = None  # the resumed run waits for every worker
-        self.stopper.stopped, self.stopper.reason, self.stopper.stop_at_iteration = False, "", 0
-        for w in self.live():
-            w.state = WorkerState.EXPIRED
-            w.error = "lost with the run, which was resumed"
-        self.registry.formed = False
-
-    def _form_membership(self, now: float) -> None:
-        if self.restart_began_at is not None:
-            self.registry.generation += 1
-            self.restart_began_at = None
-        ordered = self.registry.form()
-        self.registry.continue_ranks(ordered)
-        try:
-            self.graph = RunGraph.build(self.settings, ordered)
-        except ValueError as err:
-            self.stop(f"invalid topology: {err}", now)
-            return
-        problem = self.static_layout_error()
-        if problem:
-            self.stop(problem, now)
-
-    def mark_ready(self, worker_id: int, planned_iterations: int, now: float,
-                   schema: Schema | None = None) -> bool:
-        """The worker built its model and waits to train; starts the run when every
-        member is ready. The clock of the run starts here, not at registration, so that
-        start-up work (imports, data loading) does not count as training time. A schema
-        that differs from the first worker's is refused (FAILED_PRECONDITION).
-        Returns True once the run has started."""
-        w = self.worker(worker_id)
-        if schema is not None:
-            problem = self.model_schema.check(schema, w.describe())
-            if problem:
-                raise CoordinatorError("FAILED_PRECONDITION", problem)
-            w.schema_digest = schema.digest
-        w.progress.planned_iterations = planned_iterations
-        w.ready = True
-        self.budget.note(self.registry, w)
-        self._ready_ids.add(worker_id)
-        if w.replacement and self.started_at is not None:
-            w.state = WorkerState.COMPUTING
-        if (self.started_at is None and self.registry.formed and not self.stopped
-                and len(self._ready_ids) >= self.registry.num_live):
-            # Counted first: a start checks every worker once, not at each of n readies.
-            live = self.live()
-            self._ready_ids = {x.worker_id for x in live if x.ready}
-            if len(self._ready_ids) == len(live):
-                self.started_at = now - self.resumed_elapsed
-                for x in live:
-                    x.state = WorkerState.COMPUTING
-        return self.started_at is not None
-
-    def note_ready(self, worker_ids: Iterable[int]) -> None:
-        """Workers ready already (a core restored from a snapshot)."""
-        self._ready_ids.update(worker_ids)
-
-    def check_schema(self, worker_id: int, schema: Schema) -> None:
-        """The averaged tensors once the optimizer state joined them: refuse a worker
-        whose tensors differ from the first one's (FAILED_PRECONDITION). From now on the
-        worker's groups execute only with workers that average the same tensors."""
-        w = self.worker(worker_id)
-        problem = self.training_schema.check(schema, w.describe())
-        if problem:
-            raise CoordinatorError("FAILED_PRECONDITION", problem)
-        w.schema_digest = schema.digest
 
     def neighbours_of(self, worker_id: int) -> tuple[int, ...]:
         """The live workers `worker_id` may average with (all others on a complete graph)."""
@@ -252,18 +97,7 @@ class CoordinatorCore:
 
     def static_layout_error(self) -> str | None:
         """Why the static schedule cannot run on the registered workers, or None."""
-        if self.role.coordination is not Coordination.STATIC:
-            return None
-        per_node: dict[int, int] = {}
-        for w in self.live():
-            per_node[w.node] = per_node.get(w.node, 0) + 1
-        k = self.settings.workers_per_node
-        if any(n != k for n in per_node.values()):
-            return (
-                f"the static schedule needs exactly {k} workers on every host (workers per "
-                f"node), got {sorted(per_node.values())}; set workers_per_node to match"
-            )
-        return None
+        return static_layout_error(self.settings, self.live())
 
     def num_nodes(self) -> int:
         return self.registry.num_nodes()
@@ -321,89 +155,48 @@ class CoordinatorCore:
         return deliveries
 
     # ------------------------------------------------------------------ restart rounds
-    def _restart_refusal(self, *, failure: bool = True) -> str:
-        """Why this run cannot restart its workers on a membership change ("" when it
-        can): its protocol does not, the restarts are spent, or a member holds no
-        checkpoint yet (it would start over from its initial model)."""
-        if not self.settings.restarts:
-            return f"{self.settings.protocol} does not restart its workers"
-        if failure and self.failure_restarts >= self.settings.max_restarts:
-            return (f"max_restarts ({self.settings.max_restarts}) spent on failures")
-        blind = [w.worker_id for w in self.live() if w.progress.checkpoint_step == 0]
-        if blind:
-            return (f"worker {blind[0]} holds no checkpoint to restart from (give "
-                    "--checkpoint-dir; a script saves with ripples.Checkpointer)")
-        return ""
-
     def _restart(self, reason: str, now: float, *, failure: bool = True,
                  alive: tuple[tuple[str, int], ...] = ()) -> None:
-        """Open a restart round (lock-step runs, torchelastic's re-rendezvous): every
-        live member's part ends (`restarted`: its heartbeat says restart, its process
-        exits and its launcher starts it again); registration opens anew; the membership
-        forms once num_workers registered, or after the join window with at least
-        min_workers (`_close_restart_round`); each new member continues the part of the
-        departed member of its rank and restores the last checkpoint every rank holds.
-        Training time pauses meanwhile. `failure`: a failure opened it (max_restarts
-        counts these); `alive`: (host, local rank) of a departed worker that restarts too
-        (it failed and said so: it is alive)."""
-        self.restarts += 1
-        self.failure_restarts += failure
-        self.restart_began_at, self.restart_reason = now, reason
-        self.expected_back = {(w.host, w.local_rank) for w in self.live()} | set(alive)
+        """Open a restart round (RestartRounds.open); training time pauses meanwhile."""
+        self.rounds.open(reason, now, self.live(), failure=failure, alive=alive)
         if self.started_at is not None:  # else a round before this one paused the clock
             self.resumed_elapsed = self.elapsed(now)
         self.started_at = None
-        for w in self.live():
-            w.state, w.restarted = WorkerState.LEFT, True
-            w.leave_reason = f"restart round {self.restarts}: {reason}"
         self.registry.formed = False
 
     def _close_restart_round(self, now: float) -> Deliveries:
-        """Form the open restart round's membership once its join window passed with at
-        least min_workers registered (the static schedule waits for every worker: its
-        hosts must stay full); stop the run if too few came back within
-        RESTART_GIVE_UP_WINDOWS windows."""
-        began = self.restart_began_at
-        if began is None or self.registry.formed or self.stopped:
+        """Form the open round's membership, or stop the run, as the round's verdict says."""
+        if self.rounds.began_at is None or self.registry.formed or self.stopped:
             return {}
-        waited = now - began
-        members = self.live()
-        live = len(members)
-        window = self.settings.join_window_seconds
-        shrinks = self.role.coordination is not Coordination.STATIC
-        missing = self.expected_back - {(w.host, w.local_rank) for w in members}
-        # Fewer than num_workers: after the join window, once every worker the round
-        # ended is back (a blocked one restarts after RESTART_GRACE_SECONDS plus its
-        # imports), or without the missing ones after RESTART_STRAGGLER_WINDOWS windows.
-        waited_enough = waited >= window and (
-            not missing or waited >= RESTART_STRAGGLER_WINDOWS * window)
-        if waited_enough and live >= self.settings.min_workers and shrinks:
+        verdict = self.rounds.verdict(
+            now, self.live(), shrinks=self.role.coordination is not Coordination.STATIC)
+        if verdict == "form":
             self._form_membership(now)
-            return {}
-        if waited >= RESTART_GIVE_UP_WINDOWS * window:
-            need = self.settings.min_workers if shrinks else self.settings.num_workers
-            return self.stop(f"restart round {self.restarts} ({self.restart_reason}): "
-                             f"{live} of the {need} workers needed registered within "
-                             f"{waited:.0f} s", now, failure=True)
+        elif verdict:
+            return self.stop(verdict, now, failure=True)
         return {}
 
     def rejoins(self, worker_id: int) -> str:
-        """Why this departed worker restarts its process and registers anew, or "": a
-        restart round ended its part, or it failed while a round is open (its own failure
-        may have opened it)."""
+        """Why this departed worker restarts its process and registers anew, or ""
+        (RestartRounds.rejoins)."""
         w = self.registry.workers.get(worker_id)
         if w is None or self.stopped:
             return ""
-        round_open = self.restart_began_at is not None and not self.registry.formed
-        if w.restarted or (w.state is WorkerState.FAILED and round_open):
-            return f"restart round {self.restarts}: {self.restart_reason}"
-        if w.state is WorkerState.EXPIRED and self.settings.restarts and (
-                round_open or not self._restart_refusal(failure=False)):
-            # Alive after all (a long pause cost it its lease): it restarts and registers
-            # anew, joining the open round or opening one for the run to grow back.
-            return (f"its lease expired ({w.error}); it registers anew"
-                    + (f" in restart round {self.restarts}" if round_open else ""))
-        return ""
+        return self.rounds.rejoins(w, self.live(), formed=self.registry.formed)
+
+    @property
+    def restarts(self) -> int:
+        """Restart rounds opened so far."""
+        return self.rounds.count
+
+    @property
+    def restart_reason(self) -> str:
+        return self.rounds.reason
+
+    @property
+    def restart_began_at(self) -> float | None:
+        """When the open restart round began (None: none is open)."""
+        return self.rounds.began_at
 
     def _remove(self, w: WorkerRecord, state: WorkerState, now: float) -> Deliveries:
         if w.state in GONE:
@@ -416,7 +209,7 @@ class CoordinatorCore:
         why = f": {w.error or w.leave_reason}" if w.error or w.leave_reason else ""
         if self.started_at is None:
             if (self.registry.generation and state is not WorkerState.LEFT
-                    and self.registry.formed and not self._restart_refusal()):
+                    and self.registry.formed and not self.rounds.refusal(self.live())):
                 # A restart round's member failed before training went on: another round.
                 alive = ((w.host, w.local_rank),) if state is WorkerState.FAILED else ()
                 self._restart(f"worker {w.worker_id} {state.value} before training "
@@ -437,7 +230,7 @@ class CoordinatorCore:
             graceful = state is WorkerState.LEFT
             refusal = ("the static schedule cannot shrink (its hosts must stay full)"
                        if graceful and self.role.coordination is Coordination.STATIC
-                       else self._restart_refusal(failure=not graceful))
+                       else self.rounds.refusal(self.live(), failure=not graceful))
             if not refusal:
                 # A worker that failed and said so (Leave) is alive: it restarts too.
                 alive = ((w.host, w.local_rank),) if state is WorkerState.FAILED else ()

@@ -109,3 +109,20 @@ def _static_edges(workers_per_node: int, by_rank: list[int]) -> list[Edge]:
             members = sorted(by_rank[r] for r in group)
             pairs.update((a, b) for i, a in enumerate(members) for b in members[i + 1:])
     return sorted(pairs)
+
+
+def static_layout_error(settings: RunSettings, live: list[WorkerRecord]) -> str | None:
+    """Why the static schedule cannot run on the registered workers, or None (None too
+    for the runs of other coordinations)."""
+    if settings.role.coordination is not Coordination.STATIC:
+        return None
+    per_node: dict[int, int] = {}
+    for w in live:
+        per_node[w.node] = per_node.get(w.node, 0) + 1
+    k = settings.workers_per_node
+    if any(n != k for n in per_node.values()):
+        return (
+            f"the static schedule needs exactly {k} workers on every host (workers per "
+            f"node), got {sorted(per_node.values())}; set workers_per_node to match"
+        )
+    return None

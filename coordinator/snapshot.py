@@ -44,10 +44,10 @@ def take(core: CoordinatorCore, now: float, wall: float = 0.0) -> dict[str, Any]
                      "next_worker_id": core.registry._next_worker_id,
                      "lease_expirations": core.registry.num_lease_expirations,
                  "size": core.registry.size, "generation": core.registry.generation},
-        "restarts": {"count": core.restarts, "failures": core.failure_restarts,
-                     "open": core.restart_began_at is not None,
+        "restarts": {"count": core.rounds.count, "failures": core.rounds.failures,
+                     "open": core.rounds.began_at is not None,
                      "reason": core.restart_reason, "elapsed": core.resumed_elapsed,
-                     "expected_back": sorted(core.expected_back)},
+                     "expected_back": sorted(core.rounds.expected_back)},
         "stop": {"stopped": core.stopper.stopped, "reason": core.stopper.reason,
                  "at_iteration": core.stopper.stop_at_iteration,
                  "adopt_after": core.adoption.after_iteration},
@@ -93,12 +93,13 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: flo
     registry.size = r.get("size", settings.num_workers)
     registry.generation = r.get("generation", 0)
     restarts = snapshot.get("restarts", {})
-    core.restarts = restarts.get("count", 0)
-    core.failure_restarts = restarts.get("failures", core.restarts)
-    core.expected_back = {(h, r) for h, r in restarts.get("expected_back", [])}
-    core.restart_reason = restarts.get("reason", "")
+    rounds = core.rounds
+    rounds.count = restarts.get("count", 0)
+    rounds.failures = restarts.get("failures", rounds.count)
+    rounds.expected_back = {(h, r) for h, r in restarts.get("expected_back", [])}
+    rounds.reason = restarts.get("reason", "")
     if restarts.get("open"):  # its join window starts again with the new incarnation
-        core.restart_began_at = now
+        rounds.began_at = now
     if not started:  # the training time before a restart round (or 0 before any start)
         core.resumed_elapsed = restarts.get("elapsed", 0.0)
     core.note_ready(w.worker_id for w in registry.live() if w.ready)

@@ -77,7 +77,7 @@ def test_a_failed_member_restarts_every_worker_which_continue_their_ranks() -> N
 def test_a_round_forms_with_fewer_workers_after_the_join_window_and_a_joiner_scales_up() -> None:
     core, ids = _started(min_workers=2)
     core.expire_leases(11.0)  # no heartbeat since 0: node0's lease ran out first
-    assert core.restarts == 1 and core.expected_back == {("node1", 0), ("node2", 0)}
+    assert core.restarts == 1 and core.rounds.expected_back == {("node1", 0), ("node2", 0)}
     new = _register(core, ["node1", "node2"], 12.0)  # the two the round ended are back
     core.expire_leases(11.0 + WINDOW - 1)
     assert not core.membership_formed  # node0 (or a replacement) may still come
@@ -94,7 +94,7 @@ def test_a_round_forms_with_fewer_workers_after_the_join_window_and_a_joiner_sca
     # A worker that asks to join while the run is below num_workers opens another round,
     # which max_restarts does not count (it counts failures).
     joiner = core.register("node0", 0, "cpu", 900, 40.0)
-    assert core.restarts == 2 and core.failure_restarts == 1 and not core.membership_formed
+    assert core.restarts == 2 and core.rounds.failures == 1 and not core.membership_formed
     assert all(core.rejoins(w) for w in new) and not core.rejoins(joiner)
     again = _register(core, ["node1", "node2"], 45.0)
     assert core.membership_formed and core.registry.size == 3
@@ -132,8 +132,8 @@ def test_a_graceful_leave_shrinks_the_run_without_counting_as_a_failure() -> Non
     # and form a round of 2 after the join window. max_restarts (0) does not count it.
     core, ids = _started(min_workers=2, max_restarts=0)
     core.leave(ids[1], None, "", 5.0, reason="asked to stop (a signal or request_stop)")
-    assert core.restarts == 1 and core.failure_restarts == 0 and not core.stopped
-    assert core.expected_back == {("node0", 0), ("node2", 0)}
+    assert core.restarts == 1 and core.rounds.failures == 0 and not core.stopped
+    assert core.rounds.expected_back == {("node0", 0), ("node2", 0)}
     assert not core.rejoins(ids[1]) and core.rejoins(ids[0]).startswith("restart round 1")
     new = _register(core, ["node0", "node2"], 7.0)
     core.expire_leases(5.0 + WINDOW)
@@ -225,7 +225,7 @@ def test_a_round_waits_for_its_restarting_workers_before_it_forms_with_fewer() -
     RESTART_STRAGGLER_WINDOWS windows, rather than form without it and need another."""
     core, ids = _started(n=4, min_workers=2)
     core.leave(ids[0], None, "RuntimeError: connection reset", 5.0)  # alive: it said so
-    assert core.expected_back == {(f"node{r}", 0) for r in range(4)}
+    assert core.rounds.expected_back == {(f"node{r}", 0) for r in range(4)}
     back = _register(core, ["node1", "node2", "node3"], 8.0)
     core.expire_leases(5.0 + WINDOW)
     assert not core.membership_formed  # node0 restarts too
