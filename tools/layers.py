@@ -32,7 +32,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("registry", ("ripples.protocols.registry",)),
     ("services", (
         "ripples.coordinator.config", "ripples.coordinator.core",
-        "ripples.coordinator.group_service", "ripples.coordinator.metrics",
+        "ripples.coordinator.group_service", "ripples.coordinator.membership",
+        "ripples.coordinator.metrics", "ripples.coordinator.restart_rounds",
         "ripples.coordinator.run_graph", "ripples.coordinator.runs",
         "ripples.coordinator.server", "ripples.coordinator.service",
         "ripples.coordinator.snapshot",

@@ -10,14 +10,8 @@ import pytest
 
 from ripples.coordinator import snapshot
 from ripples.coordinator.config import RunSettings
-from ripples.coordinator.core import (
-    RESTART_GIVE_UP_WINDOWS,
-    RESTART_STRAGGLER_WINDOWS,
-    CoordinatorCore,
-    CoordinatorError,
-    Progress,
-    WorkerState,
-)
+from ripples.coordinator.core import CoordinatorCore, CoordinatorError, Progress, WorkerState
+from ripples.coordinator.restart_rounds import RESTART_GIVE_UP_WINDOWS, RESTART_STRAGGLER_WINDOWS
 from ripples.coordinator.schema import Schema
 
 MODEL = Schema(tensors=(("param:w", (4,), "float32"),), digest="model")
