@@ -28,7 +28,8 @@ import torch
 
 @dataclass(frozen=True, kw_only=True)
 class MomentumParameters:
-    """A2CiD2's constants (notes/a2cid2-algorithm.md); eta = 0 turns the momentum off."""
+    """A2CiD2's constants (docs/gossip.md, "A2CiD2: the algorithm and its constants"); eta = 0
+    turns the momentum off."""
 
     eta: float = 0.0
     alpha_tilde: float = 0.5

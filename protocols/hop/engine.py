@@ -1,4 +1,5 @@
-"""Hop's queue protocol for one worker (../shared/papers/hop.txt §4-§6), as pure state.
+"""Hop's queue protocol for one worker (Luo et al., "Hop: Heterogeneity-Aware Decentralized
+Training", ASPLOS 2019, arXiv:1902.01064, §4-§6; docs/hop-paper-spec.md), as pure state.
 
 Worker i's model goes through iterations k = 0, 1, ... on a graph whose edges (j, i)
 mean "j sends its parameters to i". Every worker has a self-loop: its own parameters are

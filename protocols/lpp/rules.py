@@ -1,4 +1,5 @@
-"""LAP-SGD and LPP-SGD (../shared/papers/lpp-sgd.txt, Algorithm 1): the rules, as pure code.
+"""LAP-SGD and LPP-SGD (Chatterjee et al., "Scaling the Wild", arXiv:2203.06638,
+Algorithm 1): the rules, as pure code.
 
 Each worker hosts U updater processes that share one model and update it lock-free
 (Hogwild), each with its own data stream and optimizer state, and one averaging process

@@ -1,4 +1,4 @@
-"""Issue 17, a worker whose link is cut and restored: three simulated hosts (network
+"""A worker whose link is cut and restored: three simulated hosts (network
 namespaces on a bridge, tests/integration/netns.py), a real coordinator process in the
 root namespace and a real `ripples worker run` process inside each host's namespace, gloo
 bound to the namespace's veth. Host 1's cable is pulled (its veth set down) and plugged

@@ -159,7 +159,7 @@ def _stop(process: subprocess.Popen[str], sig: int = signal.SIGTERM,
 @pytest.mark.slow
 def test_two_agents_run_two_submitted_runs_back_to_back_with_tls_and_a_token(
         pki: Pki, tmp_path: Path) -> None:
-    """The issue's "done": one coordinator service (TLS, token, state dir), two host
+    """The service's acceptance run: one coordinator service (TLS, token, state dir), two host
     agents (node-a, node-b, two slots each) and two runs submitted at once: a built-in
     task and a user's script. They run one after the other on the same agents; `ripples
     runs`, `status` and `logs` show them from the history after their workers are gone;
