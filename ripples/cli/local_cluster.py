@@ -30,6 +30,7 @@ from ripples.coordinator.history import DB_NAME
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
+from ripples.files import write_atomically
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from ripples.worker.launch_env import CheckpointOptions, LaunchEnv
@@ -264,7 +265,7 @@ class LocalCluster:
         # workers' parameters to their average (the model the run returns).
         consensus, consensus_distance = average_state_dicts(
             states, set(self._parameter_names(states[0])))
-        torch.save(consensus, cfg.output / "model.pt")
+        write_atomically(cfg.output / "model.pt", lambda f: torch.save(consensus, f))
         final_loss, accuracy = float("nan"), None
         task = None
         if not cfg.script:
@@ -330,7 +331,8 @@ class LocalCluster:
             "workers": workers,
         }
         summary.update(self._protocol_summary(workers))
-        (cfg.output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomically(cfg.output / "summary.json",
+                         (json.dumps(summary, indent=2) + "\n").encode())
         return summary
 
     def _protocol_records(self) -> dict[int, dict]:
