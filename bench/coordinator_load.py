@@ -91,7 +91,7 @@ class LoadResult:
 Sample = tuple[int, float, float]  # (group id or 0, sent, answered), monotonic clock
 
 
-async def _simulated_worker(stub: pb_grpc.CoordinatorStub, index: int, planned: int,
+async def _simulated_worker(stub: pb_grpc.WorkerStub, index: int, planned: int,
                             interval: float, samples: list[Sample]) -> None:
     """One worker's synchronisation loop; with interval > 0 it starts an iteration at most
     every `interval` seconds (a worker whose compute takes that long), else back to back."""
@@ -134,7 +134,7 @@ async def _client_main(address: str, indices: list[int], interval: float,
                        out: mp.Queue) -> None:
     samples: list[Sample] = []
     async with aio_channel(address) as channel:
-        stub = pb_grpc.CoordinatorStub(channel)
+        stub = pb_grpc.WorkerStub(channel)
         await asyncio.gather(*(_simulated_worker(stub, i, 10**9, interval, samples)
                                for i in indices))
     out.put(samples)
@@ -189,7 +189,7 @@ def _coordinator(num_workers: int, cfg: LoadConfig) -> _Target:
                    stop=lambda: client.stop_run("benchmark over"), close=close)
 
 
-class _FloorServicer(pb_grpc.CoordinatorServicer):
+class _FloorServicer(pb_grpc.WorkerServicer):
     """The RPCs the load generator makes, answered at once with no work: gRPC's floor."""
 
     def __init__(self) -> None:
@@ -229,7 +229,7 @@ class _FloorServer(LoopThreadService):
 
     async def _main(self) -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_CoordinatorServicer_to_server(self.servicer, server)
+        pb_grpc.add_WorkerServicer_to_server(self.servicer, server)
         self.port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         await self._until_stopped()

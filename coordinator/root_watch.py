@@ -43,7 +43,7 @@ class RootWatch:
         self.root = root
         self._stop = stop
         self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.CoordinatorStub | None = None
+        self._stub: pb_grpc.RunsStub | None = None
         self.run_id = ""
         """The root's run this shard follows (empty until one is seen running)."""
         self.done = False
@@ -54,7 +54,7 @@ class RootWatch:
             return
         if self._stub is None:
             self._channel = aio_channel(self.root)
-            self._stub = pb_grpc.CoordinatorStub(self._channel)
+            self._stub = pb_grpc.RunsStub(self._channel)
         try:
             status = await self._stub.GetRunStatus(pb.RunStatusRequest(run_id=self.run_id),
                                                    timeout=ROOT_CALL_SECONDS)

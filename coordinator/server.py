@@ -1,4 +1,10 @@
-"""Runs the coordinator: the gRPC service plus the data plane's rendezvous store.
+"""Runs the coordinator: its gRPC services plus the data plane's rendezvous store.
+
+One gRPC server carries the three ripples.v1 services (proto/ripples/v1/coordinator.proto):
+Worker (coordinator/worker_gateway.py: every call goes to the active run's
+coordinator/service.py), Runs (coordinator/runs.py) and Agents (coordinator/agents.py),
+over one run queue (coordinator/run_queue.py); beside them gRPC health checking and
+server reflection, and an HTTP endpoint for /metrics and Prometheus discovery.
 
 `serve(config)` blocks until a signal (the `ripples coordinator serve` entry point);
 `CoordinatorServer` runs the same thing on a background thread (embedded `ripples run`,
@@ -14,19 +20,22 @@ from dataclasses import dataclass, field
 import grpc
 
 from ripples import events
+from ripples.coordinator.agents import AgentsService
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.history import RunHistory
 from ripples.coordinator.http import build_app
+from ripples.coordinator.logs import RunLogs
+from ripples.coordinator.run_queue import RunQueue
 from ripples.coordinator.runs import RunsService
 from ripples.coordinator.service import CoordinatorService
+from ripples.coordinator.worker_gateway import WorkerGateway
 from ripples.http_server import HttpEndpoint, bind
 from ripples.loop_thread import LoopThreadService, serve_until_signal
 from ripples.rpc import SERVER_OPTIONS
-from ripples.security import SERVICE, HttpTokenGate, ServerSecurity
+from ripples.security import SERVICES, HttpTokenGate, ServerSecurity
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(kw_only=True)
@@ -63,8 +72,9 @@ class ServerConfig:
 
 class Health:
     """gRPC health checking (grpc.health.v1): SERVING for the whole server ("") and for
-    the coordinator's service while it serves, NOT_SERVING once it stops. Probes
-    (Kubernetes' grpc probe, grpc_health_probe) need no token (ripples/security.py)."""
+    each of the coordinator's services while it serves, NOT_SERVING once it stops.
+    Probes (Kubernetes' grpc probe, grpc_health_probe) need no token
+    (ripples/security.py)."""
 
     def __init__(self, server: grpc.aio.Server) -> None:
         from grpc_health.v1 import health, health_pb2_grpc
@@ -72,10 +82,10 @@ class Health:
 
         self._servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
-        self.services = ("", SERVICE)
+        self.services = ("", *SERVICES)
         # Server reflection: `grpcurl` lists and calls the API (with the token).
         reflection.enable_server_reflection(
-            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
     async def set_serving(self, serving: bool) -> None:
         from grpc_health.v1 import health_pb2
@@ -105,7 +115,7 @@ class CoordinatorServer(LoopThreadService):
         self.port = 0
         self.store_port = 0
         self.metrics_port = 0
-        self.runs: RunsService | None = None
+        self.queue: RunQueue | None = None
         self._store: object | None = None
 
     async def _main(self) -> None:
@@ -128,12 +138,17 @@ class CoordinatorServer(LoopThreadService):
                           f"{err}; pick another --store-port") from err
         self.store_port = self._store.port  # type: ignore[attr-defined]
         history.set_meta("store_port", self.store_port)
-        self.runs = RunsService(history, state_dir=cfg.state_dir, store=self._store,
-                                store_host=_advertised(cfg), store_port=self.store_port,
-                                incarnation=incarnation, resume_workers=cfg.resume_workers)
+        queue = self.queue = RunQueue(
+            history, state_dir=cfg.state_dir, store=self._store, store_host=_advertised(cfg),
+            store_port=self.store_port, incarnation=incarnation,
+            resume_workers=cfg.resume_workers)
+        logs = RunLogs(queue)
+        agents = AgentsService(queue, logs)
         server = grpc.aio.server(options=SERVER_OPTIONS,
                                  interceptors=cfg.security.interceptors())
-        pb_grpc.add_CoordinatorServicer_to_server(self.runs, server)
+        WorkerGateway(queue).add_to_server(server)
+        pb_grpc.add_RunsServicer_to_server(RunsService(queue, agents, logs), server)
+        pb_grpc.add_AgentsServicer_to_server(agents, server)
         health = Health(server)
         address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
         credentials = cfg.security.credentials()
@@ -145,43 +160,44 @@ class CoordinatorServer(LoopThreadService):
         metrics_socket = bind(cfg.host, cfg.metrics_port, what="metrics",
                               option="--metrics-port")
         await server.start()
-        runs = self.runs
-        app = build_app(lambda: runs.active.service.metrics.registry if runs.active else None,
-                        runs.discovery)
+        app = build_app(lambda: queue.active.service.metrics.registry if queue.active else None,
+                        queue.discovery)
         http = HttpEndpoint(HttpTokenGate(app, (cfg.security.token, cfg.security.read_token)),
                             metrics_socket, what="metrics endpoint")
         self.metrics_port = http.port
-        runs.metrics_address = f"{_advertised(cfg)}:{http.port}"
+        queue.metrics_address = f"{_advertised(cfg)}:{http.port}"
         await http.start()
-        await runs.start(cfg.run)
-        if runs.active is not None:  # the settings of the run it serves (resumed: saved)
-            cfg.run = runs.active.service.core.settings
+        await queue.start(cfg.run)
+        agents.start()
+        if queue.active is not None:  # the settings of the run it serves (resumed: saved)
+            cfg.run = queue.active.service.core.settings
         await health.set_serving(True)
         logger.info("coordinator listening on %s:%d (%s; store %d, metrics %d)%s",
                     cfg.host, self.port, cfg.security.describe(), self.store_port,
-                    self.metrics_port, f", run {runs.active.info.run_id}" if runs.active
+                    self.metrics_port, f", run {queue.active.info.run_id}" if queue.active
                     else ", no run yet")
         events.emit(events.COORDINATOR_LISTENING, address=self.address,
                     metrics_address=self.metrics_address,
-                    run_id=runs.active.info.run_id if runs.active else "")
+                    run_id=queue.active.info.run_id if queue.active else "")
         try:
             await self._until_stopped()
         finally:
             await health.set_serving(False)
-            await runs.close()
+            agents.close()
+            await queue.close()
             await http.stop()
             await server.stop(grace=1.0)
-            runs.release()
+            queue.release()
             self._store = None  # its port is free for the next start (the last reference)
 
     @property
     def service(self) -> CoordinatorService | None:
         """The active run's service (or the last run's once it ended)."""
-        return self.runs.last_service if self.runs is not None else None
+        return self.queue.last_service if self.queue is not None else None
 
     def run_finished(self) -> bool:
         """True once every run submitted so far has ended (stopped, workers gone)."""
-        return self.runs is not None and self.runs.finished()
+        return self.queue is not None and self.queue.finished()
 
     @property
     def address(self) -> str:

@@ -89,9 +89,10 @@ class StatusPoller:
             await self._channel.close()
 
     @property
-    def stub(self) -> pb_grpc.CoordinatorStub:
+    def stub(self) -> pb_grpc.RunsStub:
+        """The coordinator's Runs service (the dashboard reads runs only)."""
         assert self._channel is not None, "start() first"
-        return pb_grpc.CoordinatorStub(self._channel)
+        return pb_grpc.RunsStub(self._channel)
 
     async def poll_once(self) -> None:
         stub = self.stub

@@ -53,6 +53,14 @@ def main() -> int:
                     drifted.append(target)
             else:
                 target.write_bytes(path.read_bytes())
+        # Stubs of a .proto that is gone (a service moved to another file) drift too.
+        names = {path.name for path in generated}
+        for stale in sorted(PACKAGE_DIR.iterdir()):
+            if stale.name.endswith(GENERATED_SUFFIXES) and stale.name not in names:
+                if args.check:
+                    drifted.append(stale)
+                else:
+                    stale.unlink()
     if drifted:
         names = ", ".join(str(p.relative_to(PROTO_ROOT.parent)) for p in drifted)
         print(f"generated stubs drift from the .proto: {names}; run python proto/generate.py",

@@ -47,11 +47,14 @@ ENV_TLS_CA = "RIPPLES_TLS_CA"
 ENV_TLS_CLIENT_CERT = "RIPPLES_TLS_CLIENT_CERT"
 ENV_TLS_CLIENT_KEY = "RIPPLES_TLS_CLIENT_KEY"
 
-SERVICE: str = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-"""The coordinator's gRPC service, ripples.v1.Coordinator."""
-READ_ONLY_METHODS = frozenset(f"/{SERVICE}/{method}" for method in (
+SERVICES: tuple[str, ...] = tuple(s.full_name for s in pb.DESCRIPTOR.services_by_name.values())
+"""The coordinator's gRPC services: ripples.v1.Worker, ripples.v1.Runs, ripples.v1.Agents
+(health checking answers for each)."""
+RUNS_SERVICE: str = pb.DESCRIPTOR.services_by_name["Runs"].full_name
+READ_ONLY_METHODS = frozenset(f"/{RUNS_SERVICE}/{method}" for method in (
     "GetRunStatus", "Consensus", "ListRuns", "GetLogs"))
-"""What a read-only token may call: the run's status and its consensus model."""
+"""What a read-only token may call: the runs' status and logs and the consensus model
+(the Runs service but SubmitRun and StopRun)."""
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 """Calls that need no token (probes)."""
 _HEADER = "authorization"

@@ -27,16 +27,21 @@ from layout import REPO, modules
 
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ground", ("ripples.*", "ripples.v1", "ripples.protocols.settings")),
-    ("mechanisms", ("ripples.coordinator", "ripples.worker", "ripples.sim")),
+    ("mechanisms", (
+        "ripples.coordinator.comm_directory", "ripples.coordinator.decisions",
+        "ripples.coordinator.errors", "ripples.coordinator.groups", "ripples.coordinator.heap",
+        "ripples.coordinator.history", "ripples.coordinator.http",
+        "ripples.coordinator.live_sums", "ripples.coordinator.pairing",
+        "ripples.coordinator.policies", "ripples.coordinator.progress",
+        "ripples.coordinator.registry", "ripples.coordinator.root_watch",
+        "ripples.coordinator.schema", "ripples.coordinator.state_store",
+        "ripples.coordinator.stop", "ripples.coordinator.topology",
+        "ripples.worker", "ripples.sim",
+    )),
     ("protocols", ("ripples.protocols",)),
     ("registry", ("ripples.protocols.registry",)),
     ("services", (
-        "ripples.coordinator.config", "ripples.coordinator.core",
-        "ripples.coordinator.group_service", "ripples.coordinator.membership",
-        "ripples.coordinator.metrics", "ripples.coordinator.restart_rounds",
-        "ripples.coordinator.run_graph", "ripples.coordinator.runs",
-        "ripples.coordinator.server", "ripples.coordinator.service",
-        "ripples.coordinator.snapshot",
+        "ripples.coordinator",
         "ripples.worker.api", "ripples.worker.checkpoint", "ripples.worker.daemon",
         "ripples.worker.optimizer", "ripples.worker.runner", "ripples.worker.sampler",
         "ripples.worker.synchronizer",
@@ -47,8 +52,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 """Floor name and what is on it, from the ground up. An entry takes the modules of its
 package and its subpackages, unless a longer entry names them: "ripples.coordinator" puts
-the coordinator's mechanisms (policies, pairing, group table, topology, ...) on the
-second floor, and "ripples.coordinator.core" lifts the core to the services. "ripples.*"
+the coordinator on the services floor, and "ripples.coordinator.policies" (like the
+pairing, the group table, the topology, ...) takes that mechanism down to the second. "ripples.*"
 is the modules directly in ripples/ (the shared plumbing); "ripples" alone is the
 package's __init__ (the public API's face, which hands out names from the worker).
 

@@ -49,7 +49,9 @@ class CoordinatorClient:
         coordinator_outage_seconds, set once registered; 0: no retry)."""
         self.security = security if security is not None else ClientSecurity.from_env()
         self._channel = coordinator_channel(target, self.security)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._worker = pb_grpc.WorkerStub(self._channel)  # a worker of the active run
+        self._runs = pb_grpc.RunsStub(self._channel)  # runs: submit, status, stop, logs
+        self._agents = pb_grpc.AgentsStub(self._channel)  # a host agent's poll and logs
         self._rng = random.Random()
 
     def wait_until_reachable(self, timeout_seconds: float) -> None:
@@ -102,7 +104,7 @@ class CoordinatorClient:
         pause = 0.2
         while True:
             try:
-                reply = self._call(self._stub.Register, req, self.rpc_timeout)
+                reply = self._call(self._worker.Register, req, self.rpc_timeout)
                 break
             except CoordinatorCallError as err:
                 waiting = err.code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
@@ -121,7 +123,7 @@ class CoordinatorClient:
         req = pb.ConsensusRequest(timeout_seconds=timeout_seconds)
         info, data = pb.ConsensusInfo(), bytearray()
         try:
-            for chunk in self._stub.Consensus(req, timeout=timeout_seconds + 60.0):
+            for chunk in self._runs.Consensus(req, timeout=timeout_seconds + 60.0):
                 if chunk.HasField("info"):
                     info = chunk.info
                 data += chunk.data
@@ -136,7 +138,7 @@ class CoordinatorClient:
     def await_members(self, worker_id: int, timeout_seconds: float) -> pb.Membership:
         """Wait until every expected worker registered: ranks and topology."""
         req = pb.AwaitMembersRequest(worker_id=worker_id, timeout_seconds=timeout_seconds)
-        reply = self._call(self._stub.AwaitMembers, req, timeout_seconds + self.rpc_timeout)
+        reply = self._call(self._worker.AwaitMembers, req, timeout_seconds + self.rpc_timeout)
         assert isinstance(reply, pb.Membership)
         return reply
 
@@ -146,19 +148,19 @@ class CoordinatorClient:
         until every member is: training starts."""
         req = pb.AwaitStartRequest(worker_id=worker_id, timeout_seconds=timeout_seconds,
                                    planned_iterations=planned_iterations, schema=schema)
-        reply = self._call(self._stub.AwaitStart, req, timeout_seconds + self.rpc_timeout)
+        reply = self._call(self._worker.AwaitStart, req, timeout_seconds + self.rpc_timeout)
         assert isinstance(reply, pb.AwaitStartReply)
         return reply
 
     def check_schema(self, worker_id: int, schema: pb.TensorSchema) -> None:
         """Compare the full schema of averaged tensors with the first worker's."""
         req = pb.CheckSchemaRequest(worker_id=worker_id, schema=schema)
-        self._call(self._stub.CheckSchema, req, self.rpc_timeout)
+        self._call(self._worker.CheckSchema, req, self.rpc_timeout)
 
     def heartbeat(self, worker_id: int, progress: pb.Progress) -> pb.HeartbeatReply:
         """One heartbeat, not retried: the heartbeat thread's next beat is the retry."""
         req = pb.HeartbeatRequest(worker_id=worker_id, progress=progress)
-        reply = self._call(self._stub.Heartbeat, req, self.rpc_timeout, retry=False)
+        reply = self._call(self._worker.Heartbeat, req, self.rpc_timeout, retry=False)
         assert isinstance(reply, pb.HeartbeatReply)
         return reply
 
@@ -166,19 +168,19 @@ class CoordinatorClient:
               reason: str = "") -> pb.LeaveReply:
         req = pb.LeaveRequest(worker_id=worker_id, progress=progress, error=error,
                               reason=reason)
-        reply = self._call(self._stub.Leave, req, self.rpc_timeout)
+        reply = self._call(self._worker.Leave, req, self.rpc_timeout)
         assert isinstance(reply, pb.LeaveReply)
         return reply
 
     def open_group_stream(self, worker_id: int) -> GroupStream:
         """The worker's Synchronize stream (group requests and releases)."""
-        return GroupStream(self._stub, worker_id, self.target,
+        return GroupStream(self._worker, worker_id, self.target,
                            reply_margin_seconds=self.rpc_timeout,
                            outage_seconds=self.outage_seconds)
 
     def static_schedule(self, worker_id: int) -> pb.StaticScheduleReply:
         req = pb.StaticScheduleRequest(worker_id=worker_id)
-        reply = self._call(self._stub.GetStaticSchedule, req, self.rpc_timeout)
+        reply = self._call(self._worker.GetStaticSchedule, req, self.rpc_timeout)
         assert isinstance(reply, pb.StaticScheduleReply)
         return reply
 
@@ -186,13 +188,13 @@ class CoordinatorClient:
                    *, optimizer_state_ready: bool = False) -> pb.CheckpointReply:
         req = pb.CheckpointRequest(worker_id=worker_id, iteration=iteration, progress=progress,
                                    optimizer_state_ready=optimizer_state_ready)
-        reply = self._call(self._stub.Checkpoint, req, self.rpc_timeout)
+        reply = self._call(self._worker.Checkpoint, req, self.rpc_timeout)
         assert isinstance(reply, pb.CheckpointReply)
         return reply
 
     def run_status(self, run_id: str = "") -> pb.RunStatus:
         """The status of a run (default: the active one, else the newest)."""
-        reply = self._call(self._stub.GetRunStatus, pb.RunStatusRequest(run_id=run_id),
+        reply = self._call(self._runs.GetRunStatus, pb.RunStatusRequest(run_id=run_id),
                            self.rpc_timeout)
         assert isinstance(reply, pb.RunStatus)
         return reply
@@ -202,24 +204,24 @@ class CoordinatorClient:
                    workdir: str = "") -> pb.RunInfo:
         req = pb.SubmitRunRequest(options_json=options_json, name=name, command=command or [],
                                   workdir=workdir)
-        reply = self._call(self._stub.SubmitRun, req, self.rpc_timeout, retry=False)
+        reply = self._call(self._runs.SubmitRun, req, self.rpc_timeout, retry=False)
         assert isinstance(reply, pb.RunInfo)
         return reply
 
     def list_runs(self) -> pb.RunList:
-        reply = self._call(self._stub.ListRuns, pb.ListRunsRequest(), self.rpc_timeout)
+        reply = self._call(self._runs.ListRuns, pb.ListRunsRequest(), self.rpc_timeout)
         assert isinstance(reply, pb.RunList)
         return reply
 
     def agent_poll(self, request: pb.AgentPollRequest) -> pb.AgentReply:
         """An agent's long-poll (the reply may take request.timeout_seconds)."""
-        reply = self._call(self._stub.AgentPoll, request,
+        reply = self._call(self._agents.AgentPoll, request,
                            request.timeout_seconds + self.rpc_timeout, retry=False)
         assert isinstance(reply, pb.AgentReply)
         return reply
 
     def push_logs(self, batch: pb.LogBatch) -> None:
-        self._call(self._stub.PushLogs, batch, self.rpc_timeout, retry=False)
+        self._call(self._agents.PushLogs, batch, self.rpc_timeout, retry=False)
 
     def logs(self, run_id: str, *, worker: str = "", follow: bool = False, tail: int = 0,
              timeout_seconds: float | None = None) -> Iterator[pb.LogBatch]:
@@ -227,7 +229,7 @@ class CoordinatorClient:
         `timeout_seconds`)."""
         req = pb.GetLogsRequest(run_id=run_id, worker=worker, follow=follow, tail=tail)
         try:
-            yield from self._stub.GetLogs(req, timeout=timeout_seconds)
+            yield from self._runs.GetLogs(req, timeout=timeout_seconds)
         except grpc.RpcError as err:
             code = err.code() if isinstance(err, grpc.Call) else None
             raise CoordinatorCallError(describe_rpc_error(err, self.target), code) from err
@@ -235,13 +237,13 @@ class CoordinatorClient:
     def final_group(self, worker_id: int, timeout_seconds: float) -> pb.GroupReply:
         """The final average's group, once every live worker asked (or the timeout)."""
         req = pb.FinalGroupRequest(worker_id=worker_id, timeout_seconds=timeout_seconds)
-        reply = self._call(self._stub.FinalGroup, req, timeout_seconds + self.rpc_timeout)
+        reply = self._call(self._worker.FinalGroup, req, timeout_seconds + self.rpc_timeout)
         assert isinstance(reply, pb.GroupReply)
         return reply
 
     def stop_run(self, reason: str, run_id: str = "") -> None:
         """Stop a run (default: the active one); a queued run is cancelled."""
-        self._call(self._stub.StopRun, pb.StopRunRequest(reason=reason, run_id=run_id),
+        self._call(self._runs.StopRun, pb.StopRunRequest(reason=reason, run_id=run_id),
                    self.rpc_timeout)
 
     def close(self) -> None:

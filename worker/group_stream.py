@@ -32,7 +32,7 @@ came late, or the stream ended under us (code None: the server closed it)."""
 class _Call:
     """One Synchronize call: its outbox, its replies and the thread that reads them."""
 
-    def __init__(self, stub: pb_grpc.CoordinatorStub, worker_id: int, target: str) -> None:
+    def __init__(self, stub: pb_grpc.WorkerStub, worker_id: int, target: str) -> None:
         self.target = target
         self.outbox: queue.SimpleQueue[pb.SyncMessage | None] = queue.SimpleQueue()
         self.replies: queue.SimpleQueue[pb.GroupReply | CoordinatorCallError] = (
@@ -86,7 +86,7 @@ class GroupStream:
     raises it.
     """
 
-    def __init__(self, stub: pb_grpc.CoordinatorStub, worker_id: int, target: str,
+    def __init__(self, stub: pb_grpc.WorkerStub, worker_id: int, target: str,
                  *, reply_margin_seconds: float, outage_seconds: float = 0.0) -> None:
         self.worker_id = worker_id
         self.target = target

@@ -321,21 +321,28 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    """The gRPC health check of a coordinator: 0 when it serves (container and
-    Kubernetes probes; Kubernetes' own grpc probe cannot speak TLS)."""
+    """The gRPC health check of a coordinator: 0 when each of its services (Worker, Runs,
+    Agents) serves (container and Kubernetes probes; Kubernetes' own grpc probe cannot
+    speak TLS)."""
     import dataclasses
+    import time
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from ripples.rpc import CHANNEL_OPTIONS
-    from ripples.security import SERVICE, ClientSecurity
+    from ripples.security import SERVICES, ClientSecurity
 
     security = dataclasses.replace(ClientSecurity.from_env(), server_name=args.tls_server_name)
     channel = security.channel(args.coordinator, CHANNEL_OPTIONS)
+    deadline = time.monotonic() + args.timeout_seconds
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=SERVICE), timeout=args.timeout_seconds)
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in SERVICES:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service),
+                               timeout=max(0.001, deadline - time.monotonic()))
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                break
     except grpc.RpcError as err:
         print(f"ripples coordinator health: {args.coordinator}: {err.code().name}: "  # type: ignore[attr-defined]
               f"{err.details()}", file=sys.stderr)  # type: ignore[attr-defined]
@@ -343,7 +350,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     finally:
         channel.close()
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-    print(f"{args.coordinator}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.coordinator}: {name}" + ("" if serving else f" ({service})"))
     return 0 if serving else 1
 
 

@@ -41,7 +41,7 @@ def big_run() -> Iterator[str]:
     dashboard = None
     try:
         with grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
+            stub = pb_grpc.WorkerStub(channel)
             for r in range(WORKERS):
                 reply = stub.Register(pb.RegisterRequest(
                     host=f"node{r // PER_HOST:03d}", local_rank=r % PER_HOST, device="cpu",

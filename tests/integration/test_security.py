@@ -51,8 +51,12 @@ def secured(pki: Pki) -> Iterator[CoordinatorServer]:
         server.stop()
 
 
-def _stub(address: str, security: ClientSecurity) -> pb_grpc.CoordinatorStub:
-    return pb_grpc.CoordinatorStub(coordinator_channel(address, security))
+def _worker_stub(address: str, security: ClientSecurity) -> pb_grpc.WorkerStub:
+    return pb_grpc.WorkerStub(coordinator_channel(address, security))
+
+
+def _runs_stub(address: str, security: ClientSecurity) -> pb_grpc.RunsStub:
+    return pb_grpc.RunsStub(coordinator_channel(address, security))
 
 
 def _address(server: CoordinatorServer) -> str:
@@ -66,18 +70,19 @@ def test_a_missing_or_wrong_token_is_refused_and_leaves_no_trace(
     register = pb.RegisterRequest(host="intruder", local_rank=0, device="cpu", pid=1)
     for token, message in [("", "this coordinator requires a token"),
                            ("not-the-token", "wrong token")]:
-        stub = _stub(_address(secured), ClientSecurity(token=token, ca_file=str(pki.ca)))
+        security = ClientSecurity(token=token, ca_file=str(pki.ca))
         with pytest.raises(grpc.RpcError) as refused:
-            stub.Register(register, timeout=10)
+            _worker_stub(_address(secured), security).Register(register, timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert message in refused.value.details()
         assert TOKEN not in refused.value.details()
         with pytest.raises(grpc.RpcError) as stopped:
-            stub.StopRun(pb.StopRunRequest(reason="let me in"), timeout=10)
+            _runs_stub(_address(secured), security).StopRun(
+                pb.StopRunRequest(reason="let me in"), timeout=10)
         assert stopped.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert not core.workers and not core.stopped  # nothing reached the run
     # The streaming call (Synchronize) is refused the same way.
-    stub = _stub(_address(secured), ClientSecurity(ca_file=str(pki.ca)))
+    stub = _worker_stub(_address(secured), ClientSecurity(ca_file=str(pki.ca)))
     with pytest.raises(grpc.RpcError) as streamed:
         list(stub.Synchronize(iter([pb.SyncMessage()]), timeout=10))
     assert streamed.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -116,7 +121,7 @@ def test_the_dashboards_asyncio_channel_carries_the_read_only_token(
     async def poll() -> tuple[int, grpc.StatusCode]:
         security = ClientSecurity(token=READ_TOKEN, ca_file=str(pki.ca))
         async with aio_channel(_address(secured), security) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
+            stub = pb_grpc.RunsStub(channel)
             status = await stub.GetRunStatus(pb.RunStatusRequest(), timeout=10)
             try:
                 await stub.StopRun(pb.StopRunRequest(reason="no"), timeout=10)
@@ -132,7 +137,7 @@ def test_health_needs_no_token_and_reflection_lists_the_api(secured: Coordinator
                                                             pki: Pki) -> None:
     no_token = coordinator_channel(_address(secured), ClientSecurity(ca_file=str(pki.ca)))
     health = health_pb2_grpc.HealthStub(no_token)
-    for service in ("", "ripples.v1.Coordinator"):
+    for service in ("", "ripples.v1.Worker", "ripples.v1.Runs", "ripples.v1.Agents"):
         answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
     with_token = coordinator_channel(_address(secured),
@@ -140,7 +145,8 @@ def test_health_needs_no_token_and_reflection_lists_the_api(secured: Coordinator
     replies = reflection_pb2_grpc.ServerReflectionStub(with_token).ServerReflectionInfo(
         iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
     names = {s.name for r in replies for s in r.list_services_response.service}
-    assert {"ripples.v1.Coordinator", "grpc.health.v1.Health"} <= names
+    assert {"ripples.v1.Worker", "ripples.v1.Runs", "ripples.v1.Agents",
+            "grpc.health.v1.Health"} <= names
     refused = reflection_pb2_grpc.ServerReflectionStub(no_token).ServerReflectionInfo(
         iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
     with pytest.raises(grpc.RpcError) as err:
@@ -153,7 +159,7 @@ def test_a_client_without_tls_or_trusting_another_ca_cannot_connect(
         secured: CoordinatorServer, pki: Pki) -> None:
     for security in (ClientSecurity(token=TOKEN),
                      ClientSecurity(token=TOKEN, ca_file=str(pki.other_ca))):
-        stub = _stub(_address(secured), security)
+        stub = _runs_stub(_address(secured), security)
         with pytest.raises(grpc.RpcError) as failed:
             stub.GetRunStatus(pb.RunStatusRequest(), timeout=5)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -178,11 +184,11 @@ def test_mutual_tls_requires_a_client_certificate(pki: Pki) -> None:
                                             run=RunSettings.build(num_workers=2)))
     server.start()
     try:
-        anonymous = _stub(_address(server), ClientSecurity(token=TOKEN, ca_file=str(pki.ca)))
+        anonymous = _runs_stub(_address(server), ClientSecurity(token=TOKEN, ca_file=str(pki.ca)))
         with pytest.raises(grpc.RpcError) as failed:
             anonymous.GetRunStatus(pb.RunStatusRequest(), timeout=5)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-        known = _stub(_address(server), ClientSecurity(
+        known = _runs_stub(_address(server), ClientSecurity(
             token=TOKEN, ca_file=str(pki.ca), cert_file=str(pki.client_cert),
             key_file=str(pki.client_key)))
         assert known.GetRunStatus(pb.RunStatusRequest(), timeout=10).config.num_workers == 2

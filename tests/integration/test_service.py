@@ -78,6 +78,32 @@ def test_bad_submissions_are_refused_with_the_reason_and_change_nothing(
     assert done.returncode == 2 and "num_workers must be at least 2" in done.stderr
 
 
+def test_with_no_run_active_worker_calls_are_refused_by_what_they_name(
+        service: CoordinatorServer) -> None:
+    """The Worker service reaches the active run: with none, a worker's call (it names a
+    worker id, or opens a group stream) gets NOT_FOUND, as a worker of an ended run does;
+    a registration, and a consensus request, FAILED_PRECONDITION. The health check
+    answers for every service all the same."""
+    client = CoordinatorClient(service.address)
+    try:
+        for call in (lambda: client.heartbeat(7, pb.Progress()),
+                     lambda: client.leave(7, pb.Progress()),
+                     lambda: client.checkpoint(7, 0),
+                     lambda: client.open_group_stream(7).request(1, 0.2)):
+            with pytest.raises(CoordinatorCallError, match="no run is active") as refused:
+                call()
+            assert refused.value.code == grpc.StatusCode.NOT_FOUND
+        for call in (lambda: client.register("h", 0, "cpu", os.getpid()),
+                     lambda: client.consensus(5.0)):
+            with pytest.raises(CoordinatorCallError, match="submit one") as refused:
+                call()
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        client.close()
+    health = _cli("coordinator", "health", "--coordinator", service.address)
+    assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
+
+
 def test_runs_queue_one_active_at_a_time_and_stopping_cancels_or_ends_them(
         service: CoordinatorServer, tmp_path: Path) -> None:
     """Two runs: the first is active, the second queued; stopping the queued one cancels

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ripples.coordinator.history import RunHistory, state_name, summary
-from ripples.coordinator.runs import default_name
+from ripples.coordinator.run_queue import default_name
 from ripples.v1 import coordinator_pb2 as pb
 
 

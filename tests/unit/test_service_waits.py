@@ -1,6 +1,7 @@
-"""The service's wait for a group (CoordinatorService._wait_for_group) against the real
-core, on a real event loop, with no sockets: a decision and a timeout that land in the
-same loop iteration, and a client that goes away, leave the worker and the core agreeing.
+"""The service's wait for a group (coordinator/sync_stream.py: SyncStreams.wait_for_group)
+against the real core, on a real event loop, with no sockets: a decision and a timeout
+that land in the same loop iteration, and a client that goes away, leave the worker and
+the core agreeing.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def test_a_decision_and_a_timeout_in_one_loop_iteration_agree_with_the_core() ->
             b_deliveries.update(deliveries)
             service._resolve(deliveries)
 
-        waiting = asyncio.ensure_future(service._wait_for_group(a, 0.02))
+        waiting = asyncio.ensure_future(service.sync.wait_for_group(a, 0.02))
         await asyncio.sleep(0)  # a's wait and its timer are set
         # b's request lands when a's timer fires: both before a's task resumes.
         loop.call_later(0.02 + seed * 1e-9, b_asks)
@@ -62,11 +63,11 @@ def test_a_decision_and_a_timeout_in_one_loop_iteration_agree_with_the_core() ->
 def test_a_client_that_goes_away_ends_its_wait_in_the_core() -> None:
     async def scenario() -> None:
         core, service, a, b = _pair()
-        waiting = asyncio.ensure_future(service._wait_for_group(a, 10.0))
+        waiting = asyncio.ensure_future(service.sync.wait_for_group(a, 10.0))
         await asyncio.sleep(0)
         waiting.cancel()  # the stream was cancelled
         await asyncio.gather(waiting, return_exceptions=True)
-        assert a not in service._waiters
+        assert a not in service.sync.waiters
         # a's arrival was withdrawn: b's request now waits for a instead of executing
         decision, deliveries = core.request_group(b, 1, 1.0)
         assert decision is None and a not in deliveries

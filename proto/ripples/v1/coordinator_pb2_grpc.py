@@ -25,8 +25,9 @@ if _version_not_supported:
     )
 
 
-class CoordinatorStub:
-    """Missing associated documentation comment in .proto file."""
+class WorkerStub:
+    """The RPCs a worker of the active run makes (worker/client.py, worker/group_stream.py).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,115 +36,81 @@ class CoordinatorStub:
             channel: A grpc.Channel.
         """
         self.Register = channel.unary_unary(
-                '/ripples.v1.Coordinator/Register',
+                '/ripples.v1.Worker/Register',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
-                '/ripples.v1.Coordinator/Heartbeat',
+                '/ripples.v1.Worker/Heartbeat',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
-                '/ripples.v1.Coordinator/Leave',
+                '/ripples.v1.Worker/Leave',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.LeaveReply.FromString,
                 _registered_method=True)
         self.AwaitMembers = channel.unary_unary(
-                '/ripples.v1.Coordinator/AwaitMembers',
+                '/ripples.v1.Worker/AwaitMembers',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.AwaitMembersRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.Membership.FromString,
                 _registered_method=True)
         self.AwaitStart = channel.unary_unary(
-                '/ripples.v1.Coordinator/AwaitStart',
+                '/ripples.v1.Worker/AwaitStart',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.AwaitStartReply.FromString,
                 _registered_method=True)
         self.CheckSchema = channel.unary_unary(
-                '/ripples.v1.Coordinator/CheckSchema',
+                '/ripples.v1.Worker/CheckSchema',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.CheckSchemaRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.CheckSchemaReply.FromString,
                 _registered_method=True)
         self.Synchronize = channel.stream_stream(
-                '/ripples.v1.Coordinator/Synchronize',
+                '/ripples.v1.Worker/Synchronize',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.SyncMessage.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
                 _registered_method=True)
         self.GetStaticSchedule = channel.unary_unary(
-                '/ripples.v1.Coordinator/GetStaticSchedule',
+                '/ripples.v1.Worker/GetStaticSchedule',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.StaticScheduleRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.StaticScheduleReply.FromString,
                 _registered_method=True)
         self.Checkpoint = channel.unary_unary(
-                '/ripples.v1.Coordinator/Checkpoint',
+                '/ripples.v1.Worker/Checkpoint',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.CheckpointReply.FromString,
                 _registered_method=True)
-        self.GetRunStatus = channel.unary_unary(
-                '/ripples.v1.Coordinator/GetRunStatus',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.RunStatusRequest.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunStatus.FromString,
-                _registered_method=True)
-        self.StopRun = channel.unary_unary(
-                '/ripples.v1.Coordinator/StopRun',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.StopRunReply.FromString,
-                _registered_method=True)
         self.FinalGroup = channel.unary_unary(
-                '/ripples.v1.Coordinator/FinalGroup',
+                '/ripples.v1.Worker/FinalGroup',
                 request_serializer=ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.SerializeToString,
                 response_deserializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
                 _registered_method=True)
-        self.Consensus = channel.unary_stream(
-                '/ripples.v1.Coordinator/Consensus',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.FromString,
-                _registered_method=True)
-        self.SubmitRun = channel.unary_unary(
-                '/ripples.v1.Coordinator/SubmitRun',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.SubmitRunRequest.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
-                _registered_method=True)
-        self.ListRuns = channel.unary_unary(
-                '/ripples.v1.Coordinator/ListRuns',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.ListRunsRequest.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunList.FromString,
-                _registered_method=True)
-        self.AgentPoll = channel.unary_unary(
-                '/ripples.v1.Coordinator/AgentPoll',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.AgentPollRequest.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.AgentReply.FromString,
-                _registered_method=True)
-        self.PushLogs = channel.unary_unary(
-                '/ripples.v1.Coordinator/PushLogs',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.PushLogsReply.FromString,
-                _registered_method=True)
-        self.GetLogs = channel.unary_stream(
-                '/ripples.v1.Coordinator/GetLogs',
-                request_serializer=ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.SerializeToString,
-                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
-                _registered_method=True)
 
 
-class CoordinatorServicer:
-    """Missing associated documentation comment in .proto file."""
+class WorkerServicer:
+    """The RPCs a worker of the active run makes (worker/client.py, worker/group_stream.py).
+    """
 
     def Register(self, request, context):
-        """Worker lifecycle.
+        """Join the active run: the reply names the worker id and carries the run's settings
+        and the rendezvous store's address. Refused (FAILED_PRECONDITION) when no run is
+        active, or when the request names another run than the active one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Renew the worker's lease and report its progress; the reply says whether the run
+        stopped, whether the worker must restart, and whether a consensus model is wanted.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Leave(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Leave the run (done, drained or failed; an error makes the worker failed).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -187,27 +154,16 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStaticSchedule(self, request, context):
-        """Lock-step protocols (allreduce, ripples-static): parameters and stop agreement.
+        """Lock-step protocols (allreduce, ripples-static): the static schedule's parameters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Checkpoint(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetRunStatus(self, request, context):
-        """Read-only views and run control (dashboard, launcher, operators).
+        """Lock-step protocols: report progress and agree on the iteration to stop at (and on
+        when the optimizer state joins the average, and when to publish a consensus model).
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def StopRun(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -222,54 +178,8 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Consensus(self, request, context):
-        """The consensus model mid-run, on demand (`ripples checkpoint`): every live worker
-        publishes its model at its next step boundary through the rendezvous store; the
-        coordinator averages them and streams the average back (a torch.save'd state_dict)
-        in chunks, the first of which says what it averaged.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
-    def SubmitRun(self, request, context):
-        """Runs as objects of a long-lived coordinator service (docs/service.md). Runs queue;
-        one is active at a time, and every worker RPC above addresses the active run.
-        A finished run stays in the state dir's history: GetRunStatus(run_id) answers it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ListRuns(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AgentPoll(self, request, context):
-        """Host agents (`ripples worker run --agent`): long-poll for the run this host works
-        for, reporting its processes; the reply names the run and how many processes to run.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PushLogs(self, request, context):
-        """A run's worker output, sent by the agents, read back by `ripples logs`.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetLogs(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_CoordinatorServicer_to_server(servicer, server):
+def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
@@ -316,61 +226,22 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=ripples_dot_v1_dot_coordinator__pb2.CheckpointRequest.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.CheckpointReply.SerializeToString,
             ),
-            'GetRunStatus': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetRunStatus,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunStatusRequest.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.RunStatus.SerializeToString,
-            ),
-            'StopRun': grpc.unary_unary_rpc_method_handler(
-                    servicer.StopRun,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.StopRunReply.SerializeToString,
-            ),
             'FinalGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.FinalGroup,
                     request_deserializer=ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.FromString,
                     response_serializer=ripples_dot_v1_dot_coordinator__pb2.GroupReply.SerializeToString,
             ),
-            'Consensus': grpc.unary_stream_rpc_method_handler(
-                    servicer.Consensus,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.SerializeToString,
-            ),
-            'SubmitRun': grpc.unary_unary_rpc_method_handler(
-                    servicer.SubmitRun,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.SubmitRunRequest.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.RunInfo.SerializeToString,
-            ),
-            'ListRuns': grpc.unary_unary_rpc_method_handler(
-                    servicer.ListRuns,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.ListRunsRequest.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.RunList.SerializeToString,
-            ),
-            'AgentPoll': grpc.unary_unary_rpc_method_handler(
-                    servicer.AgentPoll,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.AgentPollRequest.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.AgentReply.SerializeToString,
-            ),
-            'PushLogs': grpc.unary_unary_rpc_method_handler(
-                    servicer.PushLogs,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.PushLogsReply.SerializeToString,
-            ),
-            'GetLogs': grpc.unary_stream_rpc_method_handler(
-                    servicer.GetLogs,
-                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.FromString,
-                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'ripples.v1.Coordinator', rpc_method_handlers)
+            'ripples.v1.Worker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('ripples.v1.Coordinator', rpc_method_handlers)
+    server.add_registered_method_handlers('ripples.v1.Worker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Coordinator:
-    """Missing associated documentation comment in .proto file."""
+class Worker:
+    """The RPCs a worker of the active run makes (worker/client.py, worker/group_stream.py).
+    """
 
     @staticmethod
     def Register(request,
@@ -386,7 +257,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/Register',
+            '/ripples.v1.Worker/Register',
             ripples_dot_v1_dot_coordinator__pb2.RegisterRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.RegisterReply.FromString,
             options,
@@ -413,7 +284,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/Heartbeat',
+            '/ripples.v1.Worker/Heartbeat',
             ripples_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
             options,
@@ -440,7 +311,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/Leave',
+            '/ripples.v1.Worker/Leave',
             ripples_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.LeaveReply.FromString,
             options,
@@ -467,7 +338,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/AwaitMembers',
+            '/ripples.v1.Worker/AwaitMembers',
             ripples_dot_v1_dot_coordinator__pb2.AwaitMembersRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.Membership.FromString,
             options,
@@ -494,7 +365,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/AwaitStart',
+            '/ripples.v1.Worker/AwaitStart',
             ripples_dot_v1_dot_coordinator__pb2.AwaitStartRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.AwaitStartReply.FromString,
             options,
@@ -521,7 +392,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/CheckSchema',
+            '/ripples.v1.Worker/CheckSchema',
             ripples_dot_v1_dot_coordinator__pb2.CheckSchemaRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.CheckSchemaReply.FromString,
             options,
@@ -548,7 +419,7 @@ class Coordinator:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/ripples.v1.Coordinator/Synchronize',
+            '/ripples.v1.Worker/Synchronize',
             ripples_dot_v1_dot_coordinator__pb2.SyncMessage.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
             options,
@@ -575,7 +446,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/GetStaticSchedule',
+            '/ripples.v1.Worker/GetStaticSchedule',
             ripples_dot_v1_dot_coordinator__pb2.StaticScheduleRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.StaticScheduleReply.FromString,
             options,
@@ -602,63 +473,9 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/Checkpoint',
+            '/ripples.v1.Worker/Checkpoint',
             ripples_dot_v1_dot_coordinator__pb2.CheckpointRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.CheckpointReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetRunStatus(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ripples.v1.Coordinator/GetRunStatus',
-            ripples_dot_v1_dot_coordinator__pb2.RunStatusRequest.SerializeToString,
-            ripples_dot_v1_dot_coordinator__pb2.RunStatus.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def StopRun(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ripples.v1.Coordinator/StopRun',
-            ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
-            ripples_dot_v1_dot_coordinator__pb2.StopRunReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -683,7 +500,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/FinalGroup',
+            '/ripples.v1.Worker/FinalGroup',
             ripples_dot_v1_dot_coordinator__pb2.FinalGroupRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.GroupReply.FromString,
             options,
@@ -696,32 +513,156 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
-    @staticmethod
-    def Consensus(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/ripples.v1.Coordinator/Consensus',
-            ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.SerializeToString,
-            ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
+
+class RunsStub:
+    """Runs as objects of a long-lived coordinator service (docs/service.md): runs queue, one
+    is active at a time, and a finished run stays in the state dir's history. Callers:
+    `ripples submit / runs / status / stop / logs / checkpoint`, the dashboard, a shard's
+    coordinator watching its root. A read-only token may call GetRunStatus, ListRuns,
+    GetLogs and Consensus (ripples/security.py).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SubmitRun = channel.unary_unary(
+                '/ripples.v1.Runs/SubmitRun',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.SubmitRunRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
+                _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/ripples.v1.Runs/ListRuns',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunList.FromString,
+                _registered_method=True)
+        self.GetRunStatus = channel.unary_unary(
+                '/ripples.v1.Runs/GetRunStatus',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.RunStatusRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunStatus.FromString,
+                _registered_method=True)
+        self.StopRun = channel.unary_unary(
+                '/ripples.v1.Runs/StopRun',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.StopRunReply.FromString,
+                _registered_method=True)
+        self.GetLogs = channel.unary_stream(
+                '/ripples.v1.Runs/GetLogs',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
+                _registered_method=True)
+        self.Consensus = channel.unary_stream(
+                '/ripples.v1.Runs/Consensus',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.FromString,
+                _registered_method=True)
+
+
+class RunsServicer:
+    """Runs as objects of a long-lived coordinator service (docs/service.md): runs queue, one
+    is active at a time, and a finished run stays in the state dir's history. Callers:
+    `ripples submit / runs / status / stop / logs / checkpoint`, the dashboard, a shard's
+    coordinator watching its root. A read-only token may call GetRunStatus, ListRuns,
+    GetLogs and Consensus (ripples/security.py).
+    """
+
+    def SubmitRun(self, request, context):
+        """Queue a run (its options are checked first: INVALID_ARGUMENT names the option at
+        fault, and nothing is stored); it becomes active at once when none is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRuns(self, request, context):
+        """Every run, newest first, and every host agent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRunStatus(self, request, context):
+        """One run's status: the active run live, an ended one from the history (run_id: an id,
+        a unique prefix of one or a unique name; empty: the active run, else the newest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopRun(self, request, context):
+        """Stop the active run, or cancel a queued one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLogs(self, request, context):
+        """A run's worker output (sent by the agents), optionally followed while it runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Consensus(self, request, context):
+        """The active run's consensus model mid-run, on demand (`ripples checkpoint`): every
+        live worker publishes its model at its next step boundary through the rendezvous
+        store; the coordinator averages them and streams the average back (a torch.save'd
+        state_dict) in chunks, the first of which says what it averaged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RunsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SubmitRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitRun,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.SubmitRunRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.RunInfo.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.ListRunsRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.RunList.SerializeToString,
+            ),
+            'GetRunStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunStatus,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.RunStatusRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.RunStatus.SerializeToString,
+            ),
+            'StopRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopRun,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.StopRunReply.SerializeToString,
+            ),
+            'GetLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetLogs,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.SerializeToString,
+            ),
+            'Consensus': grpc.unary_stream_rpc_method_handler(
+                    servicer.Consensus,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ripples.v1.Runs', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ripples.v1.Runs', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Runs:
+    """Runs as objects of a long-lived coordinator service (docs/service.md): runs queue, one
+    is active at a time, and a finished run stays in the state dir's history. Callers:
+    `ripples submit / runs / status / stop / logs / checkpoint`, the dashboard, a shard's
+    coordinator watching its root. A read-only token may call GetRunStatus, ListRuns,
+    GetLogs and Consensus (ripples/security.py).
+    """
 
     @staticmethod
     def SubmitRun(request,
@@ -737,7 +678,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/SubmitRun',
+            '/ripples.v1.Runs/SubmitRun',
             ripples_dot_v1_dot_coordinator__pb2.SubmitRunRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.RunInfo.FromString,
             options,
@@ -764,7 +705,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/ListRuns',
+            '/ripples.v1.Runs/ListRuns',
             ripples_dot_v1_dot_coordinator__pb2.ListRunsRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.RunList.FromString,
             options,
@@ -776,6 +717,181 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+    @staticmethod
+    def GetRunStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Runs/GetRunStatus',
+            ripples_dot_v1_dot_coordinator__pb2.RunStatusRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.RunStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ripples.v1.Runs/StopRun',
+            ripples_dot_v1_dot_coordinator__pb2.StopRunRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.StopRunReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ripples.v1.Runs/GetLogs',
+            ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Consensus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ripples.v1.Runs/Consensus',
+            ripples_dot_v1_dot_coordinator__pb2.ConsensusRequest.SerializeToString,
+            ripples_dot_v1_dot_coordinator__pb2.ConsensusChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AgentsStub:
+    """Host agents (`ripples worker run --agent`, worker/agent.py).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AgentPoll = channel.unary_unary(
+                '/ripples.v1.Agents/AgentPoll',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.AgentPollRequest.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.AgentReply.FromString,
+                _registered_method=True)
+        self.PushLogs = channel.unary_unary(
+                '/ripples.v1.Agents/PushLogs',
+                request_serializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.SerializeToString,
+                response_deserializer=ripples_dot_v1_dot_coordinator__pb2.PushLogsReply.FromString,
+                _registered_method=True)
+
+
+class AgentsServicer:
+    """Host agents (`ripples worker run --agent`, worker/agent.py).
+    """
+
+    def AgentPoll(self, request, context):
+        """Long-poll for the run this host works for, reporting its processes; the reply names
+        the run and how many processes to run (slots are handed out first come).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushLogs(self, request, context):
+        """A batch of one worker process's output, kept per run and worker for GetLogs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AgentsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AgentPoll': grpc.unary_unary_rpc_method_handler(
+                    servicer.AgentPoll,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.AgentPollRequest.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.AgentReply.SerializeToString,
+            ),
+            'PushLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushLogs,
+                    request_deserializer=ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
+                    response_serializer=ripples_dot_v1_dot_coordinator__pb2.PushLogsReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ripples.v1.Agents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ripples.v1.Agents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Agents:
+    """Host agents (`ripples worker run --agent`, worker/agent.py).
+    """
 
     @staticmethod
     def AgentPoll(request,
@@ -791,7 +907,7 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/AgentPoll',
+            '/ripples.v1.Agents/AgentPoll',
             ripples_dot_v1_dot_coordinator__pb2.AgentPollRequest.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.AgentReply.FromString,
             options,
@@ -818,36 +934,9 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ripples.v1.Coordinator/PushLogs',
+            '/ripples.v1.Agents/PushLogs',
             ripples_dot_v1_dot_coordinator__pb2.LogBatch.SerializeToString,
             ripples_dot_v1_dot_coordinator__pb2.PushLogsReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetLogs(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/ripples.v1.Coordinator/GetLogs',
-            ripples_dot_v1_dot_coordinator__pb2.GetLogsRequest.SerializeToString,
-            ripples_dot_v1_dot_coordinator__pb2.LogBatch.FromString,
             options,
             channel_credentials,
             insecure,
