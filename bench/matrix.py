@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ripples.bench.peers import PEERS, missing_package
+from ripples.cli.arguments import scalar
 from ripples.coordinator.topology import TOPOLOGIES
 from ripples.protocols.registry import PROTOCOLS
 from ripples.sim.scenarios import SCENARIOS
@@ -211,13 +212,6 @@ def parse_peer_settings(items: list[str]) -> dict[str, dict[str, object]]:
         if not sep or not eq or not key:
             raise ValueError(f"malformed --peer-setting {item!r}: write PEER:KEY=VALUE, e.g. "
                              "hivemind-local:target_batch_size=1024")
-        value: object = text
-        for kind in (int, float):
-            try:
-                value = kind(text)
-                break
-            except ValueError:
-                continue
-        out.setdefault(peer, {})[key] = value
+        out.setdefault(peer, {})[key] = scalar(text)
     return out
 

@@ -1,13 +1,14 @@
-"""Consensus collection: the live workers' average model, mid-run, on demand.
+"""Consensus collection: the live workers' models, mid-run, on demand.
 
-`ripples checkpoint` (Runs.Consensus) asks for it. The collector asks every live worker
+`ripples checkpoint` (Runs.Consensus) asks for them. The collector asks every live worker
 to publish its model at its next step boundary (the heartbeat replies of the workers in
 `expected` carry the request's id; lock-step workers agree on one iteration through
 their Checkpoint replies), waits for all of them in the run's rendezvous store (a worker
-that leaves meanwhile is dropped), averages the models (ripples/consensus.py) and
-streams the average back in chunks. One request at a time (another is refused at once);
+that leaves meanwhile is dropped) and streams each model's bytes back as its worker
+encoded them, one model at a time; the client averages them (ripples/consensus.py). The
+coordinator never decodes a tensor. One request at a time (another is refused at once);
 every wait is bounded by the request's timeout; the store keeps no model copy afterwards,
-whatever happened.
+whatever happened (a client that goes away mid-stream included).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class ConsensusCollector:
 
     async def collect(self, request: pb.ConsensusRequest, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[pb.ConsensusChunk]:
-        """The live workers' average model now: its description, then its bytes."""
+        """The live workers' models now: whose they are, then each one's bytes."""
         core = self.core
         refusal = self.refusal()
         if not refusal and self.expected:
@@ -91,8 +92,6 @@ class ConsensusCollector:
         self.expected = expected
         core.want_consensus(cid)  # what the workers are asked to publish for
         logger.info("consensus %d: asking workers %s for their models", cid, sorted(expected))
-        blobs: list[bytes] = []
-        published: list[int] = []
         try:
             missing = await self._await_published(keys, started + timeout)
             core.want_consensus(0)
@@ -106,31 +105,27 @@ class ConsensusCollector:
                     "(each does at its next step boundary); ask again, or with a longer "
                     "--timeout-seconds"))
             # Whoever published (one that left since counts with the model it had).
-            for w in sorted(keys):
-                if await asyncio.to_thread(has_blob, self.store, keys[w]):
-                    blobs.append(await asyncio.to_thread(get_blob, self.store, keys[w]))
-                    published.append(w)
+            published = [w for w in sorted(keys)
+                         if await asyncio.to_thread(has_blob, self.store, keys[w])]
+            if not published:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "no live worker published its model")
+            seconds = self.clock() - started
+            logger.info("consensus %d: sending the models of workers %s (collected in "
+                        "%.2f s)", cid, published, seconds)
+            yield pb.ConsensusChunk(info=pb.ConsensusInfo(
+                consensus_id=cid, workers=published, seconds=seconds))
+            for w in published:  # one model in memory at a time
+                data = await asyncio.to_thread(get_blob, self.store, keys[w])
+                yield pb.ConsensusChunk(model=pb.PublishedModel(worker=w,
+                                                                size_bytes=len(data)))
+                for i in range(0, len(data), consensus.CHUNK_BYTES):
+                    yield pb.ConsensusChunk(data=data[i:i + consensus.CHUNK_BYTES])
         finally:
             self.expected = set()
             core.want_consensus(0)
             self._done.append((prefix, cid))
             await asyncio.to_thread(self._sweep)
-        if not published:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "no live worker published its model")
-        try:
-            average = await asyncio.to_thread(consensus.average_models, blobs)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            raise AssertionError("unreachable") from err
-        seconds = self.clock() - started
-        logger.info("consensus %d: averaged workers %s in %.2f s", cid, published, seconds)
-        yield pb.ConsensusChunk(info=pb.ConsensusInfo(
-            consensus_id=cid, workers=published, iterations=average.iterations,
-            consensus_distance=average.consensus_distance, seconds=seconds,
-            size_bytes=len(average.data)))
-        for i in range(0, len(average.data), consensus.CHUNK_BYTES):
-            yield pb.ConsensusChunk(data=average.data[i:i + consensus.CHUNK_BYTES])
 
     def _sweep(self) -> None:
         """Delete every worker's model published for the recent requests, late ones

@@ -1,30 +1,38 @@
-"""The consensus model mid-run (`ripples checkpoint`, the Consensus RPC), shared by the
-workers and the coordinator: the average of the live workers' models, which each
-publishes at its next step boundary through the rendezvous store.
+"""The consensus model mid-run (`ripples checkpoint`, the Runs.Consensus RPC): the average
+of the live workers' models, which each publishes at its next step boundary through the
+rendezvous store.
 
 Why through the store and not a collective among the workers: a collective would need
 every worker at one point of its loop at once, so the fastest would wait for the slowest
 (and a group protocol's worker waiting there could hold up a P-Reduce group its peer is
 already in). Publishing costs each worker one serialisation of its model, taken between
 two steps by its own training thread, and never a wait; the models are then those of a
-few steps apart, as `ripples run`'s final average of the saved models is. The
-coordinator holds one copy per worker while it averages: meant for models of up to a few
-hundred MB (docs/fault-tolerance.md, "The consensus model on a cluster").
+few steps apart, as `ripples run`'s final average of the saved models is.
+
+The coordinator only moves bytes: it streams each published model, as the worker
+encoded it, to the client that asked, which averages them (`RunningAverage`, one model
+at a time: the client holds the running mean, the running squared deviations and one
+model, whatever the number of workers). The coordinator never decodes a tensor.
+
+torch is imported by the functions that need it, so that the coordinator, which only
+names the store keys, imports none of it here.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KEY_PREFIX = "ripples/consensus"
 """Worker w publishes its model for request k under KEY_PREFIX/k/w (under the round's
 prefix, g<generation>/, after a lock-step restart round)."""
 CHUNK_BYTES = 1 << 20
-"""The average streams back in chunks of this size (gRPC's default limit is 4 MB)."""
+"""Models stream in chunks of this size (gRPC's default message limit is 4 MB)."""
 
 
 def publish_key(consensus_id: int, worker_id: int) -> str:
@@ -33,6 +41,8 @@ def publish_key(consensus_id: int, worker_id: int) -> str:
 
 def encode_model(iteration: int, state_dict: dict[str, torch.Tensor]) -> bytes:
     """A worker's contribution: its iteration and a CPU copy of its state_dict."""
+    import torch
+
     buffer = io.BytesIO()
     torch.save({"iteration": iteration,
                 "model": {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}},
@@ -40,34 +50,57 @@ def encode_model(iteration: int, state_dict: dict[str, torch.Tensor]) -> bytes:
     return buffer.getvalue()
 
 
-@dataclass(frozen=True)
-class Average:
-    data: bytes
-    """The average, a torch.save'd state_dict (floating-point tensors averaged; others,
-    such as BatchNorm's batch counters, taken from the first worker)."""
-    iterations: list[int]
-    consensus_distance: float
-    """Mean over the workers of the squared distance of their floating-point tensors to
-    the average."""
+@dataclass
+class RunningAverage:
+    """The average of published models, added one at a time (Welford's update in
+    float64): floating-point tensors are averaged, the others (BatchNorm's batch counters)
+    taken from the first model; `consensus_distance` is the mean over the models of the
+    squared distance of their floating-point tensors to the average."""
 
+    iterations: list[int] = field(default_factory=list)
+    """Each model's iteration when its worker published it, in the order added."""
+    _mean: dict[str, Any] = field(default_factory=dict)
+    _squares: dict[str, Any] = field(default_factory=dict)
+    _dtypes: dict[str, Any] = field(default_factory=dict)
 
-def average_models(blobs: list[bytes]) -> Average:
-    """Average the workers' published models (ValueError: they are not of one model)."""
-    if not blobs:
-        raise ValueError("no model to average")
-    loaded = [torch.load(io.BytesIO(b), map_location="cpu", weights_only=True) for b in blobs]
-    models: list[dict[str, torch.Tensor]] = [m["model"] for m in loaded]
-    first = models[0]
-    for i, other in enumerate(models[1:], start=1):
-        if other.keys() != first.keys() or any(
-                other[k].shape != first[k].shape for k in first):
-            raise ValueError(f"the models of the first and of worker #{i} differ (keys or "
-                             "shapes): not one model")
-    average, distance = average_state_dicts(models)
-    buffer = io.BytesIO()
-    torch.save(average, buffer)
-    return Average(data=buffer.getvalue(), iterations=[int(m["iteration"]) for m in loaded],
-                   consensus_distance=distance)
+    def add(self, blob: bytes) -> None:
+        """Add one published model (encode_model's bytes); ValueError if it is not of the
+        same model as the first (keys or shapes differ)."""
+        import torch
+
+        loaded = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        model: dict[str, torch.Tensor] = loaded["model"]
+        if self.iterations and (model.keys() != self._mean.keys() or any(
+                model[k].shape != self._mean[k].shape for k in model)):
+            raise ValueError(f"the models of the first and of worker #{len(self.iterations)} "
+                             "differ (keys or shapes): not one model")
+        n = len(self.iterations) + 1
+        for name, tensor in model.items():
+            if n == 1:
+                self._dtypes[name] = tensor.dtype
+                floating = tensor.is_floating_point()
+                self._mean[name] = tensor.double() if floating else tensor.clone()
+                if floating:
+                    self._squares[name] = torch.zeros_like(self._mean[name])
+                continue
+            if name not in self._squares:
+                continue
+            x = tensor.double()
+            delta = x - self._mean[name]
+            self._mean[name] += delta / n
+            self._squares[name] += delta * (x - self._mean[name])
+        self.iterations.append(int(loaded["iteration"]))
+
+    @property
+    def consensus_distance(self) -> float:
+        n = len(self.iterations)
+        return sum(float(s.sum()) for s in self._squares.values()) / n if n else 0.0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The average, each tensor in its models' dtype; ValueError before any model."""
+        if not self.iterations:
+            raise ValueError("no model to average")
+        return {name: mean.to(self._dtypes[name]) for name, mean in self._mean.items()}
 
 
 def average_state_dicts(models: list[dict[str, torch.Tensor]],
@@ -77,6 +110,8 @@ def average_state_dicts(models: list[dict[str, torch.Tensor]],
     others taken from the first) and the consensus distance: the mean over the models of
     the squared distance of the tensors named in `distance_over` (default: every
     floating-point one) to the average."""
+    import torch
+
     first = models[0]
     average: dict[str, torch.Tensor] = {}
     squared = 0.0

@@ -117,23 +117,41 @@ class CoordinatorClient:
         assert isinstance(reply, pb.RegisterReply)
         return reply
 
-    def consensus(self, timeout_seconds: float) -> tuple[pb.ConsensusInfo, bytes]:
-        """The run's consensus model now (the Consensus RPC): what was averaged, and the
-        average as torch.save'd bytes of a state_dict."""
+    def consensus(self, timeout_seconds: float,
+                  on_model: Callable[[int, bytes], None]) -> pb.ConsensusInfo:
+        """The live workers' models now (the Consensus RPC), for the caller to average:
+        `on_model(worker, bytes)` for each one as it arrives whole (one in memory at a
+        time); returns what was collected."""
         req = pb.ConsensusRequest(timeout_seconds=timeout_seconds)
-        info, data = pb.ConsensusInfo(), bytearray()
+        info = pb.ConsensusInfo()
+        worker, expected, data = -1, 0, bytearray()
+        received: list[int] = []
+
+        def complete() -> None:
+            if worker < 0:
+                return
+            if len(data) != expected:
+                raise CoordinatorCallError(f"worker {worker}'s model arrived cut short "
+                                           f"({len(data)} of {expected} bytes)", None)
+            received.append(worker)
+            on_model(worker, bytes(data))
+
         try:
             for chunk in self._runs.Consensus(req, timeout=timeout_seconds + 60.0):
                 if chunk.HasField("info"):
                     info = chunk.info
+                if chunk.HasField("model"):
+                    complete()
+                    worker, expected, data = chunk.model.worker, chunk.model.size_bytes, bytearray()
                 data += chunk.data
+            complete()
         except grpc.RpcError as err:
             code = err.code() if isinstance(err, grpc.Call) else None
             raise CoordinatorCallError(describe_rpc_error(err, self.target), code) from err
-        if len(data) != info.size_bytes:
-            raise CoordinatorCallError(f"the consensus model arrived cut short ({len(data)} of "
-                                       f"{info.size_bytes} bytes)", None)
-        return info, bytes(data)
+        if received != list(info.workers):
+            raise CoordinatorCallError(f"the models of workers {list(info.workers)} were "
+                                       f"announced, those of {received} arrived", None)
+        return info
 
     def await_members(self, worker_id: int, timeout_seconds: float) -> pb.Membership:
         """Wait until every expected worker registered: ranks and topology."""

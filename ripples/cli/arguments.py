@@ -71,6 +71,19 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
                                 help=f"{help_text} (default: {default})")
 
 
+def scalar(text: str) -> int | float | bool | str:
+    """A KEY=VALUE option's value as what it reads as: an int, a float, true/false, or
+    the text itself."""
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            continue
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
 def dataclass_from_args(cls: type, args: argparse.Namespace, *, build: bool = True,
                         **overrides: object) -> Any:
     """Build `cls` from parsed arguments; fields absent from `args` keep their defaults.

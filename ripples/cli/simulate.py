@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ripples.cli.arguments import add_dataclass_arguments, dataclass_from_args
+from ripples.cli.arguments import add_dataclass_arguments, dataclass_from_args, scalar
 from ripples.sim.config import SimConfig, SimResult, sim_protocols
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -64,16 +64,7 @@ def _run_option(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    parsed: object = value
-    for convert in (int, float):
-        try:
-            parsed = convert(value)
-            break
-        except ValueError:
-            continue
-    if value.lower() in ("true", "false"):
-        parsed = value.lower() == "true"
-    return key.replace("-", "_"), parsed
+    return key.replace("-", "_"), scalar(value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -76,28 +76,32 @@ class ConsensusRequest(_message.Message):
     def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class ConsensusChunk(_message.Message):
-    __slots__ = ("info", "data")
+    __slots__ = ("info", "model", "data")
     INFO_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     info: ConsensusInfo
+    model: PublishedModel
     data: bytes
-    def __init__(self, info: _Optional[_Union[ConsensusInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, info: _Optional[_Union[ConsensusInfo, _Mapping]] = ..., model: _Optional[_Union[PublishedModel, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ConsensusInfo(_message.Message):
-    __slots__ = ("consensus_id", "workers", "iterations", "consensus_distance", "seconds", "size_bytes")
+    __slots__ = ("consensus_id", "workers", "seconds")
     CONSENSUS_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
-    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
-    CONSENSUS_DISTANCE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     consensus_id: int
     workers: _containers.RepeatedScalarFieldContainer[int]
-    iterations: _containers.RepeatedScalarFieldContainer[int]
-    consensus_distance: float
     seconds: float
+    def __init__(self, consensus_id: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PublishedModel(_message.Message):
+    __slots__ = ("worker", "size_bytes")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker: int
     size_bytes: int
-    def __init__(self, consensus_id: _Optional[int] = ..., workers: _Optional[_Iterable[int]] = ..., iterations: _Optional[_Iterable[int]] = ..., consensus_distance: _Optional[float] = ..., seconds: _Optional[float] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class RunConfig(_message.Message):
     __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp", "coordinator_outage_seconds", "final_average", "outage_local_steps")
