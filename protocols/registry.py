@@ -1,7 +1,7 @@
 """The protocols Ripples runs: one line each.
 
-Adding a protocol is its own package under protocols/ (settings, spec, runtime) and one
-line below; docs/architecture.md walks through it. Everything here is pure (no torch): the
+Adding a protocol is its own package under protocols/ (settings, spec, runtime) and its
+spec below (an import and a line of PROTOCOLS); docs/architecture.md walks through it. Everything here is pure (no torch): the
 coordinator, the CLI and the dashboard read the registry, and a spec loads its runtime
 only when a worker asks for it.
 """
