@@ -15,8 +15,8 @@ from ripples.sim.models import CommModel, ComputeModel, ConsensusModel
 
 
 def sim_protocols() -> list[str]:
-    """Protocols the simulator runs: those whose spec has a model of their workers (the
-    static schedule, hop and the LPP family have none: docs/scale.md)."""
+    """Protocols the simulator runs: those whose spec has a model of their workers
+    (docs/scale.md lists them)."""
     return [name for name, spec in PROTOCOLS.items() if spec.simulation is not None]
 
 
@@ -47,8 +47,8 @@ class SimConfig:
     (docs/scale.md): the hosts are cut into S shards of consecutive hosts, each with a
     coordinator core of its own, and the first worker of each shard is its head: every
     `inter_period`-th iteration the head asks a root coordinator (a core of the S heads,
-    the same code) for a group of heads instead. Group protocols (ripples-random,
-    ripples-smart) only."""
+    the same code) for a group of heads instead. Shardable protocols only (their specs
+    say so)."""
     inter_period: int = 4
     """Sharded: a head's every inter_period-th group is an inter-shard one."""
     data_blocks: int = 0
@@ -143,8 +143,8 @@ class SimResult:
     """Simulated seconds per iteration of one worker (sim_seconds / mean iterations)."""
     compute_fraction: float
     wait_fraction: float
-    """Of the workers' time: waiting for a group to be delivered (group protocols) or, for
-    allreduce, for the slowest worker."""
+    """Of the workers' time: waiting for a group to be delivered (group protocols) or, in
+    lock-step, for the slowest worker."""
     comm_fraction: float
     """Of the workers' time: in collectives (for gossip, on the communication thread,
     which overlaps compute)."""
