@@ -1,9 +1,9 @@
 """The protocols Ripples runs: one line each.
 
 Adding a protocol is its own package under protocols/ (settings, spec, runtime) and its
-spec below (an import and a line of PROTOCOLS); docs/architecture.md walks through it. Everything here is pure (no torch): the
-coordinator, the CLI and the dashboard read the registry, and a spec loads its runtime
-only when a worker asks for it.
+spec below (an import and a line of PROTOCOLS); docs/architecture.md walks through it.
+Everything here is pure (no torch): the coordinator, the CLI and the dashboard read the
+registry, and a spec loads its runtime only when a worker asks for it.
 """
 
 from __future__ import annotations
