@@ -94,7 +94,7 @@ def test_with_no_run_active_worker_calls_are_refused_by_what_they_name(
                 call()
             assert refused.value.code == grpc.StatusCode.NOT_FOUND
         for call in (lambda: client.register("h", 0, "cpu", os.getpid()),
-                     lambda: client.consensus(5.0)):
+                     lambda: client.consensus(5.0, lambda worker, model: None)):
             with pytest.raises(CoordinatorCallError, match="submit one") as refused:
                 call()
             assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
