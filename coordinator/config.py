@@ -22,7 +22,6 @@ from ripples.coordinator.topology import (
     build_topology,
     parse_edge_list,
 )
-from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 from ripples.protocols.registry import (
     DEFAULT_PROTOCOL,
     PROTOCOLS,
@@ -31,6 +30,7 @@ from ripples.protocols.registry import (
 )
 from ripples.protocols.settings import ProtocolSettings, RunFacts, TopologyFacts
 from ripples.protocols.spec import Membership, ProtocolSpec, Role
+from ripples.rpc import parse_target
 from ripples.v1 import coordinator_pb2 as pb
 
 S = TypeVar("S", bound=ProtocolSettings)
@@ -124,6 +124,14 @@ class RunSettings:
     """Edge list for topology "file": one `i j` pair of ranks per line, # comments."""
     max_comms_per_worker: int = 64
     """Communicators cached per worker before the coordinator orders evictions."""
+    root: str = ""
+    """Sharded jobs: HOST:PORT of the root coordinator, whose run's members are the heads
+    of every shard. This run is then one shard: its head (rank 0) also P-Reduces in the
+    root's groups every inter_period iterations, and `ripples stop` on the root stops
+    this run too (docs/scale.md; shardable protocols only). Empty: a run of its own."""
+    inter_period: int = 4
+    """Sharded jobs: the head's every inter_period-th iteration averages in a root group
+    (with other shards' heads) instead of one of its shard."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Names this run's communicators in the rendezvous store."""
     protocol_settings: dict[type[ProtocolSettings], ProtocolSettings] = field(
@@ -241,7 +249,15 @@ class RunSettings:
         for settings_cls in spec.settings:
             self.settings(settings_cls).validate()
             self.settings(settings_cls).check_run(self.run_facts())
-        if self.settings(GroupGeneratorSettings).root and not spec.shardable:
+        if self.inter_period < 1:
+            raise ValueError(f"inter_period must be at least 1, got {self.inter_period}")
+        if self.root:
+            try:
+                parse_target(self.root)
+            except ValueError:
+                raise ValueError(f"root must be the root coordinator's HOST:PORT, got "
+                                 f"{self.root!r}") from None
+        if self.root and not spec.shardable:
             shardable = [s.name for s in PROTOCOLS.values() if s.shardable]
             raise ValueError(f"root (a shard of a sharded job) needs protocol "
                              f"{' or '.join(shardable)}, not {self.protocol}")
@@ -293,6 +309,8 @@ class RunSettings:
             learning_rate=self.learning_rate,
             average_optimizer_state=self.average_optimizer_state,
             topology=self.topology,
+            root=self.root,
+            inter_period=self.inter_period,
         )
         for settings in self.protocol_settings.values():
             getattr(config, settings.proto_field).CopyFrom(settings.to_proto())

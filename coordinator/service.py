@@ -34,7 +34,6 @@ from ripples.coordinator.state_store import StateStore
 from ripples.coordinator.sync_stream import SyncStreams
 from ripples.coordinator.wire import abort, peer_host, progress_from_proto, schema_from_proto
 from ripples.guarded import guarded_loop
-from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 from ripples.protocols.spec import Coordination
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
@@ -104,13 +103,11 @@ class CoordinatorService(pb_grpc.WorkerServicer):
                                      max(0.05, self.core.settings.lease_seconds / 4))
         if self.state is not None:
             self._saver = self._guarded("state-saver", self.save_state, STATE_SAVE_SECONDS)
-        settings = self.core.settings
-        if GroupGeneratorSettings in settings.protocol_settings:
-            root = settings.settings(GroupGeneratorSettings).root
-            if root:  # this run is one shard of a sharded job
-                self._root_watch = RootWatch(root, self._stop_from_root)
-                self._root_task = self._guarded("root-watch", self._root_watch.poll,
-                                                ROOT_POLL_SECONDS)
+        root = self.core.settings.root
+        if root:  # this run is one shard of a sharded job
+            self._root_watch = RootWatch(root, self._stop_from_root)
+            self._root_task = self._guarded("root-watch", self._root_watch.poll,
+                                            ROOT_POLL_SECONDS)
 
     def _guarded(self, name: str, body: Callable[[], Awaitable[None]], interval: float
                  ) -> asyncio.Task[None]:

@@ -55,7 +55,7 @@ the root up."""
 
 def is_head(config: pb.RunConfig, membership: pb.Membership) -> bool:
     """Whether this worker heads a shard of a sharded job (its run names a root)."""
-    return bool(config.group_generator.root) and membership.rank == 0
+    return bool(config.root) and membership.rank == 0
 
 
 class RootLink:
@@ -64,9 +64,8 @@ class RootLink:
 
     def __init__(self, env: LaunchEnv, config: pb.RunConfig,
                  progress: Callable[[], pb.Progress], session: SessionFactory) -> None:
-        sharding = config.group_generator  # the shard's GroupGeneratorSettings, on the wire
-        self.root = sharding.root
-        self.inter_period = sharding.inter_period
+        self.root = config.root
+        self.inter_period = config.inter_period
         self.shard = config.run_id
 
         def root_progress() -> pb.Progress:  # the head's own; no budget at the root

@@ -12,7 +12,6 @@ from ripples.coordinator.comm_directory import CommDirectory
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.groups import GroupState, GroupTable
 from ripples.coordinator.policies import ClusterView, RandomPolicy, SmartPolicy
-from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 
 
 def _view(live: range | list[int], *, idle: set[int] | None = None,
@@ -238,10 +237,10 @@ def test_comm_directory_never_reuses_ids_and_evicts_least_recent_unused() -> Non
 
 def test_a_shard_names_its_root_as_host_port_and_runs_a_group_protocol() -> None:
     shard = RunSettings.build(protocol="ripples-smart", root="10.0.0.1:7000", inter_period=3)
-    settings = shard.settings(GroupGeneratorSettings)
-    assert (settings.root, settings.inter_period) == ("10.0.0.1:7000", 3)
-    config = shard.to_proto().group_generator
+    assert (shard.root, shard.inter_period) == ("10.0.0.1:7000", 3)
+    config = shard.to_proto()
     assert (config.root, config.inter_period) == ("10.0.0.1:7000", 3)
+    assert RunSettings.build(**shard.options()).root == "10.0.0.1:7000"  # the options travel
     with pytest.raises(ValueError, match="root must be the root coordinator's HOST:PORT"):
         RunSettings.build(root="10.0.0.1")
     with pytest.raises(ValueError, match="inter_period must be at least 1"):
