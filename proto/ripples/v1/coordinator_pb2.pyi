@@ -104,7 +104,7 @@ class PublishedModel(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp", "coordinator_outage_seconds", "final_average", "outage_local_steps")
+    __slots__ = ("run_id", "protocol", "task", "num_workers", "workers_per_node", "iterations", "epochs", "target_loss", "seed", "collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds", "checkpoint_interval", "batch_size", "learning_rate", "average_optimizer_state", "topology", "group_generator", "gossip", "hop", "lpp", "coordinator_outage_seconds", "final_average", "outage_local_steps", "root", "inter_period")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,8 @@ class RunConfig(_message.Message):
     COORDINATOR_OUTAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINAL_AVERAGE_FIELD_NUMBER: _ClassVar[int]
     OUTAGE_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    INTER_PERIOD_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol: str
     task: str
@@ -153,21 +155,19 @@ class RunConfig(_message.Message):
     coordinator_outage_seconds: float
     final_average: bool
     outage_local_steps: int
-    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., group_generator: _Optional[_Union[GroupGeneratorSettings, _Mapping]] = ..., gossip: _Optional[_Union[GossipSettings, _Mapping]] = ..., hop: _Optional[_Union[HopSettings, _Mapping]] = ..., lpp: _Optional[_Union[LppSettings, _Mapping]] = ..., coordinator_outage_seconds: _Optional[float] = ..., final_average: _Optional[bool] = ..., outage_local_steps: _Optional[int] = ...) -> None: ...
+    root: str
+    inter_period: int
+    def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., group_generator: _Optional[_Union[GroupGeneratorSettings, _Mapping]] = ..., gossip: _Optional[_Union[GossipSettings, _Mapping]] = ..., hop: _Optional[_Union[HopSettings, _Mapping]] = ..., lpp: _Optional[_Union[LppSettings, _Mapping]] = ..., coordinator_outage_seconds: _Optional[float] = ..., final_average: _Optional[bool] = ..., outage_local_steps: _Optional[int] = ..., root: _Optional[str] = ..., inter_period: _Optional[int] = ...) -> None: ...
 
 class GroupGeneratorSettings(_message.Message):
-    __slots__ = ("group_size", "c_thres", "inter_intra", "root", "inter_period")
+    __slots__ = ("group_size", "c_thres", "inter_intra")
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     C_THRES_FIELD_NUMBER: _ClassVar[int]
     INTER_INTRA_FIELD_NUMBER: _ClassVar[int]
-    ROOT_FIELD_NUMBER: _ClassVar[int]
-    INTER_PERIOD_FIELD_NUMBER: _ClassVar[int]
     group_size: int
     c_thres: int
     inter_intra: bool
-    root: str
-    inter_period: int
-    def __init__(self, group_size: _Optional[int] = ..., c_thres: _Optional[int] = ..., inter_intra: _Optional[bool] = ..., root: _Optional[str] = ..., inter_period: _Optional[int] = ...) -> None: ...
+    def __init__(self, group_size: _Optional[int] = ..., c_thres: _Optional[int] = ..., inter_intra: _Optional[bool] = ...) -> None: ...
 
 class GossipSettings(_message.Message):
     __slots__ = ("rate_com", "momentum", "adpsgd_mode")
