@@ -68,7 +68,7 @@ def training_service(protocol: str, num_workers: int, run_seconds: float) -> Coo
         iteration = step // num_workers + 1
         core.heartbeat(wid, Progress(iteration=iteration, loss=2.0 / iteration,
                                      samples=32 * iteration, compute_seconds=now), now)
-    if core.groups.active:
+    if core.role.forms_groups:
         now = steps * REPORT_SECONDS
         for wid in ids:
             core.request_group(wid, core.workers[wid].progress.iteration + 1, now)

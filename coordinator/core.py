@@ -35,7 +35,7 @@ from ripples.coordinator.membership import RunMembership
 from ripples.coordinator.progress import ProgressTracker
 from ripples.coordinator.registry import GONE, Progress, Registry, WorkerRecord, WorkerState
 from ripples.coordinator.restart_rounds import RestartRounds
-from ripples.coordinator.run_graph import RunGraph, static_layout_error
+from ripples.coordinator.run_graph import RunGraph
 from ripples.coordinator.schema import SchemaCheck
 from ripples.coordinator.stop import BudgetWatch, StateAdoption, StopAgreement
 from ripples.protocols.spec import Coordination
@@ -94,10 +94,6 @@ class CoordinatorCore(RunMembership):
     def neighbours_of(self, worker_id: int) -> tuple[int, ...]:
         """The live workers `worker_id` may average with (all others on a complete graph)."""
         return self.groups.neighbours_of(worker_id)
-
-    def static_layout_error(self) -> str | None:
-        """Why the static schedule cannot run on the registered workers, or None."""
-        return static_layout_error(self.settings, self.live())
 
     def num_nodes(self) -> int:
         return self.registry.num_nodes()
@@ -264,7 +260,7 @@ class CoordinatorCore(RunMembership):
         it must wait; decisions for other waiting workers that this request completed).
         """
         w = self.worker(worker_id)
-        if not self.groups.active:
+        if not self.role.forms_groups:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
                 f"protocol {self.settings.protocol} does not use the group generator",

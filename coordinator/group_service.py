@@ -97,11 +97,6 @@ class GroupService:
         self.num_cancelled = 0
         self.num_failed = 0
 
-    @property
-    def active(self) -> bool:
-        """The run forms groups at all (group and gossip protocols)."""
-        return self.policy is not None or self.pairing is not None
-
     # ------------------------------------------------------------------ requests
     def request(self, w: WorkerRecord, now: float, *,
                 listen: bool) -> tuple[GroupDecision | None, Deliveries]:
