@@ -55,8 +55,10 @@ class RunningAverage:
     """The average of published models, added one at a time (Welford's update in
     float64): floating-point tensors are averaged, the others (BatchNorm's batch counters)
     taken from the first model; `consensus_distance` is the mean over the models of the
-    squared distance of their floating-point tensors to the average."""
+    squared distance of their floating-point tensors (those named in `distance_over`,
+    if given) to the average."""
 
+    distance_over: Collection[str] | None = None
     iterations: list[int] = field(default_factory=list)
     """Each model's iteration when its worker published it, in the order added."""
     _mean: dict[str, Any] = field(default_factory=dict)
@@ -69,7 +71,12 @@ class RunningAverage:
         import torch
 
         loaded = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        model: dict[str, torch.Tensor] = loaded["model"]
+        self.add_state_dict(loaded["model"], int(loaded["iteration"]))
+
+    def add_state_dict(self, model: dict[str, torch.Tensor], iteration: int = 0) -> None:
+        """Add one model's state_dict (see `add`)."""
+        import torch
+
         if self.iterations and (model.keys() != self._mean.keys() or any(
                 model[k].shape != self._mean[k].shape for k in model)):
             raise ValueError(f"the models of the first and of worker #{len(self.iterations)} "
@@ -80,16 +87,17 @@ class RunningAverage:
                 self._dtypes[name] = tensor.dtype
                 floating = tensor.is_floating_point()
                 self._mean[name] = tensor.double() if floating else tensor.clone()
-                if floating:
+                if floating and (self.distance_over is None or name in self.distance_over):
                     self._squares[name] = torch.zeros_like(self._mean[name])
                 continue
-            if name not in self._squares:
+            if not self._dtypes[name].is_floating_point:
                 continue
             x = tensor.double()
             delta = x - self._mean[name]
             self._mean[name] += delta / n
-            self._squares[name] += delta * (x - self._mean[name])
-        self.iterations.append(int(loaded["iteration"]))
+            if name in self._squares:
+                self._squares[name] += delta * (x - self._mean[name])
+        self.iterations.append(iteration)
 
     @property
     def consensus_distance(self) -> float:
@@ -106,22 +114,9 @@ class RunningAverage:
 def average_state_dicts(models: list[dict[str, torch.Tensor]],
                         distance_over: Collection[str] | None = None
                         ) -> tuple[dict[str, torch.Tensor], float]:
-    """The average of state dicts of one model (floating-point tensors averaged in float64,
-    others taken from the first) and the consensus distance: the mean over the models of
-    the squared distance of the tensors named in `distance_over` (default: every
-    floating-point one) to the average."""
-    import torch
-
-    first = models[0]
-    average: dict[str, torch.Tensor] = {}
-    squared = 0.0
-    for name, tensor in first.items():
-        if not tensor.is_floating_point():
-            average[name] = tensor.clone()
-            continue
-        stacked = torch.stack([m[name].double() for m in models])
-        mean = stacked.mean(dim=0)
-        if distance_over is None or name in distance_over:
-            squared += float(((stacked - mean) ** 2).sum())
-        average[name] = mean.to(tensor.dtype)
-    return average, squared / len(models)
+    """The average of state dicts of one model and their consensus distance, as
+    RunningAverage makes them (`ripples run`'s average of the workers' saved models)."""
+    average = RunningAverage(distance_over=distance_over)
+    for model in models:
+        average.add_state_dict(model)
+    return average.state_dict(), average.consensus_distance

@@ -1,6 +1,6 @@
-"""The consensus model's average, made by the client one published model at a time
-(ripples/consensus.py): the same average and consensus distance as averaging them all at
-once, each tensor in its dtype, non-floating tensors from the first model."""
+"""The consensus model's average, made one model at a time (ripples/consensus.py): the
+same average and consensus distance as averaging them all at once, each tensor in its
+dtype, non-floating tensors from the first model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,22 @@ import pytest
 import torch
 
 from ripples.consensus import RunningAverage, average_state_dicts, encode_model
+
+
+def _all_at_once(models: list[dict[str, torch.Tensor]], names: set[str]
+                 ) -> tuple[dict[str, torch.Tensor], float]:
+    """The reference: every model stacked, averaged in float64."""
+    average, squared = {}, 0.0
+    for name, tensor in models[0].items():
+        if not tensor.is_floating_point():
+            average[name] = tensor
+            continue
+        stacked = torch.stack([m[name].double() for m in models])
+        mean = stacked.mean(dim=0)
+        if name in names:
+            squared += float(((stacked - mean) ** 2).sum())
+        average[name] = mean.to(tensor.dtype)
+    return average, squared / len(models)
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
@@ -21,7 +37,7 @@ def test_the_running_average_equals_the_average_of_all_at_once() -> None:
     average = RunningAverage()
     for i, m in enumerate(models):
         average.add(encode_model(100 + i, m))
-    expected, distance = average_state_dicts(models)
+    expected, distance = _all_at_once(models, {"w", "b"})
     result = average.state_dict()
     assert result.keys() == expected.keys()
     for name, tensor in expected.items():
@@ -42,3 +58,12 @@ def test_models_of_another_shape_are_refused_and_nothing_is_no_average() -> None
     with pytest.raises(ValueError, match="differ"):
         average.add(encode_model(2, other))
     assert average.consensus_distance == 0.0 and average.iterations == [1]
+
+
+def test_the_distance_can_be_over_some_tensors_only() -> None:
+    models = [_model(s) for s in range(3)]
+    expected, distance = _all_at_once(models, {"w"})
+    average, measured = average_state_dicts(models, distance_over={"w"})
+    for name, tensor in expected.items():
+        torch.testing.assert_close(average[name], tensor)
+    assert measured == pytest.approx(distance, rel=1e-9)
