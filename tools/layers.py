@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -87,8 +88,10 @@ def floor_of(module: str) -> int:
     return best
 
 
-def _subpackages() -> set[str]:
-    return {m for m, path in modules().items() if path.name == "__init__.py"}
+@functools.cache
+def _subpackages() -> frozenset[str]:
+    """The packages of the distribution (read once: floor_of asks for every import)."""
+    return frozenset(m for m, path in modules().items() if path.name == "__init__.py")
 
 
 def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int, bool]]:
