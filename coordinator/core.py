@@ -73,6 +73,9 @@ class CoordinatorCore(RunMembership):
         self.budget = BudgetWatch()
         self._ready_ids: set[int] = set()
         """Workers that said they are ready (mark_ready counts them before it checks)."""
+        self.start_differing_ranks: tuple[int, ...] = ()
+        """The ranks whose initial model differed from rank 0's at the last start (the
+        members then copy rank 0's model: AwaitStartReply.differing_ranks)."""
         self.consensus_id = 0
         """The consensus model wanted now (the Consensus RPC; 0: none)."""
         self.consensus_at = 0
@@ -109,14 +112,16 @@ class CoordinatorCore(RunMembership):
 
     def leave(
         self, worker_id: int, progress: Progress | None, error: str, now: float,
-        reason: str = "",
+        reason: str = "", *, done: bool = False,
     ) -> Deliveries:
-        """The worker leaves: FAILED with `error`, or cleanly (`reason`: why it ended)."""
+        """The worker leaves: FAILED with `error`, or cleanly (`reason`: why it ended;
+        `done`: its training loop ended, so it is done, not lost)."""
         w = self.worker(worker_id)
         if progress is not None:
             self._record_progress(w, progress, now)
         w.error = error
         w.leave_reason = reason
+        w.done = done and not error
         return self._remove(w, WorkerState.FAILED if error else WorkerState.LEFT, now)
 
     def suspect(self, worker_id: int, now: float) -> float | None:
@@ -208,15 +213,16 @@ class CoordinatorCore(RunMembership):
                     and self.registry.formed and not self.rounds.refusal(self.live())):
                 # A restart round's member failed before training went on: another round.
                 alive = ((w.host, w.local_rank),) if state is WorkerState.FAILED else ()
-                self._restart(f"worker {w.worker_id} {state.value} before training "
+                self._restart(f"{w.name} {state.value} before training "
                               f"resumed{why}", now, alive=alive)
             elif self.registry.formed:  # a member is missing: the run can never start
                 deliveries.update(self.stop(
                     f"{w.describe()} {state.value} before training started{why}", now,
                     failure=True))
             return deliveries
-        finished = 0 < w.progress.planned_iterations <= w.progress.iteration
-        if self.role.needs_every_worker and not (state is WorkerState.LEFT and finished):
+        finished = state is WorkerState.LEFT and (
+            w.done or 0 < w.progress.planned_iterations <= w.progress.iteration)
+        if self.role.needs_every_worker and not finished:
             # Lock-step peers cannot go on without it: every worker restarts from the last
             # checkpoint with the new membership, or (no restarts) everyone stops at the
             # next agreed iteration rather than wait inside collectives that never complete.
@@ -230,23 +236,36 @@ class CoordinatorCore(RunMembership):
             if not refusal:
                 # A worker that failed and said so (Leave) is alive: it restarts too.
                 alive = ((w.host, w.local_rank),) if state is WorkerState.FAILED else ()
-                self._restart(f"worker {w.worker_id} {state.value}{why}", now,
+                self._restart(f"{w.name} {state.value}{why}", now,
                               failure=not graceful, alive=alive)
                 return deliveries
-            deliveries.update(self.stop(f"worker {w.worker_id} {state.value}{why}"
+            deliveries.update(self.stop(f"{w.name} {state.value}{why}"
                                         + (f"; no restart: {refusal}" if refusal and
                                            self.settings.restarts else ""), now,
                                         failure=not graceful))
-        elif self.role.needs_every_worker:  # it left having finished its budget
+        elif self.role.needs_every_worker:  # its loop ended: lock-step peers end with it
             deliveries.update(self.stop(
-                f"iteration budget reached (worker {w.worker_id} finished its "
-                f"{w.progress.planned_iterations} iterations)", now))
+                f"{self._done_reason(w)} ({self.settings.protocol}'s workers end together: "
+                "each waits for its peers)", now))
+        elif finished:  # done, not lost: the others train on; the last one ends the run
+            if not self.live():
+                deliveries.update(self.stop(
+                    f"every worker's training loop ended ({self._done_reason(w)}, the "
+                    "last)", now))
         elif len(self.live()) < self.settings.min_workers:
-            last = f" (worker {w.worker_id} {state.value}{why})" if why else ""
+            last = f" ({w.name} {state.value}{why})" if why else ""
             deliveries.update(self.stop(
                 f"fewer than {self.settings.min_workers} workers remain{last}", now,
                 failure=state is not WorkerState.LEFT))
         return deliveries
+
+    @staticmethod
+    def _done_reason(w: WorkerRecord) -> str:
+        """Why a done worker ended: its own iteration budget, or its loop."""
+        p = w.progress
+        if 0 < p.planned_iterations <= p.iteration:
+            return f"{w.name} finished its {p.planned_iterations} planned iterations"
+        return f"the training loop of {w.name} ended after {p.iteration} steps"
 
     # ------------------------------------------------------------------ groups
     def request_group(

@@ -257,10 +257,10 @@ class GroupService:
         if self.pairing is not None:
             self.pairing.withdraw(w.worker_id)
             stranded = self._strand_isolated(w.worker_id, now,
-                                             f"worker {w.worker_id} {state.value}")
+                                             f"{w.name} {state.value}")
         self.comms.retire_worker(w.worker_id)  # before the deliveries, which carry evictions
         deliveries = self._cancel(lambda: self.table.cancel_where(w.worker_id), now,
-                                  f"worker {w.worker_id} {state.value}")
+                                  f"{w.name} {state.value}")
         return {**stranded, **deliveries}
 
     def _strand_isolated(self, departed: int, now: float, why: str) -> Deliveries:

@@ -26,6 +26,17 @@ if TYPE_CHECKING:
     from ripples.coordinator.stop import BudgetWatch, StopAgreement
 
 
+def differing_ranks(members: Iterable[WorkerRecord]) -> tuple[int, ...]:
+    """The ranks whose initial model (fingerprint) differs from rank 0's: the members copy
+    rank 0's model before their first step (Every worker starts from one model). None
+    when rank 0 or a member said no fingerprint (a runner without a model of its own)."""
+    by_rank = {w.rank: w.model_fingerprint for w in members}
+    first = by_rank.get(0, "")
+    if not first or not all(by_rank.values()):
+        return ()
+    return tuple(sorted(r for r, f in by_rank.items() if f != first))
+
+
 class RunMembership:
     """Registration, the membership's forming and changes, readiness and the start."""
 
@@ -41,6 +52,7 @@ class RunMembership:
     started_at: float | None
     resumed_elapsed: float
     _ready_ids: set[int]
+    start_differing_ranks: tuple[int, ...]
 
     if TYPE_CHECKING:  # what CoordinatorCore defines for these rules
         @property
@@ -155,13 +167,15 @@ class RunMembership:
             self.stop(problem, now)
 
     def mark_ready(self, worker_id: int, planned_iterations: int, now: float,
-                   schema: Schema | None = None) -> bool:
+                   schema: Schema | None = None, model_fingerprint: str = "") -> bool:
         """The worker built its model and waits to train; starts the run when every
         member is ready. The clock of the run starts here, not at registration, so that
         start-up work (imports, data loading) does not count as training time. A schema
         that differs from the first worker's is refused (FAILED_PRECONDITION).
+        `model_fingerprint`: a digest of its initial model (start_differing_ranks).
         Returns True once the run has started."""
         w = self.worker(worker_id)
+        w.model_fingerprint = model_fingerprint
         if schema is not None:
             problem = self.model_schema.check(schema, w.describe())
             if problem:
@@ -182,7 +196,18 @@ class RunMembership:
                 self.started_at = now - self.resumed_elapsed
                 for x in live:
                     x.state = WorkerState.COMPUTING
+                self.start_differing_ranks = differing_ranks(live)
         return self.started_at is not None
+
+    def start_models_note(self) -> str:
+        """What the start did about the members' initial models ("" when they were one
+        model already or none said)."""
+        ranks = self.start_differing_ranks
+        if not ranks:
+            return ""
+        return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} built a "
+                "model whose initial values differ from rank 0's (a seed per rank?): every "
+                "worker starts from rank 0's model, as with DDP")
 
     def note_ready(self, worker_ids: Iterable[int]) -> None:
         """Workers ready already (a core restored from a snapshot)."""

@@ -86,10 +86,14 @@ class WorkerRecord:
     progress: Progress = field(default_factory=Progress)
     error: str = ""
     leave_reason: str = ""  # why a worker that left cleanly ended
+    done: bool = False
+    """It left because its training loop ended (or at its own budget): done, not lost."""
     round_target: int | None = None  # the group that ends the worker's current round
     wait_started_at: float | None = None
     checkpoint_grant: int = 0
     optimizer_state_ready: bool = False  # lock-step: its optimizer state may join (StateAdoption)
+    model_fingerprint: str = ""
+    """A digest of its initial model's values (AwaitStart): the start compares them."""
     schema_digest: str = ""
     """The digest of the tensors it averages now (at the start, then with the optimizer
     state): groups form only among workers whose digests are equal."""
@@ -118,6 +122,13 @@ class WorkerRecord:
 
     def describe(self) -> str:
         return f"worker {self.worker_id} (host {self.host}, local rank {self.local_rank})"
+
+    @property
+    def name(self) -> str:
+        """How messages name it: by its rank, as a training script knows it, once the
+        membership gave it one ("rank 2 (worker 7)"), else by its id."""
+        return (f"rank {self.rank} (worker {self.worker_id})" if self.rank >= 0
+                else f"worker {self.worker_id}")
 
 
 class Registry:

@@ -53,9 +53,9 @@ class RestartRounds:
             return f"{settings.protocol} does not restart its workers"
         if failure and self.failures >= settings.max_restarts:
             return f"max_restarts ({settings.max_restarts}) spent on failures"
-        blind = [w.worker_id for w in live if w.progress.checkpoint_step == 0]
+        blind = [w.name for w in live if w.progress.checkpoint_step == 0]
         if blind:
-            return (f"worker {blind[0]} holds no checkpoint to restart from (give "
+            return (f"{blind[0]} holds no checkpoint to restart from (give "
                     "--checkpoint-dir; a script saves with ripples.Checkpointer)")
         return ""
 

@@ -185,6 +185,9 @@ class CoordinatorService(pb_grpc.WorkerServicer):
             self._stopped.set()
         if core.started_at is not None and not self._started.is_set():
             logger.info("all %d workers ready: training starts", len(core.live()))
+            note = core.start_models_note()
+            if note:
+                logger.warning("%s", note)
             self._started.set()
             heap.settle()
         elif core.started_at is None and not core.stopped:
@@ -250,7 +253,8 @@ class CoordinatorService(pb_grpc.WorkerServicer):
             return pb.LeaveReply(restart=True, restart_reason=rejoin)
         progress = progress_from_proto(request.progress) if request.HasField("progress") else None
         deliveries = await self._call(context, lambda: self.core.leave(
-            request.worker_id, progress, request.error, self.clock(), request.reason))
+            request.worker_id, progress, request.error, self.clock(), request.reason,
+            done=request.done))
         self._resolve(deliveries)
         await self.save_state()
         self.final.form(complete_only=True)  # it may have been the last one awaited
@@ -297,7 +301,8 @@ class CoordinatorService(pb_grpc.WorkerServicer):
                          ) -> pb.AwaitStartReply:
         schema = schema_from_proto(request.schema) if request.HasField("schema") else None
         started = await self._call(context, lambda: self.core.mark_ready(
-            request.worker_id, request.planned_iterations, self.clock(), schema))
+            request.worker_id, request.planned_iterations, self.clock(), schema,
+            request.model_fingerprint))
         self._note_run_state()
         if started:  # a restarted coordinator must know the run trains (not only 0.5 s later)
             await self.save_state()
@@ -313,7 +318,11 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         if self.core.stopped and not self._started.is_set():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the run stopped before training: {self.core.stop_reason}")
-        return pb.AwaitStartReply(elapsed_seconds=self.core.elapsed(self.clock()))
+        w = self.core.worker(request.worker_id)
+        if w.replacement:  # it heals from a live peer instead
+            return pb.AwaitStartReply(elapsed_seconds=self.core.elapsed(self.clock()))
+        return pb.AwaitStartReply(elapsed_seconds=self.core.elapsed(self.clock()),
+                                  differing_ranks=self.core.start_differing_ranks)
 
     async def _until_started_or_stopped(self) -> None:
         waits = {asyncio.ensure_future(self._started.wait()),

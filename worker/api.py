@@ -144,7 +144,7 @@ class Worker:
             logger.error("worker %s could not finish: %s", self.worker_id, error)
         finally:
             if session is not None:
-                session.leave(error, self._end_reason())
+                session.leave(error, self._end_reason(), done=self._done(error))
             with _lock:
                 if _current is self:
                     _current = None
@@ -155,6 +155,14 @@ class Worker:
         lock-step run): it exits with RESTART_EXIT_CODE, its launcher starts it again, and
         the new process restores the run's last checkpoint."""
         return self._session is not None and self._session.restart.pending
+
+    def _done(self, error: str) -> bool:
+        """Whether this worker leaves done: its loop ended on its own (or at its own
+        budget), not failed, restarting, or asked to stop by a signal (a preemption
+        notice: the run shrinks without it)."""
+        session = self._session
+        return (not error and not self.restarting
+                and not (session is not None and session.local_stop.is_set()))
 
     def _end_reason(self) -> str:
         """Why a clean worker ends: the run's stop, or its own loop's end."""

@@ -161,11 +161,13 @@ class CoordinatorClient:
         return reply
 
     def await_start(self, worker_id: int, planned_iterations: int, timeout_seconds: float,
-                    schema: pb.TensorSchema | None = None) -> pb.AwaitStartReply:
-        """Declare this worker ready (with the schema of its averaged tensors) and wait
-        until every member is: training starts."""
+                    schema: pb.TensorSchema | None = None,
+                    model_fingerprint: str = "") -> pb.AwaitStartReply:
+        """Declare this worker ready (with the schema of its averaged tensors and a digest
+        of its initial model) and wait until every member is: training starts."""
         req = pb.AwaitStartRequest(worker_id=worker_id, timeout_seconds=timeout_seconds,
-                                   planned_iterations=planned_iterations, schema=schema)
+                                   planned_iterations=planned_iterations, schema=schema,
+                                   model_fingerprint=model_fingerprint)
         reply = self._call(self._worker.AwaitStart, req, timeout_seconds + self.rpc_timeout)
         assert isinstance(reply, pb.AwaitStartReply)
         return reply
@@ -183,9 +185,11 @@ class CoordinatorClient:
         return reply
 
     def leave(self, worker_id: int, progress: pb.Progress, error: str = "",
-              reason: str = "") -> pb.LeaveReply:
+              reason: str = "", *, done: bool = False) -> pb.LeaveReply:
+        """Leave the run: FAILED with `error`, or cleanly for `reason`; `done`: its
+        training loop ended (the run ends once every worker is done)."""
         req = pb.LeaveRequest(worker_id=worker_id, progress=progress, error=error,
-                              reason=reason)
+                              reason=reason, done=done)
         reply = self._call(self._worker.Leave, req, self.rpc_timeout)
         assert isinstance(reply, pb.LeaveReply)
         return reply

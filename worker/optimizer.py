@@ -229,13 +229,23 @@ class Optimizer(torch.optim.Optimizer):
         if self.stop_reason:
             if not self._warned_after_stop:
                 logger.warning("the run has stopped (%s); this step and later ones are "
-                               "local: check opt.stopped and leave the loop", self.stop_reason)
+                               "local: check opt.stopped and leave the loop%s",
+                               self.stop_reason, self._budget_hint())
                 self._warned_after_stop = True
         elif sync is not None:
             self.stop_reason = sync.after_local_step(self.local_step, local_seconds, started)
         elif self.planned_steps and self.local_step >= self.planned_steps:
             self.stop_reason = f"iteration budget reached ({self.planned_steps} steps)"
         return loss
+
+    def _budget_hint(self) -> str:
+        """A loop that makes one step more than it planned (`while iter <= max_iters`,
+        `range(max_iters + 1)`) ran into its own budget: say what to pass instead."""
+        if not self.planned_steps or self.local_step != self.planned_steps + 1:
+            return ""
+        return (f". This is step {self.local_step} of a loop planned for "
+                f"{self.planned_steps}: if your loop makes {self.local_step} steps (e.g. "
+                f"`while iter_num <= max_iters`), pass planned_steps={self.local_step}")
 
     def _local_step(self, closure: Callable[[], float] | None) -> float | None:
         inner = self.optimizer

@@ -157,7 +157,7 @@ def _run_protocol_runtime(worker: Worker, task: Task, spec: str, options: TaskOp
     per_epoch = max(1, math.ceil(len(shard) / task.batch_size))
     settings = worker.settings
     planned = settings.iterations or math.ceil(settings.epochs * per_epoch)
-    session.start(state.schema(), planned)
+    session.start_training(state, planned)
     ctx = session.protocol_context(model, state)
     protocol = create_runtime(settings.protocol, ctx)
     training = _RunnerOnlyTraining(model=model, record={})

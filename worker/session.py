@@ -33,6 +33,7 @@ from ripples.worker.dataplane.communicators import (
     CommunicatorFactory,
     connect_store,
 )
+from ripples.worker.dataplane.preduce import copy_model
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.metrics import WorkerMetrics
 from ripples.worker.protocol import ProtocolContext
@@ -40,6 +41,12 @@ from ripples.worker.shard import RootLink, is_head
 from ripples.worker.stats import WorkerStats
 
 logger = logging.getLogger(__name__)
+
+START_MODEL_KEY = "start/rank0-model"
+"""The communicator over every member that copies rank 0's initial model."""
+START_CHECK_IN_SECONDS = 60.0
+"""How long the copy of rank 0's model waits for every member to check in (all of them
+just passed the start barrier)."""
 
 
 def resolve_device(env: LaunchEnv) -> torch.device:
@@ -116,12 +123,40 @@ class Session:
             logger.info("worker %d replaces rank %d of the running run from iteration %d",
                         self.worker_id, self.membership.rank, self.membership.start_iteration)
 
-    def start(self, schema: pb.TensorSchema | None, planned_iterations: int) -> None:
-        """Declare this worker ready and wait for every member; then open the data plane."""
+    def start_training(self, state: AveragedState, planned_iterations: int) -> None:
+        """Declare this worker ready with its averaged tensors, wait for every member, open
+        the data plane; then every member starts from one model: rank 0's, copied when
+        some member's initial values differ (a script that seeds per rank, as DDP scripts
+        do: DDP broadcasts rank 0's model when it wraps it). A replacement heals from a
+        live peer instead."""
+        reply = self.start(state.schema(), planned_iterations, state.fingerprint())
+        differing = list(reply.differing_ranks)
+        if not differing or self.membership.replacement:
+            return
+        assert self.comms is not None
+        rank, size = self.membership.rank, self.membership.num_workers
+        try:
+            comm = self.comms.get(START_MODEL_KEY, rank, size, create=True,
+                                  peers_within=START_CHECK_IN_SECONDS)
+            copy_model(state, comm, 0, self.config.collective_timeout_seconds)
+        except (RuntimeError, TimeoutError, ValueError) as err:
+            raise RuntimeError(f"rank {rank} could not copy rank 0's initial model (every "
+                               f"worker starts from one model): {err}") from err
+        finally:
+            self.comms.drop(START_MODEL_KEY)
+        if rank in differing:
+            logger.info("rank %d built a model that differs from rank 0's; it starts from "
+                        "rank 0's, as with DDP", rank)
+
+    def start(self, schema: pb.TensorSchema | None, planned_iterations: int,
+              model_fingerprint: str = "") -> pb.AwaitStartReply:
+        """Declare this worker ready and wait for every member; then open the data plane.
+        Returns the coordinator's reply (which ranks' initial models differ)."""
         assert self.worker_id is not None, "join() first"
         self.stats.planned_iterations = planned_iterations
-        self.client.await_start(self.worker_id, planned_iterations,
-                                self.env.start_timeout_seconds, schema)
+        reply = self.client.await_start(self.worker_id, planned_iterations,
+                                        self.env.start_timeout_seconds, schema,
+                                        model_fingerprint)
         timeout = self.config.collective_timeout_seconds
         host, port = self._store_address
         generation = self.membership.generation
@@ -143,6 +178,7 @@ class Session:
         self.comms = CommunicatorCache(factory)
         self.metrics.attach(worker_id=self.worker_id, host=self.env.host,
                             protocol=self.config.protocol, cache=self.comms)
+        return reply
 
     def protocol_context(self, model: torch.nn.Module, state: AveragedState) -> ProtocolContext:
         """What the run's protocol may use (after start())."""
@@ -167,20 +203,22 @@ class Session:
         if self.root is not None:
             self.root.check_schema(schema)
 
-    def leave(self, error: str = "", reason: str = "") -> None:
-        """Leave the run (once): cleanly (`reason`: why it ended), or FAILED with `error`."""
+    def leave(self, error: str = "", reason: str = "", *, done: bool = False) -> None:
+        """Leave the run (once): cleanly (`reason`: why it ended; `done`: its training
+        loop ended, it is not lost), or FAILED with `error`."""
         if self._left:
             return
         self._left = True
         if self.root is not None:
-            self.root.close(reason=reason or "the shard's run ended")
+            self.root.close(reason=reason or "the shard's run ended", done=done)
         if self.heartbeat is not None:
             self.heartbeat.finish()
         if self.comms is not None:
             self.comms.close()
         if self.worker_id is not None:
             try:
-                reply = self.client.leave(self.worker_id, self._progress(), error, reason)
+                reply = self.client.leave(self.worker_id, self._progress(), error, reason,
+                                          done=done and not error)
                 if reply.restart:
                     self.restart.order(reply.restart_reason)
             except CoordinatorCallError as err:

@@ -119,9 +119,10 @@ class RootLink:
             except CoordinatorCallError as err:
                 logger.warning("the root did not take this head's new schema: %s", err)
 
-    def close(self, error: str = "", reason: str = "") -> None:
+    def close(self, error: str = "", reason: str = "", *, done: bool = False) -> None:
         """Leave the root's run (once), without waiting out a root that is gone: the
-        leave is tried once (the root's lease ends the membership otherwise)."""
+        leave is tried once (the root's lease ends the membership otherwise). `done`:
+        the shard's worker ended its loop (the root's run ends once every head is)."""
         self.context = None
         self.session.client.outage_seconds = 0.0
-        self.session.leave(error=error, reason=reason)
+        self.session.leave(error=error, reason=reason, done=done)

@@ -87,7 +87,7 @@ class StepSynchronizer:
                                         else average_optimizer_state)
         self.planned_steps = planned_steps
         self.state = AveragedState(model)
-        session.start(self.state.schema(), planned_steps)
+        session.start_training(self.state, planned_steps)
         self.ctx = session.protocol_context(model, self.state)
         self.protocol: Protocol = create_runtime(config.protocol, self.ctx)
         self.adopt_state = (self.average_optimizer_state
@@ -203,7 +203,7 @@ class StepSynchronizer:
         bad = self.state.nonfinite()
         if bad is not None:
             raise FloatingPointError(
-                f"worker {self.session.worker_id}: {bad} holds a NaN or an infinity {when}; "
+                f"rank {self.ctx.rank} (worker {self.session.worker_id}): {bad} holds a NaN or an infinity {when}; "
                 "nothing was sent to any peer. Lower the learning rate, clip the gradients, "
                 "or pass on_nonfinite='skip' to ripples.Optimizer to skip steps whose "
                 "gradients are not finite (a non-finite BatchNorm statistic still fails)")
@@ -220,7 +220,7 @@ class StepSynchronizer:
             self._stop_asked = True
             try:
                 self.session.client.stop_run(
-                    f"worker {self.session.worker_id} was asked to stop (a signal or "
+                    f"rank {self.ctx.rank} (worker {self.session.worker_id}) was asked to stop (a signal or "
                     "request_stop)")
             except CoordinatorCallError as err:
                 logger.warning("could not ask the coordinator to stop the run (%s); "

@@ -142,6 +142,38 @@ def test_any_exception_marks_the_worker_failed_with_its_error(tmp_path: Path) ->
     assert "worker rank 2" in proc.stderr
 
 
+@pytest.mark.parametrize("protocol", LIBRARY_PROTOCOLS)
+def test_a_script_seeding_per_rank_starts_every_worker_from_rank_0s_model_and_every_loop_ends(
+        protocol: str, tmp_path: Path) -> None:
+    """The DDP habit: `torch.manual_seed(1337 + rank)` before building the model (DDP
+    broadcasts rank 0's). Every worker starts from rank 0's model, bit for bit, the run
+    says so; rank 0, slower (it evaluates), still runs its loop to the end with the
+    default min_workers, and the run ends when the last loop has."""
+    record = str(tmp_path / "rank{rank}.json")
+    proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
+                       protocol, "--output", str(tmp_path / "run"), "--", "python", PROBE,
+                       "--steps", "40", "--seed-per-rank", "--slow-rank", "0",
+                       "--slow-seconds", "0.05", "--record", record, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert len({r["built_sum"] for r in runs}) == 4  # the script built four models
+    assert len({r["start_sum"] for r in runs}) == 1  # and trained one
+    assert runs[0]["start_sum"] == runs[0]["built_sum"]  # rank 0's
+    assert "ranks 1, 2, 3 built a model whose initial values differ from rank 0's" \
+        in proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    if protocol == "hop":  # its workers wait on their neighbours: the first end ends all
+        assert "(hop's workers end together: each waits for its peers)" \
+            in summary["stop_reason"]
+        return
+    assert [r["steps"] for r in runs] == [40] * 4
+    assert [w["iterations"] for w in summary["workers"]] == [40] * 4
+    lockstep = protocol in ("allreduce", "ripples-static")
+    assert summary["stop_reason"].endswith(
+        "end together: each waits for its peers)" if lockstep
+        else "ended after 40 steps, the last)"), summary
+
+
 def test_a_worker_with_another_model_is_refused_naming_the_first_difference(
         tmp_path: Path) -> None:
     proc = ripples_cli("run", "--workers", "2", "--protocol", "ripples-smart", "--output",
@@ -188,9 +220,11 @@ def test_the_schedule_follows_the_runs_global_step_on_a_slow_worker(tmp_path: Pa
                        "--quiet", "--", "python", PROBE, "--steps", "150", "--record", record)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = {r: json.loads((tmp_path / f"rank{r}.json").read_text())["seen"] for r in range(3)}
-    slow = seen[2][-1]
-    # The straggler made fewer steps than the run's average worker: its schedule follows
-    # the run (global_step), not its own count, and its learning rate decayed accordingly.
+    assert [len(seen[r]) for r in range(3)] == [150] * 3  # the straggler's loop ends too
+    slow = seen[2][74]
+    # Halfway, the straggler had made fewer steps than the run's average worker: its
+    # schedule follows the run (global_step), not its own count, and its learning rate
+    # decayed accordingly.
     # (1.7x-1.9x on an idle machine; global_step comes with heartbeats, which lag under
     # load: 1.4x once in a full test run.)
     assert slow["global_step"] > slow["step"] * 1.25, slow
@@ -280,10 +314,10 @@ def test_the_language_model_example_trains_alone_and_on_a_cluster(tmp_path: Path
                        timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    # The first worker to finish its 40 steps leaves; the other may be a step or two short
-    # and is then stopped (fewer than two workers remain to average).
-    iterations = [w["iterations"] for w in summary["workers"]]
-    assert max(iterations) == 40 and min(iterations) >= 30, iterations
+    # The first worker to finish its 40 planned steps leaves, done: the other trains on
+    # to the end of its own loop, which ends the run (its budget: both planned steps).
+    assert [w["iterations"] for w in summary["workers"]] == [40, 40]
+    assert summary["stop_reason"] == "iteration budget reached (80 iterations)"
     assert summary["final_train_loss"] < math.log(256)
     assert (tmp_path / "run" / "model.pt").exists()
 

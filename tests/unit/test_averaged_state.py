@@ -4,6 +4,7 @@ adopts, staging, the schema workers compare and the non-finite gate."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -205,3 +206,20 @@ def test_a_model_moved_after_wrapping_is_noticed() -> None:
     assert flat.moved_away() is None
     model.double()  # new storage for every parameter
     assert flat.moved_away() == "0.weight"
+
+
+def test_the_fingerprint_tells_initial_models_apart_by_their_bytes() -> None:
+    """What the start compares (Every worker starts from one model): equal for models
+    built with one seed, different for a seed per rank or one ulp, blind to the
+    optimizer state."""
+    a, b, c = (AveragedState(_model(seed)) for seed in (0, 0, 1))
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    model = _model(0)
+    state = AveragedState(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    _step(model, optimizer, 0)  # lr 0: the model stays, momentum appears
+    state.adopt_optimizer_state(optimizer)
+    assert state.fingerprint() == a.fingerprint()
+    with torch.no_grad():
+        b.flat[3] = torch.nextafter(b.flat[3], torch.tensor(math.inf))
+    assert a.fingerprint() != b.fingerprint()

@@ -52,7 +52,7 @@ def test_a_failed_member_restarts_every_worker_which_continue_their_ranks() -> N
     assert core.restarts == 1 and not core.stopped and not core.membership_formed
     assert core.started_at is None  # the clock pauses while the workers restart
     # Every member is told to restart, the failed one too (its leave opened the round).
-    assert all(core.rejoins(wid).startswith("restart round 1: worker 1 failed")
+    assert all(core.rejoins(wid).startswith("restart round 1: rank 1 (worker 1) failed")
                for wid in ids)
     assert {core.workers[w].state for w in ids} == {WorkerState.LEFT, WorkerState.FAILED}
     new = _register(core, ["node2", "node0", "node1"], 25.0)
@@ -108,7 +108,7 @@ def test_without_checkpoints_a_failure_stops_the_run_saying_why() -> None:
     core, ids = _started(checkpointing=False)
     core.leave(ids[0], None, "killed", 5.0)
     assert core.stopped and core.restarts == 0
-    assert "no restart: worker 1 holds no checkpoint" in core.stop_reason
+    assert "no restart: rank 1 (worker 1) holds no checkpoint" in core.stop_reason
     assert not core.rejoins(ids[1])
 
 

@@ -41,6 +41,9 @@ COUNTER_KEYS = frozenset({"step", "eta", "mu"})
 ASGD's eta and mu): never averaged, even for a scalar parameter, whose moments share
 their shape."""
 
+FINGERPRINT_CHUNK_BYTES = 64 << 20
+"""The model's bytes are hashed (and copied off a GPU) this many at a time."""
+
 
 class AveragedState:
     """Owns the flat storage of a model's averaged tensors.
@@ -184,6 +187,19 @@ class AveragedState:
         self._staging = None
 
     # ------------------------------------------------------------------ checks
+    def fingerprint(self) -> str:
+        """A digest of the model's values (the parameters and buffers, not the optimizer
+        state): equal for bit-identical models only, whatever the thread count or the
+        order of a reduction (a sha256 of the bytes, FINGERPRINT_CHUNK_BYTES at a time,
+        copied off a GPU chunk by chunk)."""
+        values = self.flat[: self.model_numel].detach().view(torch.uint8)
+        digest = hashlib.sha256()
+        for start in range(0, values.numel(), FINGERPRINT_CHUNK_BYTES):
+            chunk = values[start : start + FINGERPRINT_CHUNK_BYTES]
+            digest.update(chunk.cpu().numpy().data if chunk.device.type != "cpu"
+                          else chunk.numpy().data)
+        return digest.hexdigest()
+
     def moved_away(self) -> str | None:
         """The name of a parameter that no longer lives in the flat buffer (the model was
         moved or converted after the state was built: `model.to(...)`, `model.half()`),

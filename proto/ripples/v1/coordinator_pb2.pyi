@@ -284,16 +284,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ..., incarnation: _Optional[int] = ..., restart: _Optional[bool] = ..., restart_reason: _Optional[str] = ..., consensus_id: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id", "progress", "error", "reason")
+    __slots__ = ("worker_id", "progress", "error", "reason", "done")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     progress: Progress
     error: str
     reason: str
-    def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    done: bool
+    def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ("restart", "restart_reason")
@@ -330,22 +332,26 @@ class TensorSchema(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class AwaitStartRequest(_message.Message):
-    __slots__ = ("worker_id", "timeout_seconds", "planned_iterations", "schema")
+    __slots__ = ("worker_id", "timeout_seconds", "planned_iterations", "schema", "model_fingerprint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     timeout_seconds: float
     planned_iterations: int
     schema: TensorSchema
-    def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ..., schema: _Optional[_Union[TensorSchema, _Mapping]] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ..., schema: _Optional[_Union[TensorSchema, _Mapping]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class AwaitStartReply(_message.Message):
-    __slots__ = ("elapsed_seconds",)
+    __slots__ = ("elapsed_seconds", "differing_ranks")
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DIFFERING_RANKS_FIELD_NUMBER: _ClassVar[int]
     elapsed_seconds: float
-    def __init__(self, elapsed_seconds: _Optional[float] = ...) -> None: ...
+    differing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, elapsed_seconds: _Optional[float] = ..., differing_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckSchemaRequest(_message.Message):
     __slots__ = ("worker_id", "schema")

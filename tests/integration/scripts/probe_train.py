@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import math
+import time
 
 import torch
 from sklearn.datasets import load_digits
@@ -31,6 +32,11 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--loader-workers", type=int, default=0)
     parser.add_argument("--record", default="", help="a JSON file per rank: {rank} in it")
+    parser.add_argument("--seed-per-rank", action="store_true",
+                        help="seed 1337 + rank before building the model, as DDP scripts do")
+    parser.add_argument("--slow-rank", type=int, default=-1,
+                        help="this rank pauses after each step (as a rank 0 that evaluates)")
+    parser.add_argument("--slow-seconds", type=float, default=0.0)
     parser.add_argument("--steps-after-stop", type=int, default=0,
                         help="rank 0's local steps after the run stopped (its peers are "
                         "gone: nothing may reach them)")
@@ -40,14 +46,16 @@ def main() -> None:
     data = load_digits()
     dataset = TensorDataset(torch.tensor(data.data / 16.0, dtype=torch.float32),
                             torch.tensor(data.target))
-    torch.manual_seed(0)
+    torch.manual_seed(1337 + worker.rank if args.seed_per_rank else 0)
     hidden = 96 if worker.rank == args.wider_on_rank else 64
     layers: list[nn.Module] = [nn.Linear(64, hidden)]
     if args.batchnorm:
         layers.append(nn.BatchNorm1d(hidden))
     model = nn.Sequential(*layers, nn.ReLU(), nn.Linear(hidden, 10)).to(worker.device)
+    built_sum = sum(float(p.double().sum()) for p in model.parameters())
     opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                             on_nonfinite="skip" if args.skip_nonfinite else "raise")
+    start_sum = sum(float(p.double().sum()) for p in model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0 / (1 + opt.global_step / 50))
     sampler = ripples.DistributedSampler(dataset, seed=0)
     loader = DataLoader(dataset, batch_size=16, sampler=sampler,
@@ -87,6 +95,8 @@ def main() -> None:
             opt.report_loss(loss * args.accumulate, num_samples=len(x))
             schedule.step()
             step += 1
+            if worker.rank == args.slow_rank:
+                time.sleep(args.slow_seconds)
             seen.append({"step": opt.local_step, "global_step": opt.global_step,
                          "lr": schedule.get_last_lr()[0], "loss": loss.item()})
             if opt.stopped or step >= args.steps:
@@ -102,7 +112,8 @@ def main() -> None:
         with open(args.record.format(rank=worker.rank), "w") as f:
             json.dump({"rank": worker.rank, "seen": seen, "skipped": opt.skipped_steps,
                        "stop_reason": opt.stop_reason, "initial_loss": initial_loss,
-                       "final_loss": final_loss}, f)
+                       "final_loss": final_loss, "start_sum": start_sum,
+                       "built_sum": built_sum, "steps": step}, f)
 
 
 if __name__ == "__main__":
