@@ -203,10 +203,11 @@ class StepSynchronizer:
         bad = self.state.nonfinite()
         if bad is not None:
             raise FloatingPointError(
-                f"rank {self.ctx.rank} (worker {self.session.worker_id}): {bad} holds a NaN or an infinity {when}; "
-                "nothing was sent to any peer. Lower the learning rate, clip the gradients, "
-                "or pass on_nonfinite='skip' to ripples.Optimizer to skip steps whose "
-                "gradients are not finite (a non-finite BatchNorm statistic still fails)")
+                f"rank {self.ctx.rank} (worker {self.session.worker_id}): {bad} holds a NaN "
+                f"or an infinity {when}; nothing was sent to any peer. Lower the learning "
+                "rate, clip the gradients, or pass on_nonfinite='skip' to ripples.Optimizer "
+                "to skip steps whose gradients are not finite (a non-finite BatchNorm "
+                "statistic still fails)")
 
     def _asked_to_stop(self) -> str:
         """A signal or request_stop(): stop now, or (lock-step protocols, where a worker
@@ -220,8 +221,8 @@ class StepSynchronizer:
             self._stop_asked = True
             try:
                 self.session.client.stop_run(
-                    f"rank {self.ctx.rank} (worker {self.session.worker_id}) was asked to stop (a signal or "
-                    "request_stop)")
+                    f"rank {self.ctx.rank} (worker {self.session.worker_id}) was asked to "
+                    "stop (a signal or request_stop)")
             except CoordinatorCallError as err:
                 logger.warning("could not ask the coordinator to stop the run (%s); "
                                "stopping alone", err)
