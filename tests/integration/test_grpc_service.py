@@ -236,7 +236,7 @@ def test_lease_expiry_cancels_the_group_and_tells_the_waiting_member() -> None:
             reply = stream.request(1, 8.0)  # ids[2] never comes: its lease runs out
             stream.close()
             assert reply.outcome == pb.GROUP_OUTCOME_CANCELLED
-            assert f"worker {ids[2]} expired" in reply.detail
+            assert f"rank 2 (worker {ids[2]}) expired" in reply.detail
             assert time.monotonic() - t0 < 5.0
         finally:
             alive.set()
