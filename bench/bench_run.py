@@ -38,8 +38,8 @@ class RunRecord:
     time_to_target_seconds: float | None
     seconds_per_epoch: float | None
     iterations_to_target: float | None
-    final_loss: float
-    """Evaluation loss of the consensus model at the end of the run."""
+    final_loss: float | None
+    """Evaluation loss of the consensus model at the end of the run (None: not evaluated)."""
     final_train_loss: float | None
     wall_seconds: float
     seconds_per_iteration: float

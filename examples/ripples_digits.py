@@ -58,7 +58,7 @@ def main() -> None:
             break
 
     if args.save and worker.rank == 0:  # `ripples run` also writes the workers' average
-        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.save)
+        torch.save(model.state_dict(), args.save)
 
 
 if __name__ == "__main__":

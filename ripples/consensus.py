@@ -40,13 +40,14 @@ def publish_key(consensus_id: int, worker_id: int) -> str:
 
 
 def encode_model(iteration: int, state_dict: dict[str, torch.Tensor]) -> bytes:
-    """A worker's contribution: its iteration and a CPU copy of its state_dict."""
+    """A worker's contribution: its iteration and its state_dict on the CPU, each tensor
+    at its own size (a view into a larger buffer is copied)."""
     import torch
 
+    from ripples.state_dicts import compact_on_cpu
+
     buffer = io.BytesIO()
-    torch.save({"iteration": iteration,
-                "model": {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}},
-               buffer)
+    torch.save({"iteration": iteration, "model": compact_on_cpu(dict(state_dict))}, buffer)
     return buffer.getvalue()
 
 

@@ -179,9 +179,8 @@ class Worker:
     def _save(self, record: dict[str, object] | None) -> None:
         assert self._optimizer is not None
         if self.env.save_model:
-            # The model's tensors are views into the averaged state's flat buffer: saved
-            # as they are, each file would hold the whole buffer (optimizer state too).
-            state = {k: v.detach().clone() for k, v in self._optimizer.model.state_dict().items()}
+            # Copies of the views into the averaged state (ripples/state_dicts.py).
+            state = self._optimizer.model.state_dict()
             write_atomically(Path(self.env.save_model), lambda f: torch.save(state, f))
         if self.env.save_record and record is not None:
             write_atomically(Path(self.env.save_record),

@@ -14,6 +14,10 @@ worker), holding everything its training loop needs to go on as if it had never 
 the model, the optimizer (with Ripples' step counters), the protocol's own state
 (a2cid2's momentum copy), every stateful object the script names (scheduler, sampler,
 GradScaler, ...), and the random number generators (torch's, CUDA's, Python's, numpy's).
+A script with a checkpoint format of its own gives its callables instead
+(`Checkpointer(opt, state_dict=fn, load_state_dict=fn)`): the files then hold what its
+`state_dict()` returns in place of the model, the optimizer and the generators
+(worker/checkpoint_content.py), and take part in restart rounds all the same.
 
 **The cut.** `step()` belongs after the step's last change of state (the optimizer's and
 the scheduler's steps): a checkpoint of step S is the state right after step S. The
@@ -41,8 +45,8 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,7 +55,14 @@ import torch
 from ripples import events
 from ripples.files import write_atomically
 from ripples.protocols.registry import get_protocol
-from ripples.worker.checkpoint_store import NumberedFiles, StoreExchange, agree_on_step, cpu_copy
+from ripples.state_dicts import compact_on_cpu
+from ripples.worker.checkpoint_content import (
+    CheckpointContent,
+    ScriptState,
+    TrainingState,
+    set_rng_state,
+)
+from ripples.worker.checkpoint_store import NumberedFiles, StoreExchange, agree_on_step
 from ripples.worker.launch_env import CheckpointInterval
 from ripples.worker.optimizer import Optimizer
 from ripples.worker.sampler import DistributedSampler
@@ -82,6 +93,16 @@ class Checkpointer:
 
     Args:
         optimizer: The ripples.Optimizer (its model and state, and this worker's rank).
+        state_dict: With `load_state_dict`, for a script with a checkpoint format of its
+            own: called at each save, it returns what to save (anything torch.save
+            writes: typically the model's and optimizer's state_dicts and the script's own
+            counters), saved in place of the model, the optimizer and the random number
+            generators. None: Ripples saves those.
+        load_state_dict: Called by `restore()` with what `state_dict` returned at the step
+            restored (its tensors on the CPU). It must load the optimizer's state through
+            the optimizer's `load_state_dict` (the ripples.Optimizer's or the wrapped
+            one's): its tensors rejoin the averaged state there. `opt.local_step` is set
+            to the step restored afterwards.
         directory: Where the workers' checkpoints go, DIR/rank-R/step-S.pt. None: the
             launch's `--checkpoint-dir` (RIPPLES_CHECKPOINT_DIR), if any.
         every: "500" or 500 (steps), "90s" (seconds; refused by lock-step protocols),
@@ -99,7 +120,9 @@ class Checkpointer:
             holds, restored with load_state_dict() under the same names (None: absent).
     """
 
-    def __init__(self, optimizer: Optimizer, *, directory: str | os.PathLike[str] | None = None,
+    def __init__(self, optimizer: Optimizer, *, state_dict: Callable[[], Any] | None = None,
+                 load_state_dict: Callable[[Any], object] | None = None,
+                 directory: str | os.PathLike[str] | None = None,
                  every: str | int | None = None, keep: int | None = None,
                  samples_per_step: int | None = None, save_on_stop: bool = True,
                  scheduler: Stateful | None = None, sampler: Stateful | None = None,
@@ -107,8 +130,15 @@ class Checkpointer:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"ripples.Checkpointer takes the ripples.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        if (state_dict is None) != (load_state_dict is None):
+            raise ValueError("give both state_dict and load_state_dict (what to save, and "
+                             "how to put it back), or neither (Ripples saves the model, the "
+                             "optimizer and the random number generators)")
         launch = optimizer.worker.env.checkpoint
         self.optimizer = optimizer
+        self._content: CheckpointContent = (
+            TrainingState(optimizer) if state_dict is None or load_state_dict is None
+            else ScriptState(optimizer, state_dict, load_state_dict))
         self.interval = CheckpointInterval.parse(launch.checkpoint_every if every is None
                                                  else every)
         self.keep = launch.keep_checkpoints if keep is None else keep
@@ -196,7 +226,7 @@ class Checkpointer:
         return path
 
     def _state(self, step: int) -> dict[str, Any]:
-        opt, worker = self.optimizer, self.optimizer.worker
+        worker = self.optimizer.worker
         protocol_state = self._protocol.state_dict() if self._protocol is not None else {}
         return {
             "format": FORMAT_VERSION,
@@ -205,11 +235,10 @@ class Checkpointer:
             "rank": worker.rank,
             "num_workers": worker.num_workers,
             "protocol": worker.protocol,
-            "model": cpu_copy(opt.model.state_dict()),
-            "optimizer": cpu_copy(opt.state_dict()),
-            "protocol_state": cpu_copy(protocol_state),
-            "objects": {name: cpu_copy(obj.state_dict()) for name, obj in self.objects.items()},
-            "rng": _rng_state(worker.device),
+            **self._content.entries(),
+            "protocol_state": compact_on_cpu(protocol_state),
+            "objects": {name: compact_on_cpu(obj.state_dict())
+                        for name, obj in self.objects.items()},
         }
 
     # ------------------------------------------------------------------ restoring
@@ -219,10 +248,12 @@ class Checkpointer:
         newest step every rank holds and loads. Call it once, after building everything
         it restores and before the first step. Returns the step restored (the
         optimizer's `local_step` goes on from it), or 0 when there is nothing to restore.
+        Given `load_state_dict`, it is called here, before this returns.
 
         Raises:
             ValueError: the checkpoint is of another model (its state_dict keys or
-                shapes differ), another format, or lacks a named object.
+                shapes differ), another format, or the other kind (a script's own state,
+                or Ripples'), or lacks a named object.
             RuntimeError: checkpoints exist but none can be loaded (on every rank).
         """
         if self._files is None:
@@ -301,27 +332,15 @@ class Checkpointer:
         if state["format"] != FORMAT_VERSION:
             raise ValueError(f"{path} has checkpoint format {state['format']}, this version "
                              f"of Ripples reads format {FORMAT_VERSION}")
-        mine = self.optimizer.model.state_dict()
-        theirs: dict[str, torch.Tensor] = state["model"]
-        missing = [k for k in mine if k not in theirs]
-        extra = [k for k in theirs if k not in mine]
-        if missing or extra:
-            raise ValueError(f"{path} is a checkpoint of another model: "
-                             f"{len(missing)} tensor(s) missing there (first: "
-                             f"{missing[:1]}), {len(extra)} unknown here (first: {extra[:1]})")
-        for name, tensor in mine.items():
-            if tuple(theirs[name].shape) != tuple(tensor.shape):
-                raise ValueError(f"{path} is a checkpoint of another model: {name!r} is "
-                                 f"{list(theirs[name].shape)} there, {list(tensor.shape)} here")
+        self._content.check(path, state)
         absent = [name for name in self.objects if name not in state["objects"]]
         if absent:
             raise ValueError(f"{path} holds no state for {absent} (it has "
                              f"{sorted(state['objects'])})")
 
     def _apply(self, path: Path, state: dict[str, Any]) -> None:
-        opt, worker = self.optimizer, self.optimizer.worker
-        opt.model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])  # re-adopts its state into the averaged one
+        worker = self.optimizer.worker
+        self._content.load(state)  # the optimizer's state rejoins the averaged one
         if self._protocol is not None:
             same = state["protocol"] == worker.protocol
             self._protocol.load_state_dict(state["protocol_state"] if same else {})
@@ -331,6 +350,8 @@ class Checkpointer:
         if ignored:
             logger.warning("%s also holds state for %s, not restored (not given to the "
                            "Checkpointer)", path, ignored)
+        if "rng" not in state:  # a script's own state: its generators are its own
+            return
         rng, device = state["rng"], worker.device
         if state["rank"] != worker.rank:  # another rank's file (a restart round's copy)
             logger.info("%s was saved by rank %d: its random number generators stay "
@@ -338,29 +359,7 @@ class Checkpointer:
                         path, state["rank"], worker.rank)
             return
         if self._sampler is not None:  # after the DataLoader drew its seed (module doc)
-            self._sampler._at_next_pass(lambda: _set_rng_state(rng, device))
+            self._sampler._at_next_pass(lambda: set_rng_state(rng, device))
         else:
-            _set_rng_state(rng, device)
+            set_rng_state(rng, device)
 
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    try:
-        import numpy
-    except ImportError:
-        return state
-    state["numpy"] = numpy.random.get_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])

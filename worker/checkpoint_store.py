@@ -2,6 +2,8 @@
 lap/lpp-sgd's own in their package): numbered files in a worker's directory, written
 whole or not at all; rounds through the run's rendezvous store in which every rank says
 what it holds; the agreement of lock-step workers on one step that every rank loads.
+(What a saver writes goes through ripples.state_dicts.compact_on_cpu: the model's tensors
+are views into the averaged state's flat buffer, which torch.save would write whole.)
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
 from ripples.files import partial_path, write_atomically
@@ -150,16 +151,3 @@ def agree_on_step(exchange: StoreExchange, steps: list[int],
     raise RuntimeError(f"no checkpoint step ({candidates}) loads on every rank (see the "
                        "warnings); remove the checkpoints to start afresh")
 
-
-def cpu_copy(value: Any) -> Any:
-    """`value` with every tensor copied to the CPU: the model's tensors are views into the
-    averaged state's flat buffer, which torch.save would write whole for each."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [cpu_copy(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(cpu_copy(v) for v in value)
-    return value

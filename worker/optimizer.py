@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ripples.state_dicts import compact_state_dicts
 from ripples.worker.synchronizer import StepSynchronizer, StepTimes
 
 if TYPE_CHECKING:
@@ -76,9 +77,12 @@ class Optimizer(torch.optim.Optimizer):
     `param_groups` and `state` (public attributes) become the wrapped optimizer's objects,
     so schedulers and GradScaler change the wrapped optimizer's values, and become them
     again each time the wrapped optimizer's load_state_dict replaces both (a hook
-    registered through its public `register_load_state_dict_post_hook`). `step()` is an
-    ordinary subclass step: torch calls the step hooks around all of it (local step and
-    synchronisation).
+    registered through its public `register_load_state_dict_post_hook`; the new state
+    tensors rejoin the averaged state there too). `step()` is an ordinary subclass step:
+    torch calls the step hooks around all of it (local step and synchronisation). In a
+    distributed run, the model's and the wrapped optimizer's `state_dict()` copy what is
+    a view into the averaged state (public state_dict post-hooks: ripples/state_dicts.py),
+    so that torch.save writes what they name, as with DDP.
     """
 
     _step_supports_amp_scaling = True
@@ -142,8 +146,10 @@ class Optimizer(torch.optim.Optimizer):
                 self.local_step = int(membership.start_iteration)
         self._check_gradients = on_nonfinite == "skip" or (
             self._sync is not None and self._sync.protocol.syncs_gradients)
-        # Last: a construction refused above leaves the user's optimizer untouched.
-        optimizer.register_load_state_dict_post_hook(self._share_wrapped)
+        # Last: a construction refused above leaves the user's model and optimizer untouched.
+        if self._sync is not None:  # their tensors are now views into the averaged state
+            compact_state_dicts(model, optimizer)
+        optimizer.register_load_state_dict_post_hook(self._after_wrapped_load)
 
     # ------------------------------------------------------------------ torch.optim API
     def _share_wrapped(self, optimizer: torch.optim.Optimizer) -> None:
@@ -151,6 +157,14 @@ class Optimizer(torch.optim.Optimizer):
         load_state_dict, which replaces both)."""
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
+
+    def _after_wrapped_load(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the wrapped optimizer's load_state_dict, called through this one or on
+        it directly: share its new `param_groups` and `state`, whose tensors rejoin the
+        averaged state (the protocols that average it keep doing so)."""
+        self._share_wrapped(optimizer)
+        if self._sync is not None:
+            self._sync.readopt_after_load()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -164,7 +178,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, plus Ripples' own counters under "ripples"
-        (a plain optimizer loads it too, ignoring that key)."""
+        (a plain optimizer loads it too, ignoring that key). Its tensors are copies where
+        the optimizer's are views into the averaged state, so torch.save writes what it
+        names and no more."""
         state = self.optimizer.state_dict()
         state["ripples"] = {"local_step": self.local_step, "skipped_steps": self.skipped_steps}
         return state
@@ -175,12 +191,10 @@ class Optimizer(torch.optim.Optimizer):
         that average it keep doing so)."""
         state_dict = dict(state_dict)
         own = state_dict.pop("ripples", None)
-        self.optimizer.load_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict)  # then _after_wrapped_load
         if own is not None:
             self.local_step = int(own.get("local_step", self.local_step))
             self.skipped_steps = int(own.get("skipped_steps", self.skipped_steps))
-        if self._sync is not None:
-            self._sync.readopt_after_load()
 
     def __repr__(self) -> str:
         protocol = self.worker.protocol or "single-process"

@@ -31,6 +31,7 @@ import torch
 from ripples.consensus import encode_model, publish_key
 from ripples.protocols.registry import PROTOCOLS, create_runtime, get_protocol, role_of_config
 from ripples.protocols.spec import Coordination
+from ripples.state_dicts import state_dict_views
 from ripples.store_blobs import put_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
@@ -183,8 +184,9 @@ class StepSynchronizer:
         self._consensus_served = wanted
         assert self.session.worker_id is not None
         try:
-            put_blob(store, publish_key(wanted, self.session.worker_id),
-                     encode_model(completed, self.model.state_dict()))
+            with state_dict_views():  # encode_model copies them to the CPU
+                blob = encode_model(completed, self.model.state_dict())
+            put_blob(store, publish_key(wanted, self.session.worker_id), blob)
         except (RuntimeError, OSError) as err:  # the request fails; training goes on
             logger.warning("could not publish the model for consensus %d: %s", wanted, err)
             return

@@ -246,7 +246,7 @@ class PeerRun:
             states, {name for name, _ in work.model.named_parameters()})
         torch.save(consensus, cfg.output / "model.pt")
         final_loss, accuracy = (work.evaluate(consensus) if work.evaluate is not None
-                                else (float("nan"), None))
+                                else (None, None))
         wall = progress.elapsed
         samples = progress.total_samples
         epochs = samples / work.train_samples if work.train_samples else None

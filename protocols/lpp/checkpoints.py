@@ -38,12 +38,8 @@ from typing import Any
 import torch
 
 from ripples.files import write_atomically
-from ripples.worker.checkpoint_store import (
-    NumberedFiles,
-    StoreExchange,
-    agree_on_step,
-    cpu_copy,
-)
+from ripples.state_dicts import compact_on_cpu
+from ripples.worker.checkpoint_store import NumberedFiles, StoreExchange, agree_on_step
 from ripples.worker.launch_env import CheckpointOptions
 
 logger = logging.getLogger(__name__)
@@ -109,7 +105,7 @@ class LppCheckpoints:
         state = {
             "format": FORMAT, "round": round_, "updates": list(updates),
             "rank": self.rank, "num_workers": self.num_workers, "protocol": self.protocol,
-            "saved_at": time.time(), "model": cpu_copy(self.model.state_dict())}
+            "saved_at": time.time(), "model": compact_on_cpu(self.model.state_dict())}
         write_atomically(path, lambda f: torch.save(state, f))
         self._saved_updates, self._saved_at = sum(updates), time.monotonic()
         self._files.prune(self.keep)

@@ -266,7 +266,10 @@ class LocalCluster:
         consensus, consensus_distance = average_state_dicts(
             states, set(self._parameter_names(states[0])))
         write_atomically(cfg.output / "model.pt", lambda f: torch.save(consensus, f))
-        final_loss, accuracy = float("nan"), None
+        # The consensus model's evaluation: a task's, with evaluation data. A script's
+        # model is its own: its result is the training loss its workers reported.
+        final_loss: float | None = None
+        accuracy: float | None = None
         task = None
         if not cfg.script:
             task = build_task(cfg.run.task, TaskOptions(seed=cfg.run.seed, device="cpu"))

@@ -13,8 +13,10 @@ import argparse
 import json
 import logging
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ripples.cli.arguments import add_dataclass_arguments, dataclass_from_args, setup_logging
 
@@ -27,6 +29,10 @@ _RUN_SKIP = {"run_id", "protocol_settings"}
 SCRIPT_RUN_DEFAULTS: dict[str, object] = {"task": None, "epochs": None}
 """Defaults of the commands that take a script: unset, so that a script run can refuse
 --task and --epochs (see run_settings)."""
+
+SUMMARY_SERIES = ("loss_curve", "loss_curve_iterations", "consensus_distance_curve", "workers")
+"""The entries of summary.json that grow with the run (a point a second, an entry a
+worker): the file keeps them, the terminal shows the rest."""
 
 
 def add_run_arguments(parser: argparse.ArgumentParser,
@@ -100,16 +106,50 @@ def cmd_run(args: argparse.Namespace) -> int:
                             worker_log_level=logging.INFO if args.verbose else logging.WARNING,
                             script=tuple(script), checkpoint=checkpoint,
                             resume=args.resume)
+    started = time.monotonic()
     try:
         summary = run_local(config)
     except (RuntimeError, TimeoutError, OSError) as err:
         print(f"ripples run: failed: {err}", file=sys.stderr)
         return 1
-    shown = {k: v for k, v in summary.items() if k not in ("loss_curve", "workers")}
-    print(json.dumps(shown, indent=2))
-    print(f"wrote {config.output / 'summary.json'} and {config.output / 'model.pt'}",
-          file=sys.stderr)
+    if not args.quiet:
+        print(json.dumps({k: v for k, v in summary.items() if k not in SUMMARY_SERIES},
+                         indent=2))
+    print("\n".join(result_lines(summary, config.output, time.monotonic() - started)))
     return 130 if summary.get("stop_reason") == INTERRUPTED else 0
+
+
+def result_lines(summary: Mapping[str, Any], output: Path, command_seconds: float) -> list[str]:
+    """What `ripples run` ends with, in a few lines: how the run ended, its result (the
+    consensus model's evaluation for a task, the workers' last training loss for a
+    script), its time and iterations, and where its files are."""
+    protocol, num_workers = summary["protocol"], summary["num_workers"]
+    lines = [f"{protocol}, {num_workers} workers: {summary['stop_reason'] or 'the workers ended'}"]
+    train_loss = summary.get("final_train_loss")
+    train = (f"final training loss {train_loss:.4f} (the workers' reported losses at the "
+             "end, averaged)" if train_loss is not None
+             else "no training loss reported (opt.report_loss)")
+    if summary.get("final_loss") is not None:
+        accuracy = summary.get("final_accuracy")
+        lines.append(f"consensus model on the {summary['task']} task's evaluation data: loss "
+                     f"{summary['final_loss']:.4f}"
+                     + (f", accuracy {accuracy:.4f}" if accuracy is not None else ""))
+        lines.append(train)
+    else:
+        lines.append(train + ("; a script's model is not evaluated" if summary.get("script")
+                              else "; the task has no evaluation data"))
+    iterations = [int(w["iterations"]) for w in summary.get("workers") or []]
+    timing = (f"{summary['wall_seconds']:.1f} s of training ({command_seconds:.1f} s with "
+              f"start-up), {sum(iterations)} iterations")
+    if iterations:
+        low, high = min(iterations), max(iterations)
+        timing += f" ({low} per worker)" if low == high else f" ({low}-{high} per worker)"
+    target_seconds = summary.get("time_to_target_seconds")
+    if target_seconds is not None:
+        timing += f"; target loss reached after {target_seconds:.1f} s"
+    lines.append(timing)
+    lines.append(f"wrote {output / 'summary.json'} and {output / 'model.pt'}")
+    return lines
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -140,6 +180,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "new workers that continue each rank from its newest checkpoint "
                           "(OUTPUT/checkpoints unless --checkpoint-dir); give the same "
                           "script after --")
-    run.add_argument("--quiet", action="store_true", help="no progress lines")
+    run.add_argument("--quiet", action="store_true",
+                     help="no progress lines, and of the summary only a few lines (how the "
+                          "run ended, its loss, time and files); summary.json holds it all")
     run.add_argument("--verbose", action="store_true", help="log coordinator and worker events")
     run.set_defaults(func=cmd_run, takes_script=True)

@@ -66,7 +66,15 @@ def test_every_library_protocol_trains_a_user_script_to_the_target(protocol: str
     assert summary["script"] == ["python", EXAMPLE, "--epochs", "30"]
     assert summary["samples_per_second"] > 0  # the script reports its batch sizes
     assert all(w["iterations"] > 0 for w in summary["workers"])
+    # A script's model is not evaluated: its result is the workers' training loss.
+    assert summary["final_loss"] is None and summary["final_train_loss"] <= TARGET_LOSS + 0.05
     assert _accuracy(torch.load(tmp_path / "model.pt")) >= 0.9
+    # --quiet: after the script's own output (rank 0's epoch lines), four lines; the
+    # summary is in its file.
+    lines = proc.stdout.splitlines()[-4:]
+    assert lines[0].startswith(f"{protocol}, 4 workers: target loss"), proc.stdout
+    assert "final training loss" in lines[1] and str(tmp_path / "summary.json") in lines[3]
+    assert "NaN" not in proc.stdout and "loss_curve" not in proc.stdout
 
 
 def test_the_same_script_runs_alone_without_a_coordinator(tmp_path: Path) -> None:

@@ -47,6 +47,11 @@ def test_protocol_reaches_the_loss_target_on_digits(protocol: str, tmp_path: Pat
     assert summary["stop_reason"].startswith("target loss")
     assert summary["final_accuracy"] >= 0.85
     assert summary["loss_curve"] and summary["loss_curve"][-1][1] <= TARGET_LOSS + 1e-9
+    # --quiet: how the run ended, the consensus model's evaluation, the training loss,
+    # time, files; the loss curve stays in summary.json.
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 5 and lines[0].startswith(f"{protocol}, 4 workers: target loss")
+    assert f"accuracy {summary['final_accuracy']:.4f}" in lines[1], proc.stdout
     workers = summary["workers"]
     assert sorted(w["rank"] for w in workers) == [0, 1, 2, 3]
     for w in workers:

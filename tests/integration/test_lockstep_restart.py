@@ -144,11 +144,15 @@ def test_a_run_restarts_with_a_replacement_on_the_same_host(
         assert re.search(r"restored step \d+", log), log[-4000:]
 
 
-def test_a_users_script_restarts_under_its_launcher(tmp_path: Path) -> None:
+@pytest.mark.parametrize("script_name", ["checkpointed_train.py", "own_format_train.py"],
+                         ids=["ripples-state", "own-format"])
+def test_a_users_script_restarts_under_its_launcher(script_name: str, tmp_path: Path) -> None:
     """`ripples worker run -- python train.py` with a script that restores a
-    ripples.Checkpointer: the killed host's script dies; the survivors' scripts exit 75,
-    their launchers start them again, and with a replacement host the run completes."""
-    script = ["--", sys.executable, str(SCRIPTS / "checkpointed_train.py"), "--steps", "500",
+    ripples.Checkpointer (of Ripples' own state with a sampler and a scheduler, or of
+    the script's own format through its state_dict/load_state_dict callables, with
+    neither): the killed host's script dies; the survivors' scripts exit 75, their
+    launchers start them again, and with a replacement host the run completes."""
+    script = ["--", sys.executable, str(SCRIPTS / script_name), "--steps", "500",
               "--save", str(tmp_path / "final-{rank}.pt")]
 
     def host(address: str, name: str) -> subprocess.Popen[str]:
@@ -180,7 +184,21 @@ def test_a_users_script_restarts_under_its_launcher(tmp_path: Path) -> None:
         assert "restarts (restart 1)" in log  # the launchers started the scripts again
         assert re.search(r"rank \d restored step [1-9]\d*", log), log[-4000:]
         assert core.stopped and "iteration budget reached" in core.stop_reason
-        assert len(list(tmp_path.glob("final-*.pt"))) == 3
+        finals = [torch.load(p) for p in sorted(tmp_path.glob("final-*.pt"))]
+        assert len(finals) == 3
+        for final in finals[1:]:  # lock-step: every worker ends with the same model
+            for name, tensor in final.items():
+                assert torch.allclose(tensor, finals[0][name], atol=1e-5), name
+        if script_name == "own_format_train.py":
+            # Every survivor and the replacement got the script's own state back, of the
+            # step the checkpoint was taken at, through its load_state_dict.
+            restored = re.findall(r"rank \d restored step ([1-9]\d*) \(its own state says "
+                                  r"\[(\d+)\]\)", log)
+            assert len(restored) >= 3 and all(a == b for a, b in restored), log[-4000:]
+            saved = torch.load(next((tmp_path / "checkpoints").glob("rank-*/step-*.pt")),
+                               weights_only=False)
+            assert saved["script_state"]["format"] == "own-v1"
+            assert "model" not in saved and "rng" not in saved
 
 
 @pytest.mark.parametrize("protocol", ["lap-sgd", "lpp-sgd"])

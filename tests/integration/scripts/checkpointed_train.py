@@ -48,8 +48,7 @@ def main() -> None:
                 break
         epoch += 1
     if args.save:
-        torch.save({k: v.clone() for k, v in model.state_dict().items()},
-                   args.save.format(rank=worker.rank))
+        torch.save(model.state_dict(), args.save.format(rank=worker.rank))
 
 
 if __name__ == "__main__":
