@@ -54,16 +54,23 @@ def _clean_env() -> dict[str, str]:
 @pytest.mark.parametrize("protocol", LIBRARY_PROTOCOLS)
 def test_every_library_protocol_trains_a_user_script_to_the_target(protocol: str,
                                                                    tmp_path: Path) -> None:
-    """The migration example, unchanged, under each protocol: the run stops at the target
-    loss and DIR/model.pt, the average of the workers' final models, classifies digits."""
+    """The migration example, unchanged, under each protocol, with its DDP habits: a seed
+    per rank, accumulation through `require_backward_grad_sync`, rank 0 evaluating and
+    saving a checkpoint. The run stops at the target loss; DIR/model.pt, the average of
+    the workers' final models, classifies digits; rank 0's checkpoint holds its model and
+    optimizer."""
+    script = ["python", EXAMPLE, "--epochs", "30", "--accumulate", "2",
+              "--save", str(tmp_path / "ckpt.pt")]
     proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
                        protocol, "--target-loss", str(TARGET_LOSS), "--seed", "1",
-                       "--output", str(tmp_path), "--quiet", "--", "python", EXAMPLE,
-                       "--epochs", "30")
+                       "--output", str(tmp_path), "--quiet", "--", *script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stop_reason"].startswith("target loss"), summary["stop_reason"]
-    assert summary["script"] == ["python", EXAMPLE, "--epochs", "30"]
+    assert summary["script"] == script
+    assert "ranks 1, 2, 3 built a model whose initial values differ" in proc.stderr
+    checkpoint = torch.load(tmp_path / "ckpt.pt")
+    assert _accuracy(checkpoint["model"]) >= 0.9 and checkpoint["optimizer"]["state"]
     assert summary["samples_per_second"] > 0  # the script reports its batch sizes
     assert all(w["iterations"] > 0 for w in summary["workers"])
     # A script's model is not evaluated: its result is the workers' training loss.
