@@ -4,8 +4,9 @@ DDP is attached to the user's own model with `torch.distributed._composable.repl
 (DDP's composable form: the same C++ reducer, registered as hooks on the module instead
 of a wrapper), so the user's `model(x)` and `loss.backward()` all-reduce the gradients in
 buckets that overlap the backward pass, exactly as with a `DistributedDataParallel`
-wrapper. Gradient accumulation: `with opt.no_sync():` around the micro-batches that must
-not synchronise, as `model.no_sync()` with DDP.
+wrapper. Gradient accumulation: DDP's spellings work on the user's model
+(`model.require_backward_grad_sync = False`, `with model.no_sync():`), and so does
+`with opt.no_sync():` (gradient_sync.py).
 
 DDP's wrapper broadcasts rank 0's buffers before every forward; `replicate` syncs
 parameters only, so this protocol averages the floating-point buffers (BatchNorm
@@ -19,12 +20,12 @@ average of the workers' (as for the other protocols), not rank 0's.
 import contextlib
 import datetime
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed._composable import replicate
 
+from ripples.protocols.allreduce.gradient_sync import GradientSyncSwitch
 from ripples.protocols.lockstep import LockstepStop
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
@@ -51,8 +52,9 @@ class AllReduceProtocol(Protocol):
             timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_seconds),
         )
         self._window: list[float] = []
-        self._stopped = False
         replicate(ctx.model, device_id=ctx.device)
+        self.gradient_sync = GradientSyncSwitch(
+            ctx.model, ctx.model.set_requires_gradient_sync)  # type: ignore[arg-type]
         ctx.model.register_comm_hook(self._window, _timed_allreduce_hook)  # type: ignore[operator]
         # Build DDP now rather than at the root module's first forward (replicate's
         # default): its constructor's collectives (the shape check, the broadcast of rank
@@ -66,21 +68,11 @@ class AllReduceProtocol(Protocol):
         self.stopper = LockstepStop(ctx)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self._no_gradient_sync()
-
-    @contextlib.contextmanager
-    def _no_gradient_sync(self) -> Iterator[None]:
-        model = self.ctx.model
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(not self._stopped)  # type: ignore[operator]
+        return self.gradient_sync.no_sync()
 
     def on_stop(self) -> None:
         """The peers are leaving: backward passes after the stop stay local."""
-        self._stopped = True
-        self.ctx.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self.gradient_sync.stop()
 
     def backward_sync_seconds(self) -> float:
         window = self._window
