@@ -29,11 +29,17 @@ from ripples.protocols.registry import (
     get_protocol,
 )
 from ripples.protocols.settings import ProtocolSettings, RunFacts, TopologyFacts
-from ripples.protocols.spec import Membership, ProtocolSpec, Role
+from ripples.protocols.spec import Coordination, Membership, ProtocolSpec, Role
 from ripples.rpc import parse_target
 from ripples.v1 import coordinator_pb2 as pb
 
 S = TypeVar("S", bound=ProtocolSettings)
+
+LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS = 1800.0
+"""Lock-step protocols' default collective timeout: torch's, so that a peer busy between
+steps (a rank-0 evaluation) is waited for; a dead one is caught by its lease instead."""
+GROUP_COLLECTIVE_TIMEOUT_SECONDS = 60.0
+"""The other protocols' default: a group fails after it and its members go on."""
 
 
 def option_names(cls: type[ProtocolSettings]) -> dict[str, str]:
@@ -85,8 +91,12 @@ class RunSettings:
     moments) along with the parameters, so a group leaves with one update direction;
     measured here to cut iterations to target ~15% (--no-average-optimizer-state: the
     papers' parameters-only averaging)."""
-    collective_timeout_seconds: float = 60.0
-    """Bound on one collective; a late or dead peer fails the group after it."""
+    collective_timeout_seconds: float = 0.0
+    """Bound on one collective: a peer that has not reached it by then fails it. 0: 1800 s
+    (torch's default) for lock-step protocols (allreduce, ripples-static), where every
+    worker waits in every collective for the slowest, who may be alive but busy (an
+    evaluation or a save on rank 0) while a dead peer is caught by its lease; 60 s for
+    the others, whose groups go on without a late peer."""
     heartbeat_interval_seconds: float = 0.5
     """How often workers renew their lease and report progress."""
     lease_seconds: float = 10.0
@@ -181,6 +191,15 @@ class RunSettings:
         return self.spec.role_of(self.settings)
 
     @property
+    def collective_timeout(self) -> float:
+        """collective_timeout_seconds, or (0) the default of this run's protocol."""
+        if self.collective_timeout_seconds:
+            return self.collective_timeout_seconds
+        lockstep = self.role.coordination in (Coordination.LOCKSTEP, Coordination.STATIC)
+        return (LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS if lockstep
+                else GROUP_COLLECTIVE_TIMEOUT_SECONDS)
+
+    @property
     def restarts(self) -> bool:
         """A membership change restarts every worker from the last checkpoint (a restart
         round): the protocol restarts, and this run's role needs every worker."""
@@ -232,10 +251,13 @@ class RunSettings:
                              "protocol")
         if self.target_loss < 0:
             raise ValueError("target_loss must not be negative")
-        for name in ("collective_timeout_seconds", "heartbeat_interval_seconds", "lease_seconds",
+        for name in ("heartbeat_interval_seconds", "lease_seconds",
                      "coordinator_outage_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.collective_timeout_seconds < 0:
+            raise ValueError("collective_timeout_seconds must not be negative (0: the "
+                             "protocol's default)")
         if self.lease_seconds <= 2 * self.heartbeat_interval_seconds:
             raise ValueError("lease_seconds must exceed twice heartbeat_interval_seconds")
         if self.outage_local_steps < 0:
@@ -298,7 +320,7 @@ class RunSettings:
             epochs=self.epochs,
             target_loss=self.target_loss,
             seed=self.seed,
-            collective_timeout_seconds=self.collective_timeout_seconds,
+            collective_timeout_seconds=self.collective_timeout,
             heartbeat_interval_seconds=self.heartbeat_interval_seconds,
             lease_seconds=self.lease_seconds,
             coordinator_outage_seconds=self.coordinator_outage_seconds,

@@ -414,6 +414,12 @@ class CoordinatorCore(RunMembership):
         return self.stopper.reason
 
     @property
+    def members_lost(self) -> bool:
+        """The run stopped for a failure and its peers need every worker: a collective
+        that waits for a lost member will never complete (HeartbeatReply.members_lost)."""
+        return self.stopped and self.stopped_by_failure and self.role.needs_every_worker
+
+    @property
     def table(self) -> GroupTable:
         return self.groups.table
 

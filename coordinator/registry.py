@@ -44,6 +44,7 @@ class Progress:
     preduce_seconds: float = 0.0
     planned_iterations: int = 0
     checkpoint_step: int = 0  # the newest step it holds a checkpoint of (0: none)
+    collective_wait_seconds: float = 0.0  # in its current collective (0: in none)
 
 
 class _LiveState:

@@ -240,6 +240,7 @@ class CoordinatorService(pb_grpc.WorkerServicer):
             request.worker_id, progress, self.clock()))
         self._resolve(deliveries)
         return pb.HeartbeatReply(stop=self.core.stopped, stop_reason=self.core.stop_reason,
+                                 members_lost=self.core.members_lost,
                                  mean_iterations=self.core.mean_iterations(),
                                  incarnation=self.incarnation,
                                  consensus_id=(self.core.consensus_id

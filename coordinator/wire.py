@@ -49,6 +49,7 @@ def progress_from_proto(p: pb.Progress) -> Progress:
         preduce_seconds=p.preduce_seconds,
         planned_iterations=p.planned_iterations,
         checkpoint_step=p.checkpoint_step,
+        collective_wait_seconds=p.collective_wait_seconds,
     )
 
 
@@ -63,6 +64,7 @@ def progress_to_proto(p: Progress) -> pb.Progress:
         preduce_seconds=p.preduce_seconds,
         planned_iterations=p.planned_iterations,
         checkpoint_step=p.checkpoint_step,
+        collective_wait_seconds=p.collective_wait_seconds,
     )
 
 

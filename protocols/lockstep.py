@@ -1,9 +1,48 @@
 """Agreements of lock-step protocols (every worker in every collective, every iteration):
-where all stop, and after which iteration all average their optimizer state too."""
+where all stop, and after which iteration all average their optimizer state too; and how
+their collectives are watched and their failures explained."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from ripples.worker.client import CoordinatorCallError
+from ripples.worker.collective_watch import COLLECTIVES, describe_peers, explain_failure
 from ripples.worker.protocol import ProtocolContext, SyncResult
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def explained_collective(ctx: ProtocolContext, what: str) -> Iterator[None]:
+    """Mark `what` as the collective this worker waits in (CollectiveWatch: a worker held
+    in one after the run lost a member ends); its failure is raised as a RuntimeError
+    saying what failed (explain_collective_failure)."""
+    COLLECTIVES.enter(what)
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as err:
+        raise RuntimeError(explain_collective_failure(ctx, what, err)) from err
+    finally:
+        COLLECTIVES.leave()
+
+
+def explain_collective_failure(ctx: ProtocolContext, what: str, err: BaseException) -> str:
+    """The failure of collective `what`, with the peers it waited for as the coordinator
+    knows them; logged, and kept for the worker's FAILED reason."""
+    try:
+        status = ctx.client.run_status()
+    except CoordinatorCallError as status_err:
+        logger.warning("could not ask the coordinator which peers were missing: %s",
+                       status_err)
+        status = None
+    message = explain_failure(what, err, timeout_seconds=ctx.config.collective_timeout_seconds,
+                              peers=describe_peers(status, ctx.worker_id))
+    COLLECTIVES.failure = message
+    logger.error("%s", message)
+    return message
 
 
 class LockstepStop:

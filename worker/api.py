@@ -31,6 +31,7 @@ import torch
 
 from ripples.files import write_atomically
 from ripples.worker.client import PROCESS_RESTART
+from ripples.worker.collective_watch import COLLECTIVES
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.session import Session, resolve_device
 
@@ -250,7 +251,7 @@ def _install_exit_hooks() -> None:
 
     def excepthook(kind: type[BaseException], value: BaseException,
                    tb: TracebackType | None) -> None:
-        _uncaught.append(f"{kind.__name__}: {value}")
+        _uncaught.append(COLLECTIVES.error_text(kind, value))
         previous(kind, value, tb)
 
     sys.excepthook = excepthook

@@ -22,6 +22,7 @@ from ripples.rpc import (
 from ripples.security import ClientSecurity
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
+from ripples.worker.collective_watch import end_if_stuck
 from ripples.worker.group_stream import GroupStream
 from ripples.worker.process_launcher import RESTART_EXIT_CODE
 
@@ -377,6 +378,9 @@ class HeartbeatThread(threading.Thread):
         self.progress = progress
         self.stop_requested = threading.Event()
         self.stop_reason = ""
+        self.members_lost = False
+        """The coordinator stopped this lock-step run because a member was lost: a
+        collective the training thread waits in now will not complete (end_if_stuck)."""
         self.fatal_error = ""
         self.restart = PROCESS_RESTART
         self.consensus_id = 0
@@ -426,6 +430,13 @@ class HeartbeatThread(threading.Thread):
             if reply.stop and not self.stop_requested.is_set():
                 self.stop_reason = reply.stop_reason
                 self.stop_requested.set()
+            self.members_lost = self.members_lost or (reply.stop and reply.members_lost)
+            if self.members_lost:
+                end_if_stuck(self.stop_reason, self._leave_failed)
+
+    def _leave_failed(self, error: str) -> None:
+        """Leave FAILED from this thread (the training thread is held in a collective)."""
+        self.client.leave(self.worker_id, self.progress(), error=error)
 
     def finish(self) -> None:
         self._finish.set()

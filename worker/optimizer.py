@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+NO_SYNC = "no_sync"
+"""DDP's `model.no_sync()`, which a migrated script may still call."""
+
 LOSS_FLUSH_STEPS = 16
 """Losses reported as device tensors are read back in batches of this many steps (one
 host-device sync per batch instead of one per step)."""
@@ -146,6 +149,12 @@ class Optimizer(torch.optim.Optimizer):
                 self.local_step = int(membership.start_iteration)
         self._check_gradients = on_nonfinite == "skip" or (
             self._sync is not None and self._sync.protocol.syncs_gradients)
+        if not hasattr(model, NO_SYNC):
+            # DDP's `with model.no_sync():` where nothing syncs inside backward (every
+            # protocol but allreduce, which gave the model its own, and single-process
+            # mode): nothing to skip. A class, not a method of this optimizer, so that
+            # copy.deepcopy and pickling of the model stay as they were.
+            setattr(model, NO_SYNC, contextlib.nullcontext)
         # Last: a construction refused above leaves the user's model and optimizer untouched.
         if self._sync is not None:  # their tensors are now views into the averaged state
             compact_state_dicts(model, optimizer)
@@ -228,8 +237,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside do not synchronise gradients (gradient accumulation with
-        `allreduce`, as DDP's `model.no_sync()`); other protocols synchronise in step()
-        only, so it changes nothing for them."""
+        `allreduce`, as DDP's `model.no_sync()`, which works on the model too, as does
+        `model.require_backward_grad_sync = False`); other protocols synchronise in
+        step() only, so it changes nothing for them."""
         return self._sync.protocol.no_sync() if self._sync is not None else (
             contextlib.nullcontext())
 

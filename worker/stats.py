@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.collective_watch import COLLECTIVES
 
 if TYPE_CHECKING:
     from ripples.worker.protocol import SyncResult
@@ -71,4 +72,5 @@ class WorkerStats:
                 wait_seconds=self.wait_seconds, preduce_seconds=self.preduce_seconds,
                 planned_iterations=self.planned_iterations,
                 checkpoint_step=self.checkpoint_step,
+                collective_wait_seconds=COLLECTIVES.waiting()[1],
             )

@@ -4,13 +4,21 @@ DDP is attached to the user's own model with `torch.distributed._composable.repl
 (DDP's composable form: the same C++ reducer, registered as hooks on the module instead
 of a wrapper), so the user's `model(x)` and `loss.backward()` all-reduce the gradients in
 buckets that overlap the backward pass, exactly as with a `DistributedDataParallel`
-wrapper. Gradient accumulation: `with opt.no_sync():` around the micro-batches that must
-not synchronise, as `model.no_sync()` with DDP.
+wrapper. Gradient accumulation: DDP's spellings work on the user's model
+(`model.require_backward_grad_sync = False`, `with model.no_sync():`), and so does
+`with opt.no_sync():` (gradient_sync.py).
 
 DDP's wrapper broadcasts rank 0's buffers before every forward; `replicate` syncs
 parameters only, so this protocol averages the floating-point buffers (BatchNorm
 statistics) after every step instead, in one small all-reduce: the buffers are the
 average of the workers' (as for the other protocols), not rank 0's.
+
+Every worker waits in every all-reduce for the slowest, which may be busy between steps
+(an evaluation on rank 0): the run's collective timeout is long for lock-step protocols
+(RunSettings.collective_timeout_seconds), a dead peer is caught by its lease, and the
+collectives are marked in the process's CollectiveWatch, so that a worker held in one
+after the run lost a member ends (worker/collective_watch.py). A collective that fails
+says which one it was, which peers it waited for and, for a timeout, how to raise it.
 """
 
 # No `from __future__ import annotations` here: DDP checks the comm hook's `bucket`
@@ -19,13 +27,18 @@ average of the workers' (as for the other protocols), not rank 0's.
 import contextlib
 import datetime
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed._composable import replicate
 
-from ripples.protocols.lockstep import LockstepStop
+from ripples.protocols.allreduce.gradient_sync import GradientSyncSwitch
+from ripples.protocols.lockstep import (
+    LockstepStop,
+    explain_collective_failure,
+    explained_collective,
+)
+from ripples.worker.collective_watch import COLLECTIVES
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 
@@ -51,14 +64,19 @@ class AllReduceProtocol(Protocol):
             timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_seconds),
         )
         self._window: list[float] = []
-        self._stopped = False
+        self.gradient_allreduce = "the gradient all-reduce of this process's first step"
+        """What the comm hook's collectives are called in errors (the step they serve)."""
         replicate(ctx.model, device_id=ctx.device)
-        ctx.model.register_comm_hook(self._window, _timed_allreduce_hook)  # type: ignore[operator]
+        self.gradient_sync = GradientSyncSwitch(
+            ctx.model, ctx.model.set_requires_gradient_sync)  # type: ignore[arg-type]
+        ctx.model.register_comm_hook(self, _timed_allreduce_hook)  # type: ignore[operator]
         # Build DDP now rather than at the root module's first forward (replicate's
         # default): its constructor's collectives (the shape check, the broadcast of rank
         # 0's parameters) run here, where every worker is, and the gradient hooks exist
         # whichever forward the script calls first.
-        replicate.state(ctx.model).lazy_init()
+        with explained_collective(ctx, "DDP's start (its check of the parameters' shapes "
+                                       "and its broadcast of rank 0's values)"):
+            replicate.state(ctx.model).lazy_init()
         state = ctx.state
         params = sum(p.numel() for p in state.params)
         buffers = sum(b.numel() for b in state.buffers)
@@ -66,21 +84,11 @@ class AllReduceProtocol(Protocol):
         self.stopper = LockstepStop(ctx)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self._no_gradient_sync()
-
-    @contextlib.contextmanager
-    def _no_gradient_sync(self) -> Iterator[None]:
-        model = self.ctx.model
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(not self._stopped)  # type: ignore[operator]
+        return self.gradient_sync.no_sync()
 
     def on_stop(self) -> None:
         """The peers are leaving: backward passes after the stop stay local."""
-        self._stopped = True
-        self.ctx.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self.gradient_sync.stop()
 
     def backward_sync_seconds(self) -> float:
         window = self._window
@@ -95,10 +103,12 @@ class AllReduceProtocol(Protocol):
     def after_step(self, completed: int) -> SyncResult:
         seconds = self.backward_sync_seconds()
         self._window[:] = []
+        self.gradient_allreduce = f"the gradient all-reduce of step {completed + 1}"
         buffer_seconds = 0.0
         if self._buffers is not None:
             t0 = time.perf_counter()
-            with torch.no_grad():
+            what = f"the all-reduce of the floating-point buffers after step {completed}"
+            with torch.no_grad(), explained_collective(self.ctx, what):
                 self._buffers.div_(self.ctx.num_workers)
                 dist.all_reduce(self._buffers)
             buffer_seconds = time.perf_counter() - t0
@@ -112,16 +122,30 @@ class AllReduceProtocol(Protocol):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def explain(self, what: str, err: BaseException) -> str:
+        return explain_collective_failure(self.ctx, what, err)
+
 
 def _timed_allreduce_hook(
-    window: list[float], bucket: dist.GradBucket
+    protocol: AllReduceProtocol, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
+    window = protocol._window
     window.append(time.perf_counter())
+    what = protocol.gradient_allreduce
+    COLLECTIVES.enter(what)  # while a bucket is in flight; DDP waits for all at the end
     tensor = bucket.buffer().div_(dist.get_world_size())
-    fut = dist.all_reduce(tensor, async_op=True).get_future()
+    try:
+        fut = dist.all_reduce(tensor, async_op=True).get_future()
+    except RuntimeError:
+        COLLECTIVES.leave()
+        raise
 
     def done(f: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
+        COLLECTIVES.leave()
         window.append(time.perf_counter())
-        return f.value()[0]
+        try:
+            return f.value()[0]
+        except RuntimeError as err:  # torch wraps this message in its own words
+            raise RuntimeError(protocol.explain(what, err)) from err
 
     return fut.then(done)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ripples.protocols.lockstep import LockstepStop
+from ripples.protocols.lockstep import LockstepStop, explained_collective
 from ripples.static_schedule import static_group_of
 from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
@@ -47,9 +47,11 @@ class StaticScheduleProtocol(Protocol):
             return SyncResult()
         key = f"static/{self.run_id}/{'-'.join(map(str, group))}"
         t0 = time.perf_counter()
-        comm = self.ctx.comms.get(key, group.index(self.rank), len(group), create=True)
         state = self.ctx.state
-        preduce(state, comm, self.ctx.config.collective_timeout_seconds)
+        with explained_collective(self.ctx, f"the P-Reduce of step {completed} with "
+                                            f"ranks {list(group)}"):
+            comm = self.ctx.comms.get(key, group.index(self.rank), len(group), create=True)
+            preduce(state, comm, self.ctx.config.collective_timeout_seconds)
         seconds = time.perf_counter() - t0
         return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(len(group),),
                           preduce_durations=(seconds,), preduce_bytes=state.size_bytes)

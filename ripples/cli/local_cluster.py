@@ -10,6 +10,7 @@ evaluation data, and writes DIR/summary.json.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,7 +33,7 @@ from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.files import write_atomically
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.client import CoordinatorClient
+from ripples.worker.client import CoordinatorCallError, CoordinatorClient
 from ripples.worker.launch_env import CheckpointOptions, LaunchEnv
 from ripples.worker.process_launcher import (
     WorkerProcesses,
@@ -212,7 +213,11 @@ class LocalCluster:
             status = client.run_status()
             failed = self._failed_workers(status)
             if failed:
-                client.stop_run("a worker failed")
+                # The failure may have stopped the run already (a lock-step run that
+                # cannot go on): the coordinator then refuses another stop, and the
+                # workers' errors are what to report, not that refusal.
+                with contextlib.suppress(CoordinatorCallError):
+                    client.stop_run("a worker failed")
                 raise RuntimeError("; ".join(failed))
             self._sample_consensus(status)
             if not alive:

@@ -3,8 +3,10 @@ torch.optim contract it keeps (schedulers, GradScaler, state_dict, autocast)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import pickle
 from collections.abc import Iterator
 
 import pytest
@@ -236,3 +238,34 @@ def test_the_sampler_shards_and_deals_fixed_or_per_epoch() -> None:
     assert len({tuple(e) for e in epochs_fixed}) > 1
     assert len({frozenset(e) for e in epochs_moving}) > 1  # re-dealt every epoch
     assert ripples.DistributedSampler(data).num_replicas == 1  # single-process: everything
+
+
+def test_a_ddp_script_s_gradient_accumulation_runs_alone() -> None:
+    """DDP's spellings (`with model.no_sync():`, `model.require_backward_grad_sync`) are
+    no-ops alone; the model still deep-copies and pickles (an EMA copy, torch.save), and
+    a model that defines its own `no_sync` keeps it."""
+    model = _model()
+    opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, y = _batch(0)
+    for micro in range(3):
+        model.require_backward_grad_sync = micro == 2
+        with model.no_sync():  # type: ignore[operator]
+            nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    twin = copy.deepcopy(model)
+    with twin.no_sync():  # type: ignore[operator]
+        pass
+    restored = pickle.loads(pickle.dumps(model))
+    assert restored.no_sync is contextlib.nullcontext
+
+    class OwnNoSync(nn.Linear):
+        def no_sync(self) -> str:
+            return "mine"
+
+    worker = current_worker()
+    assert worker is not None
+    worker.shutdown()
+    ripples.init(env=LaunchEnv(host="test"))
+    own = OwnNoSync(3, 3)
+    ripples.Optimizer(torch.optim.SGD(own.parameters(), lr=0.1), own)
+    assert own.no_sync() == "mine"

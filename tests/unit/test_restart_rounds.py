@@ -110,6 +110,7 @@ def test_without_checkpoints_a_failure_stops_the_run_saying_why() -> None:
     assert core.stopped and core.restarts == 0
     assert "no restart: rank 1 (worker 1) holds no checkpoint" in core.stop_reason
     assert not core.rejoins(ids[1])
+    assert core.members_lost  # a survivor held in a collective ends (HeartbeatReply)
 
 
 def test_restarts_stop_once_max_restarts_are_spent() -> None:
@@ -144,6 +145,7 @@ def test_a_graceful_leave_stops_a_static_schedule_run() -> None:
     core.leave(ids[0], None, "", 5.0, reason="asked to stop")
     assert core.stopped and core.restarts == 0
     assert "no restart: the static schedule cannot shrink" in core.stop_reason
+    assert not core.members_lost  # a graceful leave: the others stop at one agreed step
 
 
 def test_a_round_nobody_comes_back_to_stops_the_run() -> None:

@@ -238,7 +238,7 @@ class RegisterReply(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("iteration", "loss", "samples", "compute_seconds", "wait_seconds", "preduce_seconds", "planned_iterations", "checkpoint_step")
+    __slots__ = ("iteration", "loss", "samples", "compute_seconds", "wait_seconds", "preduce_seconds", "planned_iterations", "checkpoint_step", "collective_wait_seconds")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class Progress(_message.Message):
     PREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     loss: float
     samples: int
@@ -255,7 +256,8 @@ class Progress(_message.Message):
     preduce_seconds: float
     planned_iterations: int
     checkpoint_step: int
-    def __init__(self, iteration: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., preduce_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+    collective_wait_seconds: float
+    def __init__(self, iteration: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., preduce_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., collective_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "progress")
@@ -266,7 +268,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "stop_reason", "mean_iterations", "incarnation", "restart", "restart_reason", "consensus_id")
+    __slots__ = ("stop", "stop_reason", "mean_iterations", "incarnation", "restart", "restart_reason", "consensus_id", "members_lost")
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +276,7 @@ class HeartbeatReply(_message.Message):
     RESTART_FIELD_NUMBER: _ClassVar[int]
     RESTART_REASON_FIELD_NUMBER: _ClassVar[int]
     CONSENSUS_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_LOST_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     stop_reason: str
     mean_iterations: float
@@ -281,7 +284,8 @@ class HeartbeatReply(_message.Message):
     restart: bool
     restart_reason: str
     consensus_id: int
-    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ..., incarnation: _Optional[int] = ..., restart: _Optional[bool] = ..., restart_reason: _Optional[str] = ..., consensus_id: _Optional[int] = ...) -> None: ...
+    members_lost: bool
+    def __init__(self, stop: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., mean_iterations: _Optional[float] = ..., incarnation: _Optional[int] = ..., restart: _Optional[bool] = ..., restart_reason: _Optional[str] = ..., consensus_id: _Optional[int] = ..., members_lost: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "progress", "error", "reason", "done")

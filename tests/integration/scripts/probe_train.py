@@ -30,7 +30,16 @@ def main() -> None:
     parser.add_argument("--raise-at", type=int, default=-1)
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--accumulate-with", default="opt",
+                        choices=("opt", "model", "attribute"),
+                        help="how the micro-batches before the last skip the gradient sync: "
+                        "opt.no_sync(), DDP's model.no_sync(), or DDP's "
+                        "model.require_backward_grad_sync")
     parser.add_argument("--loader-workers", type=int, default=0)
+    parser.add_argument("--pause-rank", type=int, default=-1)
+    parser.add_argument("--pause-at", type=int, default=-1,
+                        help="after this step, the pause rank sleeps (a rank-0 evaluation)")
+    parser.add_argument("--pause-seconds", type=float, default=0.0)
     parser.add_argument("--record", default="", help="a JSON file per rank: {rank} in it")
     parser.add_argument("--seed-per-rank", action="store_true",
                         help="seed 1337 + rank before building the model, as DDP scripts do")
@@ -73,6 +82,16 @@ def main() -> None:
 
     initial_loss = full_loss()
     seen: list[dict[str, float]] = []
+    gradients: list[float] = []  # a fingerprint of the gradient after each micro-batch
+
+    def skipping_sync(last: bool) -> contextlib.AbstractContextManager[None]:
+        if args.accumulate_with == "attribute":
+            model.require_backward_grad_sync = last  # type: ignore[assignment]
+            return contextlib.nullcontext()
+        if last:
+            return contextlib.nullcontext()
+        return opt.no_sync() if args.accumulate_with == "opt" else model.no_sync()  # type: ignore[operator]
+
     step = micro = 0
     epoch = 0
     while step < args.steps and not opt.stopped:
@@ -80,12 +99,14 @@ def main() -> None:
         for x, y in loader:
             micro += 1
             last = micro % args.accumulate == 0
-            with opt.no_sync() if not last else contextlib.nullcontext():
+            with skipping_sync(last):
                 loss = nn.functional.cross_entropy(model(x), y) / args.accumulate
                 if (worker.rank == args.nan_rank
                         and args.nan_at <= step + 1 < args.nan_at + args.nan_steps):
                     loss = loss * math.nan
                 loss.backward()
+            if args.accumulate > 1 and step < 4:
+                gradients.append(float(model[0].weight.grad.double().sum()))
             if not last:
                 continue
             if worker.rank == args.raise_rank and step + 1 == args.raise_at:
@@ -99,11 +120,15 @@ def main() -> None:
                 time.sleep(args.slow_seconds)
             seen.append({"step": opt.local_step, "global_step": opt.global_step,
                          "lr": schedule.get_last_lr()[0], "loss": loss.item()})
+            if worker.rank == args.pause_rank and step == args.pause_at:
+                time.sleep(args.pause_seconds)
             if opt.stopped or step >= args.steps:
                 break
         epoch += 1
     final_loss = full_loss()
     x, y = dataset[:16]
+    if args.accumulate_with == "attribute":  # after the stop it must not sync again
+        model.require_backward_grad_sync = True  # type: ignore[assignment]
     for _ in range(args.steps_after_stop if worker.rank == 0 else 0):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -113,7 +138,7 @@ def main() -> None:
             json.dump({"rank": worker.rank, "seen": seen, "skipped": opt.skipped_steps,
                        "stop_reason": opt.stop_reason, "initial_loss": initial_loss,
                        "final_loss": final_loss, "start_sum": start_sum,
-                       "built_sum": built_sum, "steps": step}, f)
+                       "built_sum": built_sum, "steps": step, "gradients": gradients}, f)
 
 
 if __name__ == "__main__":
