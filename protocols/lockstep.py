@@ -31,7 +31,10 @@ def explained_collective(ctx: ProtocolContext, what: str) -> Iterator[None]:
 
 def explain_collective_failure(ctx: ProtocolContext, what: str, err: BaseException) -> str:
     """The failure of collective `what`, with the peers it waited for as the coordinator
-    knows them; logged, and kept for the worker's FAILED reason."""
+    knows them; logged, and kept for the worker's FAILED reason. Said once per collective
+    (each of DDP's buckets in flight fails with it)."""
+    if COLLECTIVES.failure.startswith(f"{what} "):
+        return COLLECTIVES.failure
     try:
         status = ctx.client.run_status()
     except CoordinatorCallError as status_err:
