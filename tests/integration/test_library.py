@@ -91,7 +91,7 @@ def test_the_same_script_runs_alone_without_a_coordinator(tmp_path: Path) -> Non
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 3:" in proc.stdout
-    assert _accuracy(torch.load(out)) >= 0.9
+    assert _accuracy(torch.load(out)["model"]) >= 0.9
 
 
 def test_a_worker_whose_loss_turns_nan_fails_and_no_peer_holds_a_non_finite_value(
@@ -157,13 +157,15 @@ def test_any_exception_marks_the_worker_failed_with_its_error(tmp_path: Path) ->
     assert "worker rank 2" in proc.stderr
 
 
-@pytest.mark.parametrize("protocol", LIBRARY_PROTOCOLS)
+@pytest.mark.parametrize("protocol", ["ripples-smart", "adpsgd", "allreduce", "hop"])
 def test_a_script_seeding_per_rank_starts_every_worker_from_rank_0s_model_and_every_loop_ends(
         protocol: str, tmp_path: Path) -> None:
     """The DDP habit: `torch.manual_seed(1337 + rank)` before building the model (DDP
     broadcasts rank 0's). Every worker starts from rank 0's model, bit for bit, the run
     says so; rank 0, slower (it evaluates), still runs its loop to the end with the
-    default min_workers, and the run ends when the last loop has."""
+    default min_workers, and the run ends when the last loop has. One protocol per way
+    of coordinating (groups, gossip, lock-step, peer to peer): the start's copy is one
+    code path for all (the migration example shows every protocol's start log)."""
     record = str(tmp_path / "rank{rank}.json")
     proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
                        protocol, "--output", str(tmp_path / "run"), "--", "python", PROBE,
