@@ -264,7 +264,8 @@ class CoordinatorCore(RunMembership):
         """Why a done worker ended: its own iteration budget, or its loop."""
         p = w.progress
         if 0 < p.planned_iterations <= p.iteration:
-            return f"{w.name} finished its {p.planned_iterations} planned iterations"
+            return (f"iteration budget reached ({w.name} finished its "
+                    f"{p.planned_iterations} planned iterations)")
         return f"the training loop of {w.name} ended after {p.iteration} steps"
 
     # ------------------------------------------------------------------ groups
