@@ -66,7 +66,8 @@ class RunSettings:
     min_workers: int = 2
     """Elastic protocols go on while at least this many workers are live; a member that
     leaves can be replaced meanwhile (a replacement takes its rank and heals from a live
-    peer). Fewer: the run stops."""
+    peer). Fewer after a failure or a signal: the run stops. A worker whose training loop
+    ended is done, not lost, and never counts here: the run ends with the last loop."""
     max_workers: int = 0
     """Elastic protocols: workers may join a running run beyond num_workers, up to this
     many (each takes the next rank, heals from a live peer and averages; 0: num_workers,
