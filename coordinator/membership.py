@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 def differing_ranks(members: Iterable[WorkerRecord]) -> tuple[int, ...]:
     """The ranks whose initial model (fingerprint) differs from rank 0's: the members copy
-    rank 0's model before their first step (Every worker starts from one model). None
+    rank 0's model before their first step (Every worker starts from one model). Empty
     when rank 0 or a member said no fingerprint (a runner without a model of its own)."""
     by_rank = {w.rank: w.model_fingerprint for w in members}
     first = by_rank.get(0, "")

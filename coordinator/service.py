@@ -319,11 +319,10 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         if self.core.stopped and not self._started.is_set():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the run stopped before training: {self.core.stop_reason}")
-        w = self.core.worker(request.worker_id)
-        if w.replacement:  # it heals from a live peer instead
-            return pb.AwaitStartReply(elapsed_seconds=self.core.elapsed(self.clock()))
+        replacement = self.core.worker(request.worker_id).replacement  # it heals instead
         return pb.AwaitStartReply(elapsed_seconds=self.core.elapsed(self.clock()),
-                                  differing_ranks=self.core.start_differing_ranks)
+                                  differing_ranks=() if replacement
+                                  else self.core.start_differing_ranks)
 
     async def _until_started_or_stopped(self) -> None:
         waits = {asyncio.ensure_future(self._started.wait()),

@@ -20,13 +20,11 @@ def explained_collective(ctx: ProtocolContext, what: str) -> Iterator[None]:
     """Mark `what` as the collective this worker waits in (CollectiveWatch: a worker held
     in one after the run lost a member ends); its failure is raised as a RuntimeError
     saying what failed (explain_collective_failure)."""
-    COLLECTIVES.enter(what)
-    try:
-        yield
-    except (RuntimeError, TimeoutError) as err:
-        raise RuntimeError(explain_collective_failure(ctx, what, err)) from err
-    finally:
-        COLLECTIVES.leave()
+    with COLLECTIVES.inside(what):
+        try:
+            yield
+        except (RuntimeError, TimeoutError) as err:
+            raise RuntimeError(explain_collective_failure(ctx, what, err)) from err
 
 
 def explain_collective_failure(ctx: ProtocolContext, what: str, err: BaseException) -> str:

@@ -362,4 +362,3 @@ class Checkpointer:
             self._sampler._at_next_pass(lambda: set_rng_state(rng, device))
         else:
             set_rng_state(rng, device)
-

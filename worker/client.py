@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import random
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +19,7 @@ from ripples.rpc import (
 from ripples.security import ClientSecurity
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
-from ripples.worker.collective_watch import end_if_stuck
+from ripples.worker.collective_watch import end_if_stuck, end_process
 from ripples.worker.group_stream import GroupStream
 from ripples.worker.process_launcher import RESTART_EXIT_CODE
 
@@ -345,10 +342,7 @@ class RestartRequested(SystemExit):
 def exit_for_restart() -> None:
     """End the process now with RESTART_EXIT_CODE (buffers flushed; no clean-up runs:
     the coordinator ended this worker's part already, and its checkpoints are whole)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(RESTART_EXIT_CODE)
+    end_process(RESTART_EXIT_CODE)
 
 
 PROCESS_RESTART = Restart()

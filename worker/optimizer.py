@@ -23,15 +23,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ripples.state_dicts import compact_state_dicts
+from ripples.worker.protocol import DDP_NO_SYNC
 from ripples.worker.synchronizer import StepSynchronizer, StepTimes
 
 if TYPE_CHECKING:
     from ripples.worker.api import Worker
 
 logger = logging.getLogger(__name__)
-
-NO_SYNC = "no_sync"
-"""DDP's `model.no_sync()`, which a migrated script may still call."""
 
 LOSS_FLUSH_STEPS = 16
 """Losses reported as device tensors are read back in batches of this many steps (one
@@ -149,12 +147,12 @@ class Optimizer(torch.optim.Optimizer):
                 self.local_step = int(membership.start_iteration)
         self._check_gradients = on_nonfinite == "skip" or (
             self._sync is not None and self._sync.protocol.syncs_gradients)
-        if not hasattr(model, NO_SYNC):
+        if not hasattr(model, DDP_NO_SYNC):
             # DDP's `with model.no_sync():` where nothing syncs inside backward (every
             # protocol but allreduce, which gave the model its own, and single-process
             # mode): nothing to skip. A class, not a method of this optimizer, so that
             # copy.deepcopy and pickling of the model stay as they were.
-            setattr(model, NO_SYNC, contextlib.nullcontext)
+            setattr(model, DDP_NO_SYNC, contextlib.nullcontext)
         # Last: a construction refused above leaves the user's model and optimizer untouched.
         if self._sync is not None:  # their tensors are now views into the averaged state
             compact_state_dicts(model, optimizer)

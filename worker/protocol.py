@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DDP_NO_SYNC = "no_sync"
+"""DDP's `model.no_sync()`, which a migrated script may still call on its model: the
+allreduce runtime gives the model one that works, ripples.Optimizer a no-op elsewhere."""
+
 GROUP_CHECK_IN_SECONDS = 10.0
 """The members of a group the coordinator delivered are all on their way to its
 collective; one that has not checked in on the store within this long to build a new
@@ -172,7 +176,7 @@ class Protocol(abc.ABC):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """While active, backward passes do not synchronise gradients (gradient
         accumulation). Only protocols that synchronise inside backward (allreduce) do
-        anything here; the others synchronise in step()."""
+        anything here (the model's DDP_NO_SYNC too); the others synchronise in step()."""
         return contextlib.nullcontext()
 
     @abc.abstractmethod

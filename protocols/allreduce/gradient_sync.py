@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ripples.worker.protocol import DDP_NO_SYNC
+
 logger = logging.getLogger(__name__)
 
 REQUIRE_SYNC = "require_backward_grad_sync"
 """DDP's attribute: False skips the gradient all-reduce of the next forward's backward."""
-NO_SYNC = "no_sync"
-"""DDP's context manager: no gradient all-reduce for the backward passes inside."""
 
 
 class GradientSyncSwitch:
@@ -59,12 +59,12 @@ class GradientSyncSwitch:
             logger.warning("the model's own %s is not a bool, so allreduce does not read "
                            "it; use `with opt.no_sync():` for gradient accumulation",
                            REQUIRE_SYNC)
-        if not hasattr(model, NO_SYNC):
-            setattr(model, NO_SYNC, self.no_sync)
+        if not hasattr(model, DDP_NO_SYNC):
+            setattr(model, DDP_NO_SYNC, self.no_sync)
         else:
             logger.warning("the model defines its own %s, which allreduce leaves alone: for "
                            "gradient accumulation use `with opt.no_sync():` or set "
-                           "model.%s = False before the forward pass", NO_SYNC, REQUIRE_SYNC)
+                           "model.%s = False before the forward pass", DDP_NO_SYNC, REQUIRE_SYNC)
         model.register_forward_pre_hook(self._before_forward, prepend=True)
 
     def wanted(self) -> bool:
