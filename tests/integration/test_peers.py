@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,14 @@ def test_a_peer_trains_the_bench_task_and_is_summarised_like_a_ripples_run(
     workers = summary["workers"]
     assert [w["rank"] for w in workers] == [0, 1]
     assert all(w["iterations"] > 0 and w["compute_seconds"] > 0 for w in workers)
-    # The straggler's injected sleep counts as its compute, as in a Ripples run.
-    per_step = [w["compute_seconds"] / w["iterations"] for w in workers]
-    assert per_step[1] > 1.5 * per_step[0]
+    # The straggler's injected sleep counts as its compute, as in a Ripples run. Per-step
+    # medians from the step logs: a worker's mean is swayed by its first step's warm-up
+    # and by the peer system's background processes on 2 cores (a mean ratio of 1.35
+    # was seen once in a full test run; the medians' is 4x or more).
+    records = read_step_logs(tmp_path, 2)
+    medians = [statistics.median(steps_report.per_step(
+        [r for r in records if r.rank == rank])[0]) for rank in (0, 1)]
+    assert medians[1] > 1.5 * medians[0], medians
     # It stopped at the target: well short of its step cap (3 epochs of 1,437 samples).
     assert max(w["iterations"] for w in workers) < 3 * 1437 / 2 / 16
     assert (tmp_path / "model.pt").exists()
