@@ -191,7 +191,11 @@ def test_the_docs_sharded_job_runs_as_written(tmp_path: Path) -> None:
     code, output = run_block(doc_block("docs/scale.md", "## A sharded job in the service"),
                              tmp_path, timeout=300)
     assert code == 0, output[-4000:]
-    assert output.count("iteration budget reached (264 iterations)") >= 2, output[-4000:]
+    # Each shard stops at its budget, 4 workers x 66 iterations. The sum is checked as
+    # progress arrives, and a head's shard-side count can step by 2 (its root round is
+    # asked of the root), so a shard may stop one past it.
+    ended = re.findall(r"finished: iteration budget reached \((\d+) iterations\)", output)
+    assert len(ended) >= 2 and all(264 <= int(n) <= 266 for n in ended), output[-4000:]
     rows = output[output.index("RANK  WORKER"):]  # the root's status: one head per shard
     assert "shard1-a@" in rows and "shard2-a@" in rows and " left " in rows, rows
     assert re.search(r"groups: [1-9]\d* formed", output), output[-4000:]
