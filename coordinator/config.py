@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from ripples.coordinator.topology import (
@@ -20,7 +19,7 @@ from ripples.coordinator.topology import (
     Edge,
     Topology,
     build_topology,
-    parse_edge_list,
+    checked_edges,
 )
 from ripples.protocols.registry import (
     DEFAULT_PROTOCOL,
@@ -34,6 +33,14 @@ from ripples.rpc import parse_target
 from ripples.v1 import coordinator_pb2 as pb
 
 S = TypeVar("S", bound=ProtocolSettings)
+
+MAX_WORKERS = 100_000
+"""The most workers a run may have (num_workers): what one coordinator serves."""
+TOPOLOGY_FILE_REFUSED = (
+    "topology_file names a file on the submitting machine, and the coordinator opens no "
+    "path a client names: send the edges as topology_edges, a list of [i, j] rank pairs "
+    "(`ripples submit --topology-file FILE` reads the file and sends them)")
+"""The answer to a submission (or a record of an older version) that names topology_file."""
 
 LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS = 1800.0
 """Lock-step protocols' default collective timeout: torch's, so that a peer busy between
@@ -130,9 +137,11 @@ class RunSettings:
     topology: str = "complete"
     """Who may average with whom (protocols whose averaging follows a graph): complete,
     ring, ring-based, double-ring, exponential, hierarchical (a clique per host, hosts in a
-    ring) or file (see topology_file)."""
-    topology_file: str = ""
-    """Edge list for topology "file": one `i j` pair of ranks per line, # comments."""
+    ring) or file (see topology_edges)."""
+    topology_edges: list[Edge] = field(default_factory=list)
+    """Topology "file": its edges, [i, j] pairs of ranks. The command that submits the run
+    reads them from --topology-file (one `i j` pair per line, # comments) on its own
+    machine; the coordinator never opens a file a client names."""
     max_comms_per_worker: int = 64
     """Communicators cached per worker before the coordinator orders evictions."""
     root: str = ""
@@ -148,9 +157,6 @@ class RunSettings:
     protocol_settings: dict[type[ProtocolSettings], ProtocolSettings] = field(
         default_factory=_default_protocol_settings)
     """Each protocol family's settings (one instance per class of SETTINGS_CLASSES)."""
-    _file_edges: list[Edge] = field(default_factory=list, init=False, repr=False,
-                                    compare=False)
-    """The edges of topology "file", read once by validate()."""
 
     def __post_init__(self) -> None:
         self.protocol_settings = {**_default_protocol_settings(), **self.protocol_settings}
@@ -164,6 +170,8 @@ class RunSettings:
         Raises:
             ValueError: an option no field or settings class has.
         """
+        if options.pop("topology_file", ""):  # "": an older version's record
+            raise ValueError(TOPOLOGY_FILE_REFUSED)
         own = {f.name for f in dataclasses.fields(cls) if f.init}
         base = {k: v for k, v in options.items() if k in own}
         rest = {k: v for k, v in options.items() if k not in own}
@@ -206,10 +214,6 @@ class RunSettings:
         round): the protocol restarts, and this run's role needs every worker."""
         return self.spec.restarts and self.role.needs_every_worker
 
-    def topology_edges(self) -> list[Edge]:
-        """The edges of topology "file" (empty for the built-in graphs)."""
-        return list(self._file_edges)
-
     def run_facts(self) -> RunFacts:
         """What the protocol's settings check against the rest of the run."""
         return RunFacts(protocol=self.protocol, policy=self.role.label, task=self.task,
@@ -228,6 +232,9 @@ class RunSettings:
         spec = get_protocol(self.protocol)
         if self.num_workers < 2:
             raise ValueError(f"num_workers must be at least 2, got {self.num_workers}")
+        if self.num_workers > MAX_WORKERS:
+            raise ValueError(f"num_workers must be at most {MAX_WORKERS}, got "
+                             f"{self.num_workers}")
         if not 1 <= self.min_workers <= self.num_workers:
             raise ValueError(f"min_workers must be between 1 and num_workers "
                              f"({self.num_workers}), got {self.min_workers}")
@@ -290,25 +297,21 @@ class RunSettings:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"unknown topology {self.topology!r}; choose one of "
                              f"{', '.join(TOPOLOGIES)}")
-        if self.topology == "file" and not self.topology_file:
-            raise ValueError("topology 'file' needs topology_file: a file of `i j` edges")
-        if self.topology_file and self.topology != "file":
-            raise ValueError("topology_file is given: set topology to 'file' to use it")
+        if self.topology == "file" and not self.topology_edges:
+            raise ValueError("topology 'file' needs its edges: topology_edges, a list of "
+                             "[i, j] rank pairs (on the command line: --topology-file FILE)")
+        if self.topology_edges and self.topology != "file":
+            raise ValueError("topology_edges are given: set topology to 'file' to use them")
         if not self.role.takes_topology and self.topology != "complete":
             graphs = [s.name for s in PROTOCOLS.values()
                       if s.role.takes_topology]
             raise ValueError(f"{self.protocol} synchronises all workers together and takes "
                              f"no topology; use {', '.join(graphs)}")
         if self.topology == "file":
-            try:
-                text = Path(self.topology_file).read_text(encoding="utf-8")
-            except OSError as err:
-                raise ValueError(f"cannot read topology_file {self.topology_file!r}: "
-                                 f"{err.strerror}") from None
-            self._file_edges = parse_edge_list(text, self.topology_file)
+            self.topology_edges = checked_edges(self.topology_edges, self.num_workers)
         if self.topology != "hierarchical":  # needs the hosts, checked when the run starts
             self.check_topology(build_topology(self.topology, self.num_workers,
-                                               edges=self._file_edges))
+                                               edges=self.topology_edges))
 
     def to_proto(self) -> pb.RunConfig:
         config = pb.RunConfig(

@@ -49,7 +49,7 @@ class RunGraph:
         fit them (e.g. a bipartite pairing on an odd ring)."""
         topology = build_topology(settings.topology, len(ordered),
                                   nodes=[w.node for w in ordered],
-                                  edges=settings.topology_edges())
+                                  edges=settings.topology_edges)
         settings.check_topology(topology)
         by_rank = [w.worker_id for w in ordered]
         role = settings.role

@@ -129,6 +129,12 @@ class RunQueue:
         """Set (and replaced) when the active run or an agent's share changes: the host
         agents' long-polls wait on it."""
         self._watcher: asyncio.Task[None] | None = None
+        self._activating = asyncio.Lock()
+        """Held while a queued run is being made active: its settings are checked in a
+        worker thread (activate_next), so two activations could otherwise interleave."""
+        self._configs: dict[str, pb.RunConfig] = {}
+        """The settings of runs shown before they start (their status), by run id, built
+        once, off the loop (status)."""
 
     # ------------------------------------------------------------------ life
     async def start(self, run: RunSettings | None) -> None:
@@ -213,29 +219,41 @@ class RunQueue:
     async def activate_next(self, *, announce: bool = False) -> None:
         """Make the oldest queued run the active one, if none is (`announce`: log it; not
         at the start, where `serve` prints the run)."""
-        if self.active is not None:
-            return
-        queued = self.history.queued()
-        if not queued:
-            return
-        info = queued[0]
-        info.state = pb.RUN_STATE_RUNNING
-        info.started_at = time.time()
-        try:
-            self._open(info, resume=False)
-        except (ValueError, OSError) as err:  # its options no longer hold (a file moved)
-            info.state, info.ended_at = pb.RUN_STATE_FAILED, time.time()
-            info.stop_reason = f"could not start: {err}"
-            self.history.update(info)
-            logger.error("run %s could not start: %s", info.run_id, err)
-            await self.activate_next(announce=True)
-            return
-        self.history.update(info)
-        if announce:
-            logger.info("run %s (%s) is the active run", info.run_id, info.name)
+        async with self._activating:
+            while self.active is None:
+                queued = self.history.queued()
+                if not queued:
+                    return
+                info = queued[0]
+                try:
+                    # Off the loop: a large run's topology takes a second or more to build
+                    # and check, while the loop answers every other call.
+                    settings = await asyncio.to_thread(self._settings, info.run_id)
+                    current = self.history.get(info.run_id)
+                    if current is None or current.state != pb.RUN_STATE_QUEUED:
+                        continue  # cancelled meanwhile
+                    info.state = pb.RUN_STATE_RUNNING
+                    info.started_at = time.time()
+                    self._open(info, resume=False, settings=settings)
+                except (ValueError, OSError) as err:  # its options no longer hold
+                    info.state, info.ended_at = pb.RUN_STATE_FAILED, time.time()
+                    info.stop_reason = f"could not start: {err}"
+                    self.history.update(info)
+                    logger.error("run %s could not start: %s", info.run_id, err)
+                    announce = True
+                    continue
+                self.history.update(info)
+                if announce:
+                    logger.info("run %s (%s) is the active run", info.run_id, info.name)
 
-    def _open(self, info: pb.RunInfo, *, resume: bool) -> None:
-        """The run's core and service: new, or resumed from its state after a restart."""
+    def _settings(self, run_id: str) -> RunSettings:
+        """A stored run's settings, checked again (thread-safe: the history locks)."""
+        return RunSettings.build(**self.history.options(run_id))
+
+    def _open(self, info: pb.RunInfo, *, resume: bool,
+              settings: RunSettings | None = None) -> None:
+        """The run's core and service: new (from `settings`, else its stored options), or
+        resumed from its state after a restart."""
         import torch.distributed as dist
 
         state = StateStore(self.run_dir(info.run_id)) if self._persistent else None
@@ -248,7 +266,7 @@ class RunQueue:
                            "iterations", info.run_id, self.incarnation, len(core.live()),
                            core.mean_iterations())
         else:
-            settings = RunSettings.build(**self.history.options(info.run_id))
+            settings = settings or self._settings(info.run_id)
             core = CoordinatorCore(settings, now=now,
                                    first_worker_id=self.history.meta("next_worker_id"))
         store = (dist.PrefixStore(f"run/{info.run_id}/", self.store)
@@ -319,7 +337,7 @@ class RunQueue:
             shown.queue_position = ids.index(info.run_id) + 1 if info.run_id in ids else 0
         return shown
 
-    def status(self, info: pb.RunInfo) -> pb.RunStatus:
+    async def status(self, info: pb.RunInfo) -> pb.RunStatus:
         """A run's status: the active run's live one, an ended run's final one from the
         history, or what was submitted (queued, or ended before it started)."""
         if self.active is not None and info.run_id == self.active.info.run_id:
@@ -330,8 +348,11 @@ class RunQueue:
         if final is not None:
             final.run.CopyFrom(info)  # the newest row (the model's path comes later)
             return final
-        settings = RunSettings.build(**self.history.options(info.run_id))
-        return pb.RunStatus(config=settings.to_proto(), run=self.run_info(info),
+        config = self._configs.get(info.run_id)
+        if config is None:  # checked off the loop, once (a large run's topology)
+            settings = await asyncio.to_thread(self._settings, info.run_id)
+            config = self._configs.setdefault(info.run_id, settings.to_proto())
+        return pb.RunStatus(config=config, run=self.run_info(info),
                             stopped=info.state in ENDED, stop_reason=info.stop_reason)
 
     def find(self, run_id: str) -> pb.RunInfo | None:

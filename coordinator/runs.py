@@ -9,6 +9,7 @@ name. A read-only token may call GetRunStatus, ListRuns, GetLogs and Consensus
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -52,8 +53,11 @@ class RunsService(pb_grpc.RunsServicer):
             if not request.command and not options.get("task"):
                 raise ValueError("give a task (--task) or a script after --: the host "
                                  "agents start the workers")
-            info = self.queue.submit(options, name=request.name,
-                                     command=list(request.command), workdir=request.workdir)
+            # In a worker thread: checking a large run (its topology) takes a second or
+            # more, and the loop goes on answering (health checks, heartbeats) meanwhile.
+            info = await asyncio.to_thread(
+                self.queue.submit, options, name=request.name,
+                command=list(request.command), workdir=request.workdir)
         except (ValueError, TypeError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad run: {err}")
             raise AssertionError("unreachable") from err
@@ -78,7 +82,7 @@ class RunsService(pb_grpc.RunsServicer):
             if not runs:
                 return pb.RunStatus()
             info = runs[-1]
-        return self.queue.status(info)
+        return await self.queue.status(info)
 
     async def StopRun(self, request: pb.StopRunRequest, context: grpc.aio.ServicerContext
                       ) -> pb.StopRunReply:

@@ -22,14 +22,18 @@ The spectral quantities follow the papers:
 
 from __future__ import annotations
 
+import re
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from ripples.files import read_regular_file
+
 TOPOLOGIES = ("complete", "ring", "ring-based", "double-ring", "exponential",
               "hierarchical", "file")
-"""Names accepted by `build_topology` ("file" reads an edge list)."""
+"""Names accepted by `build_topology` ("file": a list of edges, see checked_edges)."""
 
 Edge = tuple[int, int]
 
@@ -292,8 +296,21 @@ def _ring_based(ranks: Sequence[int]) -> list[Edge]:
     return _ring(ranks) + far
 
 
+MAX_TOPOLOGY_EDGES = 500_000
+"""The most edges a "file" topology may list (an average degree of 10 at 100,000
+workers): the coordinator checks, stores and builds the graph of a submission, so its
+size is bounded."""
+MAX_TOPOLOGY_FILE_BYTES = 32 * 1024 * 1024
+"""The largest edge-list file a command reads (MAX_TOPOLOGY_EDGES lines and comments)."""
+_EDGE_EXCERPT = re.compile(r"[-+0-9\s,]{1,40}")
+"""A line short enough, and made of nothing but numbers, to be quoted in an error."""
+
+
 def parse_edge_list(text: str, source: str = "topology file") -> list[Edge]:
-    """Edges from text: one `i j` pair of ranks per line; `#` starts a comment."""
+    """Edges from text: one `i j` pair of ranks per line; `#` starts a comment.
+
+    An error names the line and quotes it only if it is a short line of numbers: a file
+    that is no edge list (a token, an environment) is never echoed."""
     edges = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
@@ -305,10 +322,65 @@ def parse_edge_list(text: str, source: str = "topology file") -> list[Edge]:
                 raise ValueError
             edges.append((int(parts[0]), int(parts[1])))
         except ValueError:
-            raise ValueError(f"{source} line {number}: expected two ranks 'i j', got "
-                             f"{raw.strip()!r}") from None
+            shown = (f"got {line!r}" if _EDGE_EXCERPT.fullmatch(line)
+                     else "got something else (not quoted)")
+            raise ValueError(f"{source} line {number}: expected two ranks 'i j', "
+                             f"{shown}") from None
+        if len(edges) > MAX_TOPOLOGY_EDGES:
+            raise ValueError(f"{source} lists more than {MAX_TOPOLOGY_EDGES} edges")
     if not edges:
         raise ValueError(f"{source} holds no edges")
+    return edges
+
+
+def read_edge_list(path: str) -> list[Edge]:
+    """The edges of an edge-list file, read by the command that submits a run (the CLI,
+    the simulator): the coordinator takes the edges (RunSettings.topology_edges) and
+    never opens a path a client names. Refuses at once, saying so, what is not a regular
+    file (a FIFO would block the read) and a file over MAX_TOPOLOGY_FILE_BYTES.
+
+    Raises:
+        ValueError: naming the file and what to fix.
+    """
+    source = f"topology file {path}"
+    data = read_regular_file(path, MAX_TOPOLOGY_FILE_BYTES, what="topology file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{source} is not UTF-8 text: give one 'i j' pair of ranks "
+                         "per line") from None
+    return parse_edge_list(text, source)
+
+
+def _quote(value: object) -> str:
+    """A client's value quoted in an error, short whatever its size or nesting."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxtuple = 2, 3, 3
+    short.maxstring, short.maxlong, short.maxother = 20, 12, 20
+    return short.repr(value)
+
+
+def checked_edges(value: object, num_workers: int) -> list[Edge]:
+    """`value` (JSON's list of [i, j] lists, or a list of pairs) as a list of edges whose
+    ranks are in 0..num_workers-1; ValueError naming the first bad entry (quoted short:
+    reprlib bounds its length and depth)."""
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"topology_edges must be a list of [i, j] rank pairs, got "
+                         f"{type(value).__name__}")
+    if len(value) > MAX_TOPOLOGY_EDGES:
+        raise ValueError(f"topology_edges lists {len(value)} edges; at most "
+                         f"{MAX_TOPOLOGY_EDGES}")
+    edges: list[Edge] = []
+    for index, pair in enumerate(value):
+        if (not isinstance(pair, list | tuple) or len(pair) != 2
+                or not all(type(r) is int for r in pair)):
+            raise ValueError(f"topology_edges[{index}]: expected a pair of ranks [i, j], "
+                             f"got {_quote(pair)}")
+        i, j = pair
+        if not (0 <= i < num_workers and 0 <= j < num_workers):
+            raise ValueError(f"topology_edges[{index}]: {_quote(pair)} names a rank "
+                             f"outside 0..{num_workers - 1} (num_workers {num_workers})")
+        edges.append((i, j))
     return edges
 
 
@@ -320,7 +392,7 @@ def build_topology(name: str, num_workers: int, *, nodes: Sequence[int] | None =
         name: one of TOPOLOGIES.
         num_workers: ranks 0..num_workers-1.
         nodes: node index per rank (hierarchical; default: every rank its own node).
-        edges: the edge list of the "file" topology (see parse_edge_list).
+        edges: the edge list of the "file" topology (see checked_edges).
     """
     n = num_workers
     if n < 2:

@@ -1,4 +1,5 @@
-"""Files that are whole or absent: the one atomic write every component uses.
+"""Files that are whole or absent: the one atomic write every component uses; and the
+one bounded read of a small file a user names (`read_regular_file`).
 
 A reader (a resuming worker, the launcher averaging the saved models, a benchmark waiting
 for a peer's address) must never find half a file under a final name, whenever the
@@ -15,6 +16,7 @@ saves tensors passes a writer: `write_atomically(path, lambda f: torch.save(stat
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -65,3 +67,44 @@ def write_atomically(path: Path, data: bytes | Callable[[BinaryIO], None]) -> No
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def read_regular_file(path: str | Path, limit: int, *, what: str) -> bytes:
+    """The bytes of a small regular file, read without ever blocking.
+
+    The file is opened non-blocking (opening a FIFO would otherwise wait for a writer)
+    and refused unless it is a regular file (a FIFO, a device or a directory could block
+    the read or never end) of at most `limit` bytes; the read stops there too (a file
+    that grows meanwhile, or one whose size the system does not report, as /proc's).
+
+    Args:
+        path: the file.
+        limit: the most bytes accepted.
+        what: what the file is, for the error ("topology file").
+
+    Raises:
+        ValueError: one line naming `what` and `path` and what to fix.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise ValueError(f"cannot read {what} {path}: {err.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{what} {path} is not a regular file (a FIFO, a device or a "
+                             "directory): give a file")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as err:
+        raise ValueError(f"cannot read {what} {path}: {err.strerror}") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise ValueError(f"{what} {path} is over {limit} bytes: give a smaller file")
+    return b"".join(chunks)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from ripples.coordinator.config import RunSettings
+from ripples.coordinator.topology import read_edge_list
 from ripples.protocols.registry import DEFAULT_PROTOCOL, PROTOCOLS
 from ripples.sim.models import CommModel, ComputeModel, ConsensusModel
 
@@ -121,6 +122,8 @@ class SimConfig:
             "min_workers": 1, "workers_per_node": self.workers_per_host,
             "iterations": iterations or self.iterations, "seed": self.seed,
             **self.run_options}
+        if options.get("topology_file"):  # read here, as `ripples run` does
+            options["topology_edges"] = read_edge_list(str(options.pop("topology_file")))
         settings = RunSettings.build(**options)
         settings.validate()
         return settings

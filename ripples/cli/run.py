@@ -23,8 +23,9 @@ from ripples.cli.arguments import add_dataclass_arguments, dataclass_from_args, 
 if TYPE_CHECKING:
     from ripples.coordinator.config import RunSettings
 
-_RUN_SKIP = {"run_id", "protocol_settings"}
-"""Fields of RunSettings that the CLI sets under other names or not at all."""
+_RUN_SKIP = {"run_id", "protocol_settings", "topology_edges"}
+"""Fields of RunSettings that the CLI sets under other names or not at all (the edges:
+from --topology-file)."""
 
 SCRIPT_RUN_DEFAULTS: dict[str, object] = {"task": None, "epochs": None}
 """Defaults of the commands that take a script: unset, so that a script run can refuse
@@ -43,6 +44,10 @@ def add_run_arguments(parser: argparse.ArgumentParser,
 
     add_dataclass_arguments(parser, RunSettings, skip=_RUN_SKIP,
                             rename={"num_workers": "workers"}, defaults=defaults)
+    parser.add_argument("--topology-file", default="", metavar="FILE",
+                        help="topology 'file': its edges, one `i j` pair of ranks per line "
+                             "(# comments), read here and sent to the coordinator as "
+                             "topology_edges")
     for settings_cls in SETTINGS_CLASSES:
         add_dataclass_arguments(parser, settings_cls, option_names=settings_cls.cli_names)
 
@@ -74,6 +79,13 @@ def run_settings(args: argparse.Namespace, script: list[str] | None = None) -> R
         options["task"] = "" if script else (options.get("task") or defaults["task"].default)
         options["epochs"] = 0.0 if script else (options["epochs"] if options.get("epochs")
                                                 is not None else defaults["epochs"].default)
+    topology_file = getattr(args, "topology_file", "")
+    if topology_file:
+        from ripples.coordinator.topology import read_edge_list
+
+        if options.get("topology") != "file":
+            raise ValueError("--topology-file is given: set --topology file to use it")
+        options["topology_edges"] = read_edge_list(topology_file)
     return RunSettings.build(**options)
 
 

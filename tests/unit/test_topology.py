@@ -14,6 +14,7 @@ from ripples.coordinator.topology import (
     Topology,
     build_topology,
     parse_edge_list,
+    read_edge_list,
 )
 from ripples.protocols.gossip.coordinator import a2cid2_constants
 
@@ -112,21 +113,20 @@ def test_disconnected_graphs_are_rejected_with_the_components() -> None:
 
 def test_edge_list_files(tmp_path) -> None:
     assert parse_edge_list("# a star\n0 1\n0 2  # hub\n\n0,3\n") == [(0, 1), (0, 2), (0, 3)]
-    with pytest.raises(ValueError, match="line 2: expected two ranks"):
+    with pytest.raises(ValueError, match="line 2: expected two ranks 'i j', got '0 1 2'"):
         parse_edge_list("0 1\n0 1 2\n")
     with pytest.raises(ValueError, match="no edges"):
         parse_edge_list("# nothing\n")
     path = tmp_path / "star.txt"
     path.write_text("0 1\n0 2\n0 3\n")
-    run = RunSettings(protocol="a2cid2", num_workers=4, topology="file",
-                      topology_file=str(path))
-    assert run.topology_edges() == [(0, 1), (0, 2), (0, 3)]
-    path.write_text("0 1\n2 3\n")
+    edges = read_edge_list(str(path))
+    run = RunSettings(protocol="a2cid2", num_workers=4, topology="file", topology_edges=edges)
+    assert run.topology_edges == [(0, 1), (0, 2), (0, 3)]
     with pytest.raises(ValueError, match="disconnected"):
-        RunSettings(protocol="a2cid2", num_workers=4, topology="file", topology_file=str(path))
-    with pytest.raises(ValueError, match="cannot read topology_file"):
         RunSettings(protocol="a2cid2", num_workers=4, topology="file",
-                    topology_file=str(tmp_path / "missing.txt"))
+                    topology_edges=[(0, 1), (2, 3)])
+    with pytest.raises(ValueError, match="cannot read topology file .*missing.txt"):
+        read_edge_list(str(tmp_path / "missing.txt"))
 
 
 def test_run_settings_refuse_topologies_that_cannot_work() -> None:
@@ -137,7 +137,7 @@ def test_run_settings_refuse_topologies_that_cannot_work() -> None:
                           num_workers=5)
     with pytest.raises(ValueError, match="rate_com"):
         RunSettings.build(protocol="a2cid2", rate_com=0)
-    with pytest.raises(ValueError, match="needs topology_file"):
+    with pytest.raises(ValueError, match="topology 'file' needs its edges"):
         RunSettings(protocol="a2cid2", topology="file")
     RunSettings.build(protocol="adpsgd", adpsgd_mode="bipartite", topology="ring", num_workers=6)
 
