@@ -39,18 +39,24 @@ def peer_host(peer: str) -> str:
 
 def progress_from_proto(p: pb.Progress) -> Progress:
     """A worker's reported progress (a loss before the first iteration, or not finite,
-    counts as none)."""
+    counts as none; a time that is not finite, or negative, as 0: a worker's bad number
+    must reach neither the policies' arithmetic nor every status reader)."""
     return Progress(
         iteration=p.iteration,
         loss=p.loss if math.isfinite(p.loss) and p.iteration > 0 else float("nan"),
         samples=p.samples,
-        compute_seconds=p.compute_seconds,
-        wait_seconds=p.wait_seconds,
-        preduce_seconds=p.preduce_seconds,
+        compute_seconds=_seconds(p.compute_seconds),
+        wait_seconds=_seconds(p.wait_seconds),
+        preduce_seconds=_seconds(p.preduce_seconds),
         planned_iterations=p.planned_iterations,
         checkpoint_step=p.checkpoint_step,
-        collective_wait_seconds=p.collective_wait_seconds,
+        collective_wait_seconds=_seconds(p.collective_wait_seconds),
     )
+
+
+def _seconds(value: float) -> float:
+    """A reported duration, 0 when it is not a finite non-negative number."""
+    return value if math.isfinite(value) and value >= 0 else 0.0
 
 
 def progress_to_proto(p: Progress) -> pb.Progress:

@@ -10,6 +10,11 @@
     GET /api/events         server-sent events: one `status` event per new snapshot
     GET /healthz            200 while serving (the coordinator may be down)
     GET /docs, /openapi.json
+    GET, POST /login        the sign-in form, when the dashboard has a token (sign_in.py)
+    POST /logout            sign out
+
+Every response and event is encoded by view.to_json: strict JSON, a number that is not
+finite served as null.
 
 One poller per app asks the coordinator for its run status every `poll_interval_seconds`
 (however many pages are open, the coordinator sees one reader). When the coordinator
@@ -20,7 +25,6 @@ poller keeps trying: the page shows "disconnected" and recovers when it returns.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +37,7 @@ import grpc
 from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import (
     HTMLResponse,
+    JSONResponse,
     PlainTextResponse,
     RedirectResponse,
     Response,
@@ -42,11 +47,18 @@ from fastapi.staticfiles import StaticFiles
 
 from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.models import LossPoint, RunList, Snapshot, WorkerView
-from ripples.dashboard.view import RunView, disconnected
+from ripples.dashboard.sign_in import (
+    SESSION_COOKIE,
+    AttemptLimiter,
+    RequestGuard,
+    Sessions,
+    retry_after,
+)
+from ripples.dashboard.view import RunView, disconnected, to_json
 from ripples.guarded import guarded_loop
 from ripples.rpc import aio_channel, describe_rpc_error
 from ripples.run_records import agent_summary, summary
-from ripples.security import COOKIE, ClientSecurity, HttpTokenGate, http_token_accepted
+from ripples.security import ClientSecurity, HttpTokenGate, cookie_value, token_matches
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -139,14 +151,41 @@ _LOGIN_PAGE = """<!doctype html>
 autocomplete="current-password" required autofocus></label> <button>Sign in</button></form>
 </main></body></html>
 """
+MAX_FORM_BYTES = 4096
+"""The sign-in form's body at most (a token is a few dozen characters)."""
+
+
+class StrictJSONResponse(JSONResponse):
+    """Every JSON response of the dashboard, encoded by view.to_json (no NaN)."""
+
+    def render(self, content: Any) -> bytes:
+        return to_json(content).encode()
+
+
+async def _form_token(request: Request) -> str | None:
+    """The token field of the sign-in form; None when the body is over MAX_FORM_BYTES."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            return None
+    return parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
+
+
+def _login_page(message: str, status_code: int, headers: dict[str, str] | None = None
+                ) -> HTMLResponse:
+    return HTMLResponse(_LOGIN_PAGE.format(message=f"<p role=alert>{message}</p>"),
+                        status_code=status_code, headers=headers)
 
 
 def create_app(config: DashboardConfig) -> FastAPI:
     # The token it reaches the coordinator with (may be a read-only one) is also the one a
-    # viewer must show: a bearer header, or the cookie the login form sets.
+    # viewer must show: a bearer header, or once on the login form for a session cookie.
     security = ClientSecurity.from_env()
     token = security.token
     poller = StatusPoller(config, security)
+    sessions = Sessions(config.session_hours * 3600)
+    attempts = AttemptLimiter(config.sign_in_attempts, config.sign_in_window_seconds)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -158,10 +197,16 @@ def create_app(config: DashboardConfig) -> FastAPI:
 
     app = FastAPI(title="Ripples dashboard", version="1",
                   description="Live view of a Ripples training run, read from its coordinator "
-                              f"({config.coordinator}).", lifespan=lifespan)
+                              f"({config.coordinator}).", lifespan=lifespan,
+                  default_response_class=StrictJSONResponse)
     app.state.poller = poller
+    app.state.sessions = sessions
     app.add_middleware(HttpTokenGate, tokens=(token,), login_page=True,
-                       open_prefixes=("/static/",))
+                       open_prefixes=("/static/", "/logout"),
+                       session=lambda cookies: sessions.valid(cookie_value(cookies,
+                                                                           SESSION_COOKIE)))
+    # Outermost: a foreign Host or Origin is refused before anything else looks at it.
+    app.add_middleware(RequestGuard, allowed_hosts=config.host_names, listen_host=config.host)
     static = resources.files("ripples.dashboard").joinpath("static")
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
     index_html = static.joinpath("index.html").read_text()  # read once, not per request
@@ -178,14 +223,31 @@ def create_app(config: DashboardConfig) -> FastAPI:
 
     @app.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        given = parse_qs((await request.body()).decode("utf-8", "replace")).get("token", [""])
-        if token and http_token_accepted((token,), "", given[0].strip()):
-            done = RedirectResponse("/", status_code=303)
-            done.set_cookie(COOKIE, token, httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https")
-            return done
-        return HTMLResponse(_LOGIN_PAGE.format(message="<p role=alert>Wrong token.</p>"),
-                            status_code=401)
+        if not token:
+            return RedirectResponse("/", status_code=303)
+        address = request.client.host if request.client else ""
+        wait = attempts.take(address)
+        if wait:
+            return _login_page(f"Too many sign-in attempts from {address}: try again in "
+                               f"{retry_after(wait)} s.", 429,
+                               {"Retry-After": retry_after(wait)})
+        given = await _form_token(request)
+        if given is None:
+            return _login_page(f"The sign-in form is over {MAX_FORM_BYTES} bytes.", 413)
+        if not token_matches((token,), given):
+            return _login_page("Wrong token.", 401)
+        done = RedirectResponse("/", status_code=303)
+        done.set_cookie(SESSION_COOKIE, sessions.open(), max_age=int(sessions.lifetime_seconds),
+                        httponly=True, samesite="strict", secure=request.url.scheme == "https")
+        return done
+
+    @app.post("/logout", include_in_schema=False)
+    async def logout(request: Request) -> Response:
+        sessions.close(cookie_value(request.headers.get("cookie", ""), SESSION_COOKIE))
+        done = RedirectResponse("/login" if token else "/", status_code=303)
+        done.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict",
+                           secure=request.url.scheme == "https")
+        return done
 
     @app.get("/healthz", response_class=PlainTextResponse, include_in_schema=False)
     async def healthz() -> str:
@@ -255,7 +317,7 @@ def create_app(config: DashboardConfig) -> FastAPI:
             while not await request.is_disconnected():
                 if poller.version > version:
                     version = poller.version
-                    data = json.dumps(poller.snapshot, separators=(",", ":"))
+                    data = to_json(poller.snapshot)
                     yield f"event: status\nid: {version}\ndata: {data}\n\n"
                 elif not await poller.wait_newer(version, 15.0):
                     yield ": keepalive\n\n"

@@ -1,5 +1,6 @@
 """The dashboard's JSON API types: they document the API in its OpenAPI schema, and
-responses are validated against them."""
+responses are validated against them. A number a worker reports may be null: one that is
+not finite (NaN, infinite) is served as null (view.to_json)."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ class WorkerView(BaseModel):
     iterations_per_second: float | None = Field(description="Over the last few seconds")
     slow: bool = Field(description="Below half the median speed of the live workers")
     request_count: int = Field(description="Group requests: the slowdown counter c_w")
-    compute_seconds: float
-    wait_seconds: float
-    preduce_seconds: float
+    compute_seconds: float | None
+    wait_seconds: float | None
+    preduce_seconds: float | None
     error: str
     metrics_address: str
 
@@ -106,7 +107,7 @@ class GroupView(BaseModel):
 
 class LossPoint(BaseModel):
     seconds: float
-    loss: float
+    loss: float | None
 
 
 class Snapshot(BaseModel):
@@ -154,7 +155,7 @@ class RunRow(BaseModel):
     stop_reason: str
     model_path: str = Field(description="HOST:PATH of the consensus model (empty: none)")
     queue_position: int | None
-    mean_loss: float
+    mean_loss: float | None
     mean_iterations: float
     elapsed_seconds: float
 

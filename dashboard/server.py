@@ -22,12 +22,13 @@ class DashboardServer(LoopThreadService):
         super().__init__()
         self.config = config
         self.port = 0
+        self.app = create_app(config)
 
     async def _main(self) -> None:
         cfg = self.config
         sock = bind(cfg.host, cfg.port, what="the dashboard",
                     option="port (--port; --dashboard-port for ripples run)")
-        endpoint = HttpEndpoint(create_app(cfg), sock, what="dashboard")
+        endpoint = HttpEndpoint(self.app, sock, what="dashboard")
         self.port = endpoint.port
         await endpoint.start()
         try:

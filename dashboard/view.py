@@ -4,10 +4,16 @@
 snapshot the page and the API serve. The view keeps the little history the coordinator
 does not: each worker's recent iterations (for its speed), each worker's loss curve, and
 the pairs of workers that averaged together lately (the edges of the topology graph).
+
+`to_json` is the one JSON encoding of everything the dashboard serves (the event stream
+and the API): a number that is not finite (a worker's NaN or infinite report) becomes
+null, since a browser's JSON.parse refuses NaN and a page fed one would freeze.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -358,3 +364,22 @@ def _groups_note(protocol: str) -> str:
     its groups without the coordinator (its spec's groups_note), else "none yet"."""
     spec = PROTOCOLS.get(protocol)
     return (spec.groups_note if spec is not None else "") or "none yet"
+
+
+def finite(value: Any) -> Any:
+    """`value` (JSON-able: dicts, lists, scalars) with every float that is not finite
+    replaced by None (null: "not known"), at any depth."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> str:
+    """Strict JSON of `value` (compact), non-finite numbers as null: what every response
+    and event of the dashboard is encoded with. allow_nan=False: a NaN that got past
+    `finite` fails here, loudly, rather than in every viewer's browser."""
+    return json.dumps(finite(value), allow_nan=False, separators=(",", ":"))

@@ -393,48 +393,49 @@ def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
 
 
 # ---------------------------------------------------------------------------- HTTP
-COOKIE = "ripples_token"
-"""The dashboard's login cookie (HttpOnly, SameSite=Strict): a browser cannot send a
-bearer header by itself."""
 HTTP_OPEN_PATHS = frozenset({"/healthz", "/login"})
 """Paths served without a token (liveness probes, the dashboard's login form)."""
 
 
-def http_token_accepted(tokens: tuple[str, ...], authorization: str, cookie: str) -> bool:
-    """Whether a request's `Authorization: Bearer` header, or its login cookie, holds one
-    of `tokens` (compared in constant time)."""
-    presented = []
+def token_matches(tokens: tuple[str, ...], presented: str) -> bool:
+    """Whether `presented` is one of `tokens` (compared in constant time)."""
+    return bool(presented) and any(hmac.compare_digest(presented.encode(), t.encode())
+                                   for t in tokens)
+
+
+def http_token_accepted(tokens: tuple[str, ...], authorization: str) -> bool:
+    """Whether a request's `Authorization: Bearer` header holds one of `tokens`."""
     scheme, _, value = authorization.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        presented.append(value.strip())
-    if cookie:
-        presented.append(cookie)
-    return any(hmac.compare_digest(p.encode(), t.encode()) for p in presented for t in tokens)
+    return scheme.lower() == "bearer" and token_matches(tokens, value.strip())
 
 
-def _cookie_value(header: str) -> str:
+def cookie_value(header: str, name: str) -> str:
+    """The value of cookie `name` in a Cookie header ("" when absent)."""
     for part in header.split(";"):
-        name, _, value = part.strip().partition("=")
-        if name == COOKIE:
+        key, _, value = part.strip().partition("=")
+        if key == name:
             return value
     return ""
 
 
 class HttpTokenGate:
-    """ASGI middleware: every HTTP request but HTTP_OPEN_PATHS needs one of `tokens`
-    (a bearer header, as Prometheus sends with `authorization.credentials_file`, or the
-    dashboard's login cookie). Refused: 401 with `WWW-Authenticate: Bearer` and what to
-    send; a browser asking for a page (`login_page`) is sent to /login instead. Without
-    tokens it lets everything through."""
+    """ASGI middleware: every HTTP request but HTTP_OPEN_PATHS needs one of `tokens` in a
+    bearer header (as Prometheus sends with `authorization.credentials_file`), or a
+    signed-in session (`session`: the dashboard's; it checks the request's Cookie header).
+    Refused: 401 with `WWW-Authenticate: Bearer` and what to send; a browser asking for a
+    page (`login_page`) is sent to /login instead. Without tokens it lets everything
+    through."""
 
     def __init__(self, app: Any, tokens: tuple[str, ...], *, login_page: bool = False,
-                 open_prefixes: tuple[str, ...] = ()) -> None:
+                 open_prefixes: tuple[str, ...] = (),
+                 session: Callable[[str], bool] | None = None) -> None:
         self.app = app
         self.tokens = tuple(t for t in tokens if t)
         self.login_page = login_page
         self.open_prefixes = open_prefixes
         """Paths under these serve without a token too (the dashboard's vendored script
         and style, which the login page needs)."""
+        self.session = session
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -444,8 +445,8 @@ class HttpTokenGate:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", ())}
-        if http_token_accepted(self.tokens, headers.get("authorization", ""),
-                               _cookie_value(headers.get("cookie", ""))):
+        if (http_token_accepted(self.tokens, headers.get("authorization", ""))
+                or (self.session is not None and self.session(headers.get("cookie", "")))):
             await self.app(scope, receive, send)
             return
         if self.login_page and "text/html" in headers.get("accept", ""):
@@ -470,8 +471,7 @@ def wsgi_token_gate(app: Callable[..., Any], tokens: tuple[str, ...]) -> Callabl
 
     def gated(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         if environ.get("PATH_INFO", "") in HTTP_OPEN_PATHS or http_token_accepted(
-                accepted, environ.get("HTTP_AUTHORIZATION", ""),
-                _cookie_value(environ.get("HTTP_COOKIE", ""))):
+                accepted, environ.get("HTTP_AUTHORIZATION", "")):
             return app(environ, start_response)
         start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
                                              ("WWW-Authenticate", 'Bearer realm="ripples"')])

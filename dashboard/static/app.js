@@ -227,9 +227,10 @@ function drawLoss(s) {
   }
   ctx.fillText(`${xmax.toFixed(xmax < 10 ? 1 : 0)} s of training`, cw - pad.r - 110, ch - 8);
   ctx.fillText("0 s", pad.l, ch - 8);
-  const line = (pts, color, width) => {
+  const line = (pts, color, width) => {  // a point without a loss (null) is skipped
     ctx.strokeStyle = color; ctx.lineWidth = width; ctx.beginPath();
-    pts.forEach((p, i) => (i ? ctx.lineTo(X(p.seconds), Y(p.loss)) : ctx.moveTo(X(p.seconds), Y(p.loss))));
+    pts.filter((p) => Number.isFinite(p.loss)).forEach((p, i) =>
+      (i ? ctx.lineTo(X(p.seconds), Y(p.loss)) : ctx.moveTo(X(p.seconds), Y(p.loss))));
     ctx.stroke();
   };
   const palette = ["#4c6ef5", "#12b886", "#fab005", "#e64980", "#7950f2", "#15aabf", "#82c91e", "#fd7e14"];
@@ -275,9 +276,22 @@ function render(s) {
   document.body.dataset.version = (Number(document.body.dataset.version || 0) + 1).toString();
 }
 
+// One event the page cannot read or draw is reported (console and banner) and skipped:
+// the stream goes on, and the next good event clears the banner.
+function onStatus(ev) {
+  try {
+    render(JSON.parse(ev.data));
+  } catch (err) {
+    console.error("ripples dashboard: status event", ev.lastEventId, "skipped:", err);
+    const banner = document.getElementById("banner");
+    banner.hidden = false;
+    banner.textContent = `a status update could not be shown (${err.message}); waiting for the next`;
+  }
+}
+
 function connect() {
   const source = new EventSource("/api/events");
-  source.addEventListener("status", (ev) => render(JSON.parse(ev.data)));
+  source.addEventListener("status", onStatus);
   source.onerror = () => {
     // The dashboard itself is gone: EventSource retries on its own (retry: 2000).
     const badge = document.getElementById("status-badge");

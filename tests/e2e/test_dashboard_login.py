@@ -1,7 +1,8 @@
 """The dashboard of a coordinator that requires a token, in a real headless Chromium: the
 page asks for the token, refuses a wrong one, and with the right one (a read-only token,
 which the dashboard also uses to read the coordinator over TLS) shows the live run; the
-token never appears in the page."""
+token never appears in the page nor in its cookie (a session id), and signing out ends
+the session."""
 
 from __future__ import annotations
 
@@ -66,7 +67,12 @@ def test_the_dashboard_asks_for_the_token_and_then_shows_the_run(
                 timeout=30_000)
             page.wait_for_selector("#run-info")
             assert READ_TOKEN not in page.content() and TOKEN not in page.content()
-            cookie = next(c for c in page.context.cookies() if c["name"] == "ripples_token")
+            cookie = next(c for c in page.context.cookies() if c["name"] == "ripples_session")
             assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+            assert READ_TOKEN not in cookie["value"]  # a session id, not the token
+            # Signing out ends the session: the page asks for the token again.
+            page.click("#sign-out button")
+            page.wait_for_url(url + "login")
+            assert page.evaluate("fetch('/api/status').then(r => r.status)") == 401
         finally:
             browser.close()

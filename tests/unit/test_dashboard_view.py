@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from ripples.dashboard.view import (
     EDGE_MEMORY_SECONDS,
     MAX_COMPLETE_GRAPH_WORKERS,
@@ -9,6 +11,7 @@ from ripples.dashboard.view import (
     MAX_WORKER_DETAIL,
     RunView,
     disconnected,
+    to_json,
 )
 from ripples.v1 import coordinator_pb2 as pb
 
@@ -215,3 +218,28 @@ def test_host_nodes_follow_the_natural_order_of_host_names() -> None:
         w.host = f"h{w.worker_id}"  # h2 before h10, as the registry numbers nodes
     labels = [n["label"] for n in RunView().update(status, now=0.0)["topology"]["nodes"]]
     assert labels[:12] == [f"h{i}" for i in range(12)]
+
+
+def test_numbers_that_are_not_finite_are_served_as_null() -> None:
+    """A coordinator that passes on a worker's NaN or infinity (the dashboard does not
+    count on the coordinator to drop them) still yields strict JSON: a browser parses it."""
+    nan, inf = float("nan"), float("inf")
+    status = _status({0: 3, 1: 4})
+    status.workers[0].loss = nan
+    status.workers[0].progress.compute_seconds = nan
+    status.workers[0].progress.wait_seconds = inf
+    status.workers[1].progress.preduce_seconds = -inf
+    status.mean_loss = nan
+    status.loss_curve.add(seconds=1.0, loss=inf)
+    status.elapsed_seconds = nan
+    text = to_json(RunView().update(status, now=1.0))
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the JSON")
+
+    snapshot = json.loads(text, parse_constant=refuse)
+    w0, w1 = snapshot["workers"]
+    assert (w0["loss"], w0["compute_seconds"], w0["wait_seconds"]) == (None, None, None)
+    assert w1["preduce_seconds"] is None and w1["loss"] == 0.4
+    assert snapshot["run"]["mean_loss"] is None and snapshot["run"]["elapsed_seconds"] is None
+    assert snapshot["loss_curve"] == [{"seconds": 1.0, "loss": None}]
