@@ -1,7 +1,8 @@
 """The runs' worker output: kept per run and worker, read back by `ripples logs`.
 
 Host agents send their processes' output in batches (Agents.PushLogs); each batch is
-appended to `<state dir>/runs/<run id>/logs/<HOST>__<LOCAL_RANK>.log`, at most
+appended to `<state dir>/runs/<run id>/logs/<HOST>__<LOCAL_RANK>.log` (a host too long
+for a file name is cut, with a digest: `file_name`), at most
 LOG_FILE_LIMIT bytes per worker and run (later lines are dropped, with one line saying
 so). Runs.GetLogs reads them back: once, or following the files while the run is active.
 """
