@@ -38,7 +38,7 @@ from ripples.coordinator.history import ENDED, RunHistory, state_name
 from ripples.coordinator.http import SdTargets
 from ripples.coordinator.service import CoordinatorService
 from ripples.coordinator.state_dir import RECOVER
-from ripples.coordinator.state_store import StateStore
+from ripples.coordinator.state_store import StateStore, StoreWriteError
 from ripples.guarded import guarded_loop
 from ripples.v1 import coordinator_pb2 as pb
 
@@ -226,7 +226,9 @@ class RunQueue:
             self._open(info, resume=False)
         except (ValueError, OSError) as err:  # its options no longer hold (a file moved)
             info.state, info.ended_at = pb.RUN_STATE_FAILED, time.time()
-            info.stop_reason = f"could not start: {err}"
+            # A refused save names the cause, not the server's files (the log does).
+            why = err.reason if isinstance(err, StoreWriteError) else str(err)
+            info.stop_reason = f"could not start: {why}"
             self.history.update(info)
             logger.error("run %s could not start: %s", info.run_id, err)
             await self.activate_next(announce=True)
