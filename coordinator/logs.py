@@ -1,7 +1,8 @@
 """The runs' worker output: kept per run and worker, read back by `ripples logs`.
 
 Host agents send their processes' output in batches (Agents.PushLogs); each batch is
-appended to `<state dir>/runs/<run id>/logs/<HOST>__<LOCAL_RANK>.log`, at most
+appended to `<state dir>/runs/<run id>/logs/<HOST>__<LOCAL_RANK>.log` (a host too long
+for a file name is cut, with a digest: `file_name`), at most
 LOG_FILE_LIMIT bytes per worker and run (later lines are dropped, with one line saying
 so). Runs.GetLogs reads them back: once, or following the files while the run is active.
 """
@@ -9,6 +10,9 @@ so). Runs.GetLogs reads them back: once, or following the files while the run is
 from __future__ import annotations
 
 import asyncio
+import errno
+import hashlib
+import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,10 +22,14 @@ import grpc
 from ripples.coordinator.run_queue import RunQueue
 from ripples.v1 import coordinator_pb2 as pb
 
+logger = logging.getLogger(__name__)
+
 LOG_FILE_LIMIT = 64 * 1024 * 1024
 """Bytes kept per worker and run; later lines are dropped (one notice says so)."""
 WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}/[0-9]{1,6}")
 """HOST/LOCAL_RANK: it names a log file, so no path separator or '..' can be in it."""
+FILE_NAME_LIMIT = 200
+"""Longest log file name before its host is cut (file_name; a file name has 255 bytes)."""
 LOG_BATCH_BYTES = 1024 * 1024
 """A GetLogs message holds about this much (the messages' limit is 16 MiB; a log 64)."""
 FOLLOW_SECONDS = 0.5
@@ -37,7 +45,7 @@ class RunLogs:
 
     def path(self, run_id: str, worker: str) -> Path:
         """The file of one worker's output in one run."""
-        return self.queue.run_dir(run_id) / "logs" / (worker.replace("/", "__") + ".log")
+        return self.queue.run_dir(run_id) / "logs" / file_name(worker)
 
     async def push(self, batch: pb.LogBatch, context: grpc.aio.ServicerContext) -> None:
         """Append an agent's batch (refused: a malformed worker name, an unknown run; the
@@ -48,8 +56,18 @@ class RunLogs:
         known = self.queue.history.get(batch.run_id) if batch.run_id else None
         if known is None or known.run_id != batch.run_id:  # the exact id, no prefix
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no run {batch.run_id!r}")
-        await asyncio.to_thread(self._append, self.path(batch.run_id, batch.worker),
-                                list(batch.lines))
+        try:
+            await asyncio.to_thread(self._append, self.path(batch.run_id, batch.worker),
+                                    list(batch.lines))
+        except OSError as err:  # the operator reads the file in the log, the agent the cause
+            logger.error("cannot keep the output of worker %s of run %s: %s", batch.worker,
+                         batch.run_id, err)
+            full = err.errno == errno.ENOSPC
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.UNAVAILABLE,
+                "the coordinator cannot store this output: "
+                + ("the disk of its state dir is full" if full else
+                   "its state dir cannot be written (a read-only or failing disk)"))
 
     def _append(self, path: Path, lines: list[str]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,8 +98,7 @@ class RunLogs:
         while True:
             files = sorted(directory.glob("*.log")) if directory.is_dir() else []
             if request.worker:
-                files = [f for f in files if f.name == request.worker.replace("/", "__")
-                         + ".log"]
+                files = [f for f in files if f.name == file_name(request.worker)]
                 if not files and first and not self.queue.is_active(info.run_id):
                     await context.abort(grpc.StatusCode.NOT_FOUND, (
                         f"run {info.run_id} has no output from worker {request.worker}"))
@@ -99,6 +116,19 @@ class RunLogs:
             if not request.follow or not active:  # read once more after the run's end
                 return
             await asyncio.sleep(FOLLOW_SECONDS)
+
+
+def file_name(worker: str) -> str:
+    """The log file's name for HOST/LOCAL_RANK: HOST__LOCAL_RANK.log. A host name too long
+    for a file name (DNS allows 253 characters, a file name 255 bytes) is cut, and a
+    digest of the whole worker name keeps the names distinct ('~' is in no host name);
+    `ripples logs` then shows the cut name."""
+    name = worker.replace("/", "__")
+    if len(name) > FILE_NAME_LIMIT:  # WORKER_NAME is ASCII: characters are bytes
+        host, _, rank = worker.rpartition("/")
+        digest = hashlib.sha256(worker.encode()).hexdigest()[:16]
+        name = f"{host[:FILE_NAME_LIMIT - 32]}~{digest}__{rank}"
+    return name + ".log"
 
 
 def _batches(lines: list[str]) -> list[list[str]]:

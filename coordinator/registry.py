@@ -318,6 +318,17 @@ class Registry:
         if record.state not in GONE:
             self._moved(record)
 
+    def undo(self, record: WorkerRecord) -> None:
+        """Undo the registration of `record`, which changed nothing else (its record could
+        not be stored, so no process was told its id): its id and, if new, its host's
+        node are handed out again."""
+        self.discard(record.worker_id)
+        if self._next_worker_id == record.worker_id + 1:
+            self._next_worker_id = record.worker_id
+        if (self._nodes.get(record.host) == len(self._nodes) - 1
+                and all(w.host != record.host for w in self.workers.values())):
+            del self._nodes[record.host]
+
     def discard(self, worker_id: int) -> None:
         """Forget a record (a registration undone)."""
         record = self.workers.pop(worker_id)

@@ -37,7 +37,8 @@ from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.history import ENDED, RunHistory, state_name
 from ripples.coordinator.http import SdTargets
 from ripples.coordinator.service import CoordinatorService
-from ripples.coordinator.state_store import StateStore
+from ripples.coordinator.state_dir import RECOVER
+from ripples.coordinator.state_store import StateStore, StoreWriteError
 from ripples.guarded import guarded_loop
 from ripples.v1 import coordinator_pb2 as pb
 
@@ -237,7 +238,9 @@ class RunQueue:
                     self._open(info, resume=False, settings=settings)
                 except (ValueError, OSError) as err:  # its options no longer hold
                     info.state, info.ended_at = pb.RUN_STATE_FAILED, time.time()
-                    info.stop_reason = f"could not start: {err}"
+                    # A refused save names the cause, not the server's files (the log does).
+                    why = err.reason if isinstance(err, StoreWriteError) else str(err)
+                    info.stop_reason = f"could not start: {why}"
                     self.history.update(info)
                     logger.error("run %s could not start: %s", info.run_id, err)
                     announce = True
@@ -259,6 +262,15 @@ class RunQueue:
         state = StateStore(self.run_dir(info.run_id)) if self._persistent else None
         now = self.clock()
         saved = state.load() if state is not None and resume else None
+        if state is not None and resume and saved is None:
+            # A new run's state is stored before the history calls it running (below):
+            # an active run without one lost it (state_dir.check_active_run refused a
+            # missing or empty file already), and starting it afresh would forget its
+            # workers and hand their ids out again.
+            state.close()
+            raise ValueError(
+                f"the active run {info.run_id} has lost its state: {state.path} holds no "
+                f"saved run (its tables are empty); {RECOVER}")
         if saved is not None:
             core = snapshot.restore(saved, now, self.incarnation, wall=time.time(),
                                     resume=self.resume_workers)
@@ -277,6 +289,8 @@ class RunQueue:
                                      clock=self.clock)
         if saved is not None:
             service.restored({int(k): v for k, v in saved.get("metrics_targets", {}).items()})
+        elif state is not None:  # stored before the history calls the run running
+            state.save(snapshot.take(core, now, time.time()))
         service.metrics_address = self.metrics_address
         service.start_background()
         self.active = ActiveRun(info, service, state)

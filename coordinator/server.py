@@ -28,6 +28,7 @@ from ripples.coordinator.logs import RunLogs
 from ripples.coordinator.run_queue import RunQueue
 from ripples.coordinator.runs import RunsService
 from ripples.coordinator.service import CoordinatorService
+from ripples.coordinator.state_dir import StateDirLock, check_active_run, check_history
 from ripples.coordinator.worker_gateway import WorkerGateway
 from ripples.http_server import HttpEndpoint, bind
 from ripples.loop_thread import LoopThreadService, serve_until_signal
@@ -117,12 +118,33 @@ class CoordinatorServer(LoopThreadService):
         self.metrics_port = 0
         self.queue: RunQueue | None = None
         self._store: object | None = None
+        self._lock: StateDirLock | None = None
 
     async def _main(self) -> None:
+        cfg = self.config
+        if cfg.state_dir:  # one coordinator per dir (coordinator/state_dir.py)
+            self._lock = StateDirLock(cfg.state_dir).acquire()
+        try:
+            if cfg.state_dir:  # never a silent start from zero on a dir that lost its store
+                check_history(cfg.state_dir)
+            await self._serve()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    async def _serve(self) -> None:
+        """Serve (under the state dir's lock, if there is one) until stopped."""
         import torch.distributed as dist  # heavy import, only when serving
 
         cfg = self.config
         history = RunHistory(cfg.state_dir or None)
+        if cfg.state_dir:  # before anything is written: a refusal leaves the dir as it was
+            try:
+                check_active_run(history, cfg.state_dir)
+            except ValueError:
+                history.close()
+                raise
         incarnation = history.meta("incarnation") + 1
         history.set_meta("incarnation", incarnation)
         # The same store port after a restart: the workers reconnect where it was (new
@@ -165,9 +187,17 @@ class CoordinatorServer(LoopThreadService):
         http = HttpEndpoint(HttpTokenGate(app, (cfg.security.token, cfg.security.read_token)),
                             metrics_socket, what="metrics endpoint")
         self.metrics_port = http.port
+        if self._lock is not None:  # a second coordinator's refusal names this one
+            self._lock.note_address(self.address)
         queue.metrics_address = f"{_advertised(cfg)}:{http.port}"
         await http.start()
-        await queue.start(cfg.run)
+        try:
+            await queue.start(cfg.run)
+        except BaseException:  # e.g. the active run's state is lost: refused, torn down
+            await http.stop()
+            await server.stop(grace=None)
+            queue.release()
+            raise
         agents.start()
         if queue.active is not None:  # the settings of the run it serves (resumed: saved)
             cfg.run = queue.active.service.core.settings

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -30,7 +30,7 @@ from ripples.coordinator.final_average import FinalAverage
 from ripples.coordinator.http import SdTargets
 from ripples.coordinator.metrics import CoordinatorMetrics
 from ripples.coordinator.root_watch import ROOT_POLL_SECONDS, RootWatch
-from ripples.coordinator.state_store import StateStore
+from ripples.coordinator.state_store import StateStore, StoreWriteError
 from ripples.coordinator.sync_stream import SyncStreams
 from ripples.coordinator.wire import abort, peer_host, progress_from_proto, schema_from_proto
 from ripples.guarded import guarded_loop
@@ -101,8 +101,9 @@ class CoordinatorService(pb_grpc.WorkerServicer):
     def start_background(self) -> None:
         self._reaper = self._guarded("lease-reaper", self._reap_leases,
                                      max(0.05, self.core.settings.lease_seconds / 4))
-        if self.state is not None:
-            self._saver = self._guarded("state-saver", self.save_state, STATE_SAVE_SECONDS)
+        if self.state is not None:  # its failures are logged and retried (guarded)
+            self._saver = self._guarded("state-saver", self._save_or_raise,
+                                        STATE_SAVE_SECONDS)
         root = self.core.settings.root
         if root:  # this run is one shard of a sharded job
             self._root_watch = RootWatch(root, self._stop_from_root)
@@ -119,14 +120,25 @@ class CoordinatorService(pb_grpc.WorkerServicer):
             guarded_loop(name, body, interval, on_error=errors.inc))
 
     async def save_state(self) -> None:
-        """Save the run's state to the state dir (if any): the snapshot is taken on the
-        loop (consistent), written off it; saves never overlap."""
+        """Save the run's state to the state dir (if any). A save the disk refuses is
+        logged, and the state saver's next round (every STATE_SAVE_SECONDS, backing off
+        while it fails) tries again: the run goes on meanwhile."""
+        try:
+            await self._save_or_raise()
+        except StoreWriteError as err:
+            logger.error("%s; the state saver retries every %.1f s or more", err,
+                         STATE_SAVE_SECONDS)
+
+    async def _save_or_raise(self, only: Iterable[int] | None = None) -> None:
+        """Save the run's state (`only`: the run's keys and these workers' records, when
+        nothing else changed); StoreWriteError if the disk refuses. The snapshot is
+        taken on the loop (consistent), written off it; saves never overlap."""
         if self.state is None:
             return
         if self._saving is None:
             self._saving = asyncio.Lock()
         async with self._saving:
-            data = snapshot.take(self.core, self.clock(), time.time())
+            data = snapshot.take(self.core, self.clock(), time.time(), only=only)
             data["metrics_targets"] = {str(k): v for k, v in self.metrics_targets.items()}
             await asyncio.to_thread(self.state.save, data)
 
@@ -216,18 +228,63 @@ class CoordinatorService(pb_grpc.WorkerServicer):
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> pb.RegisterReply:
         now = self.clock()
-        worker_id = await self._call(context, lambda: self.core.register(
+        core, registry = self.core, self.core.registry
+        if self.state is not None:  # a disk that takes no write refuses it unchanged
+            await self._refuse_unless_stored(context, asyncio.to_thread(
+                self.state.check_writable))
+        formed, restarts = registry.formed, core.restarts
+        worker_id = await self._call(context, lambda: core.register(
             request.host, request.local_rank, request.device or "cpu", request.pid, now))
-        self._note_run_state()
-        w = self.core.workers[worker_id]
+        w = core.workers[worker_id]
         if request.metrics_port:
             host = request.metrics_host or peer_host(context.peer()) or w.host
             self.metrics_targets[worker_id] = f"{host}:{request.metrics_port}"
-        await self.save_state()  # a restarted coordinator must know every worker it named
+        # A restarted coordinator must know every worker it named: stored before the
+        # reply. Only this worker's record changed, unless the registration formed the
+        # membership, took a departed member's place or opened a restart round.
+        alone = (not w.replacement and formed == registry.formed
+                 and restarts == core.restarts and not core.stopped)
+
+        def undo() -> bool:
+            """Forget it, unless a registration since formed the membership with it."""
+            if registry.formed != formed or core.restarts != restarts or core.stopped:
+                return False
+            registry.undo(w)
+            self.metrics_targets.pop(worker_id, None)
+            return True
+
+        if alone:  # undone (its id handed out again) if the disk refuses it
+            await self._refuse_unless_stored(context, self._save_or_raise(only=[worker_id]),
+                                             undo)
+        else:  # too much changed to undo (the disk took a write just now): retried
+            await self.save_state()
+        self._note_run_state()
         logger.info("registered worker %d (host %s, local rank %d, %s)",
                     worker_id, w.host, w.local_rank, w.device)
         return pb.RegisterReply(worker_id=worker_id, config=self.core.settings.to_proto(),
                                 store_host=self.store_host, store_port=self.store_port)
+
+    async def _refuse_unless_stored(self, context: grpc.aio.ServicerContext,
+                                    write: Awaitable[None],
+                                    undo: Callable[[], bool] = lambda: True) -> None:
+        """Await `write`; if the disk refuses it, `undo` and end the call (full:
+        RESOURCE_EXHAUSTED, a worker retries for its vacancy timeout; read-only or
+        failing: UNAVAILABLE), telling the client the cause and the operator (the log)
+        the file. A registration that can no longer be undone (another one formed the
+        membership with it meanwhile) stands, and the state saver retries its save."""
+        try:
+            await write
+        except StoreWriteError as err:
+            if not undo():
+                logger.error("%s; the registration stands (the membership formed with it) "
+                             "and the state saver retries", err)
+                return
+            logger.error("registration refused: %s", err)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED if err.full
+                else grpc.StatusCode.UNAVAILABLE,
+                f"{err.reason}: the registration was not stored, so it is refused (nothing "
+                "changed); the operator must free or fix the state dir's disk")
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatReply:

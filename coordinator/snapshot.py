@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterable
 from typing import Any
 
 from ripples.coordinator.config import RunSettings
@@ -31,15 +32,20 @@ _TRANSIENT = ("round_target", "wait_started_at", "listening")
 """Worker fields that belong to a pending request, not to the run."""
 
 
-def take(core: CoordinatorCore, now: float, wall: float = 0.0) -> dict[str, Any]:
-    """The run's state at monotonic time `now` (wall-clock time `wall`), as JSON values."""
+def take(core: CoordinatorCore, now: float, wall: float = 0.0, *,
+         only: Iterable[int] | None = None) -> dict[str, Any]:
+    """The run's state at monotonic time `now` (wall-clock time `wall`), as JSON values;
+    `only`: of these workers' records alone (a partial snapshot, for a save that knows
+    no other record changed: StateStore.save)."""
     progress = core.progress
+    records = (core.workers.values() if only is None
+               else [core.workers[i] for i in only if i in core.workers])
     return {
         "format": FORMAT,
         "settings": core.settings.options(),
         "elapsed": core.elapsed(now) if core.started_at is not None else None,
         "wall": wall,
-        "workers": [_worker(w) for w in core.workers.values()],
+        "workers": [_worker(w) for w in records],
         "registry": {"formed": core.registry.formed, "nodes": core.registry._nodes,
                      "next_worker_id": core.registry._next_worker_id,
                      "lease_expirations": core.registry.num_lease_expirations,

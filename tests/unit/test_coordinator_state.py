@@ -126,3 +126,17 @@ def test_a_run_resumed_after_a_total_failure_continues_each_rank_with_new_worker
     assert again.mean_iterations() == pytest.approx(core.mean_iterations())
     decision, _ = again.request_group(new[0], 30, 2.5)
     assert decision is None or decision.outcome is Outcome.GROUP
+
+
+def test_an_undone_registration_hands_its_id_and_new_node_out_again() -> None:
+    """A registration the state dir could not store is undone (service.Register): the
+    next one gets the same id and node, as if it never happened."""
+    from ripples.coordinator.registry import Registry
+
+    registry = Registry(num_workers=3, lease_seconds=5.0, first_worker_id=7)
+    registry.register("a", 0, "cpu", 1, 0.0)
+    undone = registry.register("b", 0, "cpu", 2, 0.0)
+    registry.undo(undone)
+    assert list(registry.workers) == [7] and registry.next_worker_id == 8
+    again = registry.register("c", 0, "cpu", 3, 0.0)
+    assert (again.worker_id, again.node) == (8, 1)
