@@ -22,18 +22,40 @@ from ripples.coordinator.topology import (
     build_topology,
     parse_edge_list,
 )
+from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 from ripples.protocols.registry import (
     DEFAULT_PROTOCOL,
     PROTOCOLS,
     SETTINGS_CLASSES,
     get_protocol,
 )
-from ripples.protocols.settings import ProtocolSettings, RunFacts, TopologyFacts
+from ripples.protocols.settings import (
+    ProtocolSettings,
+    RunFacts,
+    TopologyFacts,
+    check_values,
+)
 from ripples.protocols.spec import Coordination, Membership, ProtocolSpec, Role
 from ripples.rpc import parse_target
 from ripples.v1 import coordinator_pb2 as pb
 
 S = TypeVar("S", bound=ProtocolSettings)
+
+MAX_WORKERS = 100_000
+"""The most workers one run (or one shard) may have: `ripples simulate`'s largest runs.
+Every count of workers (num_workers, max_workers, a group's size) is bounded by it."""
+MAX_ITERATIONS = 10**12
+"""Per-worker iteration budget's ceiling: times MAX_WORKERS it still fits an int64."""
+RUN_LIMITS: dict[str, tuple[float, float]] = {
+    "num_workers": (2, MAX_WORKERS), "min_workers": (1, MAX_WORKERS),
+    "max_workers": (0, MAX_WORKERS), "workers_per_node": (1, MAX_WORKERS),
+    "iterations": (0, MAX_ITERATIONS), "epochs": (0, 1e6),
+    "seed": (0, 2**32 - 1),  # numpy's and torch's generators take it as it is
+    "batch_size": (0, 2**24), "run_id": (0, 64), "topology_file": (0, 4096),
+}
+"""RunSettings' bounds where the defaults of protocols/settings.py `value_limits` (the
+proto field's range, a week for `*_seconds`, 1e9 for a float, 1024 characters) are too
+wide. Every field is bounded: a new one gets the defaults."""
 
 LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS = 1800.0
 """Lock-step protocols' default collective timeout: torch's, so that a peer busy between
@@ -223,8 +245,21 @@ class RunSettings:
         for settings_cls in self.spec.settings:
             self.settings(settings_cls).check_topology(self.run_facts(), facts)
 
+    def check_values(self) -> None:
+        """Raise ValueError naming the first option of the wrong type or out of its bounds:
+        every field of the run and of every protocol's settings (all travel in RunConfig),
+        the one schema of flags, config files and SubmitRun alike."""
+        check_values(self, pb.RunConfig.DESCRIPTOR, RUN_LIMITS, skip={"protocol_settings"})
+        for settings in self.protocol_settings.values():
+            settings.check_values()
+
     def validate(self) -> None:
         """Raise ValueError naming the field to fix."""
+        self.check_values()
+        group_size = self.settings(GroupGeneratorSettings).group_size
+        if group_size > MAX_WORKERS:  # a larger one is cut to the live workers
+            raise ValueError(f"group_size must be at most {MAX_WORKERS} (a run's most "
+                             f"workers), got {group_size}")
         spec = get_protocol(self.protocol)
         if self.num_workers < 2:
             raise ValueError(f"num_workers must be at least 2, got {self.num_workers}")
@@ -354,4 +389,4 @@ class RunSettings:
         return RunSettings.build(**{**self.options(), **changes})
 
 
-__all__ = ["RunSettings", "option_names"]
+__all__ = ["MAX_WORKERS", "RunSettings", "option_names"]

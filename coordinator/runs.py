@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -23,6 +24,31 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+MAX_OPTIONS_CHARS = 64 * 1024
+"""SubmitRun's options_json at most: every run option fits in a few hundred bytes."""
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """SubmitRun's options_json as a JSON object; ValueError saying what is wrong, before
+    anything is parsed when it is too long, while parsing when it nests too deep or holds
+    NaN or Infinity (no JSON; RunSettings then checks every value)."""
+    if len(text) > MAX_OPTIONS_CHARS:
+        raise ValueError(f"options_json holds {len(text)} characters, at most "
+                         f"{MAX_OPTIONS_CHARS}: give a flat JSON object of run options")
+    try:
+        options = json.loads(text or "{}", parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("options_json nests too deep: give a flat JSON object of run "
+                         "options") from None
+    if not isinstance(options, dict):
+        raise ValueError("options_json must be a JSON object of run options")
+    return options
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"options_json holds {name}, which is no JSON number: give finite "
+                     "numbers")
 
 
 class RunsService(pb_grpc.RunsServicer):
@@ -46,9 +72,7 @@ class RunsService(pb_grpc.RunsServicer):
     async def SubmitRun(self, request: pb.SubmitRunRequest,
                         context: grpc.aio.ServicerContext) -> pb.RunInfo:
         try:
-            options = json.loads(request.options_json or "{}")
-            if not isinstance(options, dict):
-                raise ValueError("options_json must be a JSON object of run options")
+            options = parse_options(request.options_json)
             if not request.command and not options.get("task"):
                 raise ValueError("give a task (--task) or a script after --: the host "
                                  "agents start the workers")
