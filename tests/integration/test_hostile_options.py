@@ -91,6 +91,23 @@ def test_a_bad_submission_is_refused_naming_the_option_and_stores_nothing(
     client.run_status("")  # so does the status
 
 
+@pytest.mark.parametrize("flags, expected", [
+    (["--seed", "-1"], "seed must be at least 0, got -1"),
+    (["--epochs", "nan"], "epochs must be a finite number"),
+    (["--lease-seconds", "inf"], "lease_seconds must be a finite number"),
+    (["--workers", "10000000000"], "num_workers must be at most 100000"),
+])
+def test_the_cli_refuses_the_same_options_before_it_calls(
+        client: CoordinatorClient, service: CoordinatorServer, flags: list[str],
+        expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _listing(client)
+    assert ripples_main(["submit", "--task", "digits", "--coordinator", service.address,
+                         *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"ripples submit: error: {expected}" in err and err.count("\n") == 1
+    assert _listing(client) == before
+
+
 def test_a_run_accepted_after_the_refusals_is_listed_and_stoppable(
         client: CoordinatorClient) -> None:
     info = client.submit_run(_options(seed=2**32 - 1), name="fine")
