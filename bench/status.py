@@ -55,7 +55,7 @@ def training_service(protocol: str, num_workers: int, run_seconds: float) -> Coo
     executing for every group-size workers and its recent groups released."""
     settings = RunSettings.build(protocol=protocol, num_workers=num_workers,
                                  workers_per_node=WORKERS_PER_NODE, iterations=10**9,
-                                 lease_seconds=10**6, heartbeat_interval_seconds=1.0)
+                                 lease_seconds=7 * 24 * 3600.0, heartbeat_interval_seconds=1.0)
     core = CoordinatorCore(settings, now=0.0)
     ids = [core.register(f"node{i // WORKERS_PER_NODE}", i % WORKERS_PER_NODE, "cpu", i, 0.0)
            for i in range(num_workers)]

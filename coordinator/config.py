@@ -21,21 +21,41 @@ from ripples.coordinator.topology import (
     build_topology,
     checked_edges,
 )
+from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 from ripples.protocols.registry import (
     DEFAULT_PROTOCOL,
     PROTOCOLS,
     SETTINGS_CLASSES,
     get_protocol,
 )
-from ripples.protocols.settings import ProtocolSettings, RunFacts, TopologyFacts
+from ripples.protocols.settings import (
+    ProtocolSettings,
+    RunFacts,
+    TopologyFacts,
+    check_values,
+)
 from ripples.protocols.spec import Coordination, Membership, ProtocolSpec, Role
 from ripples.rpc import parse_target
+from ripples.run_records import printable
 from ripples.v1 import coordinator_pb2 as pb
 
 S = TypeVar("S", bound=ProtocolSettings)
 
 MAX_WORKERS = 100_000
-"""The most workers a run may have (num_workers): what one coordinator serves."""
+"""The most workers one run (or one shard) may have: `ripples simulate`'s largest runs.
+Every count of workers (num_workers, max_workers, a group's size) is bounded by it."""
+MAX_ITERATIONS = 10**12
+"""Per-worker iteration budget's ceiling: times MAX_WORKERS it still fits an int64."""
+RUN_LIMITS: dict[str, tuple[float, float]] = {
+    "num_workers": (2, MAX_WORKERS), "min_workers": (1, MAX_WORKERS),
+    "max_workers": (0, MAX_WORKERS), "workers_per_node": (1, MAX_WORKERS),
+    "iterations": (0, MAX_ITERATIONS), "epochs": (0, 1e6),
+    "seed": (0, 2**32 - 1),  # numpy's and torch's generators take it as it is
+    "batch_size": (0, 2**24), "run_id": (0, 64),
+}
+"""RunSettings' bounds where the defaults of protocols/settings.py `value_limits` (the
+proto field's range, a week for `*_seconds`, 1e9 for a float, 1024 characters) are too
+wide. Every field is bounded: a new one gets the defaults."""
 TOPOLOGY_FILE_REFUSED = (
     "topology_file names a file on the submitting machine, and the coordinator opens no "
     "path a client names: send the edges as topology_edges, a list of [i, j] rank pairs "
@@ -181,7 +201,10 @@ class RunSettings:
             mine = {names[k]: rest.pop(k) for k in list(rest) if k in names}
             protocol_settings[settings_cls] = settings_cls(**mine)
         if rest:
-            raise ValueError(f"unknown run option(s): {', '.join(sorted(rest))}")
+            unknown = sorted(rest)
+            listed = ", ".join(printable(n[:40]) for n in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise ValueError(f"unknown run option(s): {listed}{more}")
         return cls(**base, protocol_settings=protocol_settings)
 
     def settings(self, settings_cls: type[S]) -> S:
@@ -227,14 +250,25 @@ class RunSettings:
         for settings_cls in self.spec.settings:
             self.settings(settings_cls).check_topology(self.run_facts(), facts)
 
+    def check_values(self) -> None:
+        """Raise ValueError naming the first option of the wrong type or out of its bounds:
+        every field of the run and of every protocol's settings (all travel in RunConfig),
+        the one schema of flags, config files and SubmitRun alike."""
+        check_values(self, pb.RunConfig.DESCRIPTOR, RUN_LIMITS,
+                     skip={"protocol_settings", "topology_edges"})  # edges: checked_edges
+        for settings in self.protocol_settings.values():
+            settings.check_values()
+
     def validate(self) -> None:
         """Raise ValueError naming the field to fix."""
+        self.check_values()
+        group_size = self.settings(GroupGeneratorSettings).group_size
+        if group_size > MAX_WORKERS:  # a larger one is cut to the live workers
+            raise ValueError(f"group_size must be at most {MAX_WORKERS} (a run's most "
+                             f"workers), got {group_size}")
         spec = get_protocol(self.protocol)
         if self.num_workers < 2:
             raise ValueError(f"num_workers must be at least 2, got {self.num_workers}")
-        if self.num_workers > MAX_WORKERS:
-            raise ValueError(f"num_workers must be at most {MAX_WORKERS}, got "
-                             f"{self.num_workers}")
         if not 1 <= self.min_workers <= self.num_workers:
             raise ValueError(f"min_workers must be between 1 and num_workers "
                              f"({self.num_workers}), got {self.min_workers}")
@@ -357,4 +391,4 @@ class RunSettings:
         return RunSettings.build(**{**self.options(), **changes})
 
 
-__all__ = ["RunSettings", "option_names"]
+__all__ = ["MAX_WORKERS", "RunSettings", "option_names"]

@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from ripples.coordinator.state_store import open_database
 from ripples.run_records import ENDED, agent_summary, state_name, summary
 from ripples.v1 import coordinator_pb2 as pb
@@ -78,16 +80,16 @@ class RunHistory:
     def runs(self) -> list[pb.RunInfo]:
         """Every run, oldest first."""
         with self._lock:
-            rows = self._db.execute("SELECT info FROM runs ORDER BY seq").fetchall()
-        return [pb.RunInfo.FromString(info) for (info,) in rows]
+            rows = self._db.execute("SELECT run_id, info FROM runs ORDER BY seq").fetchall()
+        return [_read_info(run_id, info) for run_id, info in rows]
 
     def get(self, run_id: str) -> pb.RunInfo | None:
         """The run with this id, or with this unique id prefix (as git's short hashes)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT info FROM runs WHERE run_id = ? OR run_id LIKE ? ESCAPE '\\' "
+                "SELECT run_id, info FROM runs WHERE run_id = ? OR run_id LIKE ? ESCAPE '\\' "
                 "ORDER BY seq", (run_id, _like_prefix(run_id))).fetchall()
-        infos = [pb.RunInfo.FromString(info) for (info,) in rows]
+        infos = [_read_info(found, info) for found, info in rows]
         exact = [i for i in infos if i.run_id == run_id]
         if exact:
             return exact[0]
@@ -97,13 +99,16 @@ class RunHistory:
         return infos[0] if len(infos) == 1 else None
 
     def options(self, run_id: str) -> dict[str, Any]:
-        """The run's options as submitted (RunSettings.build takes them)."""
+        """The run's options as submitted (RunSettings.build takes them; ValueError when
+        its row holds no JSON object, as a hand edit may leave it)."""
         with self._lock:
             row = self._db.execute("SELECT options FROM runs WHERE run_id = ?",
                                    (run_id,)).fetchone()
         if row is None:
             raise KeyError(run_id)
-        options: dict[str, Any] = json.loads(row[0])
+        options = json.loads(row[0])
+        if not isinstance(options, dict):
+            raise ValueError(f"run {run_id}'s options in {DB_NAME} are no JSON object")
         return options
 
     def final_status(self, run_id: str) -> pb.RunStatus | None:
@@ -112,7 +117,11 @@ class RunHistory:
                                    (run_id,)).fetchone()
         if row is None or row[0] is None:
             return None
-        return pb.RunStatus.FromString(row[0])
+        try:
+            return pb.RunStatus.FromString(row[0])
+        except DecodeError as err:
+            raise ValueError(f"run {run_id}'s final status in {DB_NAME} cannot be read: "
+                             f"{err}") from None
 
     def queued(self) -> list[pb.RunInfo]:
         return [i for i in self.runs() if i.state == pb.RUN_STATE_QUEUED]
@@ -124,6 +133,17 @@ class RunHistory:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _read_info(run_id: str, blob: bytes) -> pb.RunInfo:
+    """A run's row; one that cannot be read (a hand edit, a torn write of an older
+    version) is listed as a failed run saying so, and the others stay readable."""
+    try:
+        return pb.RunInfo.FromString(blob)
+    except DecodeError as err:
+        return pb.RunInfo(run_id=run_id, state=pb.RUN_STATE_FAILED,
+                          stop_reason=f"damaged record: its row in {DB_NAME} cannot be read "
+                                      f"({err})")
 
 
 def _like_prefix(text: str) -> str:

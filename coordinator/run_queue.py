@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from ripples import events
 from ripples.coordinator import snapshot
 from ripples.coordinator.config import RunSettings
@@ -37,9 +39,10 @@ from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.history import ENDED, RunHistory, state_name
 from ripples.coordinator.http import SdTargets
 from ripples.coordinator.service import CoordinatorService
-from ripples.coordinator.state_dir import RECOVER
+from ripples.coordinator.state_dir import RECOVER, StateLost
 from ripples.coordinator.state_store import StateStore, StoreWriteError
 from ripples.guarded import guarded_loop
+from ripples.run_records import printable
 from ripples.v1 import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,16 @@ FINISH_GRACE_SECONDS = 60.0
 their last reports) before it is closed anyway; the lease reaper marks dead ones sooner."""
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A submitted run id: it names files in the state dir."""
+DAMAGED = (ValueError, TypeError, KeyError, DecodeError)
+"""What reading, building or showing a run whose stored record is bad raises (options an
+older version or a hand edit left, a row that cannot be decoded, a value the proto cannot
+hold): that run fails or shows as damaged; no other run is touched."""
+MAX_NAME_CHARS = 200
+"""A run's name at most (it is a table's cell, a log line's word)."""
+MAX_PATH_CHARS = 4096
+"""A workdir, or one word of a run's command, at most (Linux's PATH_MAX)."""
+MAX_COMMAND_WORDS = 1024
+"""A run's command's words at most; every run's row carries them to every agent."""
 
 
 @dataclass
@@ -143,7 +156,12 @@ class RunQueue:
         `run` if the history is empty (the one-run form), start the next queued run."""
         running = self.history.running()
         if running is not None:
-            self._open(running, resume=True)
+            try:
+                self._open(running, resume=True)
+            except StateLost:
+                raise  # the dir lost the run's state: refused (coordinator/state_dir.py)
+            except (*DAMAGED, OSError) as err:  # stored by an older version, or edited
+                self._fail_start(running, f"could not resume: {err}")
         elif run is not None and not self.history.runs():
             self.submit(run.options(), name="", command=[], workdir="")
         await self.activate_next()
@@ -192,6 +210,7 @@ class RunQueue:
     def submit(self, options: dict[str, Any], *, name: str, command: list[str],
                workdir: str) -> pb.RunInfo:
         """Queue a run; ValueError (nothing stored) when its options are wrong."""
+        _check_submitted(name, command, workdir)
         options = dict(options)
         if not options.get("run_id"):
             options.pop("run_id", None)
@@ -236,18 +255,24 @@ class RunQueue:
                     info.state = pb.RUN_STATE_RUNNING
                     info.started_at = time.time()
                     self._open(info, resume=False, settings=settings)
-                except (ValueError, OSError) as err:  # its options no longer hold
-                    info.state, info.ended_at = pb.RUN_STATE_FAILED, time.time()
+                except StateLost:
+                    raise
+                except (*DAMAGED, OSError) as err:  # its options no longer hold
                     # A refused save names the cause, not the server's files (the log does).
                     why = err.reason if isinstance(err, StoreWriteError) else str(err)
-                    info.stop_reason = f"could not start: {why}"
-                    self.history.update(info)
-                    logger.error("run %s could not start: %s", info.run_id, err)
+                    self._fail_start(info, f"could not start: {why}")
                     announce = True
                     continue
                 self.history.update(info)
                 if announce:
                     logger.info("run %s (%s) is the active run", info.run_id, info.name)
+
+    def _fail_start(self, info: pb.RunInfo, reason: str) -> None:
+        """A run that cannot start (or resume) ends failed with the reason; the queue goes
+        on with the next one."""
+        info.state, info.ended_at, info.stop_reason = pb.RUN_STATE_FAILED, time.time(), reason
+        self.history.update(info)
+        logger.error("run %s %s", info.run_id, reason)
 
     def _settings(self, run_id: str) -> RunSettings:
         """A stored run's settings, checked again (thread-safe: the history locks)."""
@@ -268,7 +293,7 @@ class RunQueue:
             # missing or empty file already), and starting it afresh would forget its
             # workers and hand their ids out again.
             state.close()
-            raise ValueError(
+            raise StateLost(
                 f"the active run {info.run_id} has lost its state: {state.path} holds no "
                 f"saved run (its tables are empty); {RECOVER}")
         if saved is not None:
@@ -316,10 +341,15 @@ class RunQueue:
 
     async def _finish(self, active: ActiveRun) -> None:
         service, info = active.service, active.info
-        status = service.run_status()
-        info.state = _end_state(active, status)
+        try:
+            status = service.run_status()
+            info.state = _end_state(active, status)
+            info.stop_reason = status.stop_reason
+        except DAMAGED as err:  # it still ends, and the queue goes on
+            status = pb.RunStatus(stopped=True)
+            info.state = pb.RUN_STATE_FAILED
+            info.stop_reason = f"{service.core.stop_reason}; damaged record: {err}"
         info.ended_at = time.time()
-        info.stop_reason = status.stop_reason
         fill_progress(info, status)
         status.run.CopyFrom(info)
         await service.save_state()
@@ -345,7 +375,10 @@ class RunQueue:
         shown.CopyFrom(info)
         if self.active is not None and self.active.info.run_id == info.run_id:
             shown.CopyFrom(self.active.info)
-            fill_progress(shown, self.active.service.run_status())
+            try:
+                fill_progress(shown, self.active.service.run_status())
+            except DAMAGED as err:  # listed as such; the other runs are listed as ever
+                shown.stop_reason = f"damaged record: {err}"
         elif info.state == pb.RUN_STATE_QUEUED:
             ids = [q.run_id for q in self.history.queued()]
             shown.queue_position = ids.index(info.run_id) + 1 if info.run_id in ids else 0
@@ -354,20 +387,27 @@ class RunQueue:
     async def status(self, info: pb.RunInfo) -> pb.RunStatus:
         """A run's status: the active run's live one, an ended run's final one from the
         history, or what was submitted (queued, or ended before it started)."""
-        if self.active is not None and info.run_id == self.active.info.run_id:
-            status = self.active.service.run_status()
-            status.run.CopyFrom(self.run_info(info))
-            return status
-        final = self.history.final_status(info.run_id)
-        if final is not None:
-            final.run.CopyFrom(info)  # the newest row (the model's path comes later)
-            return final
-        config = self._configs.get(info.run_id)
-        if config is None:  # checked off the loop, once (a large run's topology)
-            settings = await asyncio.to_thread(self._settings, info.run_id)
-            config = self._configs.setdefault(info.run_id, settings.to_proto())
-        return pb.RunStatus(config=config, run=self.run_info(info),
-                            stopped=info.state in ENDED, stop_reason=info.stop_reason)
+        try:
+            if self.active is not None and info.run_id == self.active.info.run_id:
+                status = self.active.service.run_status()
+                status.run.CopyFrom(self.run_info(info))
+                return status
+            final = self.history.final_status(info.run_id)
+            if final is not None:
+                final.run.CopyFrom(info)  # the newest row (the model's path comes later)
+                return final
+            config = self._configs.get(info.run_id)
+            if config is None:  # checked off the loop, once (a large run's topology)
+                settings = await asyncio.to_thread(self._settings, info.run_id)
+                config = self._configs.setdefault(info.run_id, settings.to_proto())
+            return pb.RunStatus(config=config, run=self.run_info(info),
+                                stopped=info.state in ENDED, stop_reason=info.stop_reason)
+        except DAMAGED as err:  # what the row holds, and why there is no more
+            shown = pb.RunInfo()
+            shown.CopyFrom(info)
+            shown.stop_reason = f"damaged record: {err}"
+            return pb.RunStatus(run=shown, stopped=info.state in ENDED,
+                                stop_reason=shown.stop_reason)
 
     def find(self, run_id: str) -> pb.RunInfo | None:
         """A run by its id, a unique prefix of one, or its unique name."""
@@ -384,6 +424,23 @@ class RunQueue:
         """Every run submitted so far has ended (`--exit-when-done`)."""
         runs = self.history.runs()
         return bool(runs) and all(r.state in ENDED for r in runs)
+
+
+def _check_submitted(name: str, command: list[str], workdir: str) -> None:
+    """ValueError naming the field when a run's name, command or workdir is too long, or
+    a name holds a character a terminal or a log line would act on (a newline, an escape
+    sequence)."""
+    if len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"name: at most {MAX_NAME_CHARS} characters, got {len(name)}")
+    if not name.isprintable():
+        raise ValueError(f"name '{printable(name[:60])}' holds control characters (a "
+                         "newline, an escape sequence): use printable text")
+    if len(command) > MAX_COMMAND_WORDS:
+        raise ValueError(f"command: at most {MAX_COMMAND_WORDS} words, got {len(command)}")
+    for label, text in [("workdir", workdir), *(("command", word) for word in command)]:
+        if len(text) > MAX_PATH_CHARS or "\0" in text:
+            raise ValueError(f"{label}: a word of at most {MAX_PATH_CHARS} characters and "
+                             "no NUL")
 
 
 def _end_state(active: ActiveRun, status: pb.RunStatus) -> pb.RunState:

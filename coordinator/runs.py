@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -24,6 +25,34 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+MAX_OPTIONS_CHARS = 16 * 1024 * 1024
+"""SubmitRun's options_json at most: the largest edge list (MAX_TOPOLOGY_EDGES pairs)
+fits; every other option takes a few hundred bytes. Parsed in a worker thread."""
+MAX_REFUSAL_CHARS = 1000
+"""A refusal's message at most: it may quote what was sent."""
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """SubmitRun's options_json as a JSON object; ValueError saying what is wrong, before
+    anything is parsed when it is too long, while parsing when it nests too deep or holds
+    NaN or Infinity (no JSON; RunSettings then checks every value)."""
+    if len(text) > MAX_OPTIONS_CHARS:
+        raise ValueError(f"options_json holds {len(text)} characters, at most "
+                         f"{MAX_OPTIONS_CHARS}: give a flat JSON object of run options")
+    try:
+        options = json.loads(text or "{}", parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("options_json nests too deep: give a flat JSON object of run "
+                         "options") from None
+    if not isinstance(options, dict):
+        raise ValueError("options_json must be a JSON object of run options")
+    return options
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"options_json holds {name}, which is no JSON number: give finite "
+                     "numbers")
 
 
 class RunsService(pb_grpc.RunsServicer):
@@ -46,20 +75,24 @@ class RunsService(pb_grpc.RunsServicer):
 
     async def SubmitRun(self, request: pb.SubmitRunRequest,
                         context: grpc.aio.ServicerContext) -> pb.RunInfo:
-        try:
-            options = json.loads(request.options_json or "{}")
-            if not isinstance(options, dict):
-                raise ValueError("options_json must be a JSON object of run options")
+        def check_and_store() -> pb.RunInfo:
+            options = parse_options(request.options_json)
             if not request.command and not options.get("task"):
                 raise ValueError("give a task (--task) or a script after --: the host "
                                  "agents start the workers")
-            # In a worker thread: checking a large run (its topology) takes a second or
-            # more, and the loop goes on answering (health checks, heartbeats) meanwhile.
-            info = await asyncio.to_thread(
-                self.queue.submit, options, name=request.name,
-                command=list(request.command), workdir=request.workdir)
+            return self.queue.submit(options, name=request.name,
+                                     command=list(request.command), workdir=request.workdir)
+
+        try:
+            # In a worker thread: parsing and checking a large run (its edge list, its
+            # topology) takes a second or more, and the loop goes on answering (health
+            # checks, heartbeats) meanwhile.
+            info = await asyncio.to_thread(check_and_store)
         except (ValueError, TypeError) as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad run: {err}")
+            message = f"bad run: {err}"
+            if len(message) > MAX_REFUSAL_CHARS:
+                message = message[:MAX_REFUSAL_CHARS] + " [...]"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
             raise AssertionError("unreachable") from err
         logger.info("run %s (%s) submitted: %s, %d workers", info.run_id, info.name,
                     info.protocol, info.num_workers)

@@ -42,6 +42,11 @@ RECOVER = ("restore it from a backup, or move the state dir aside to start afres
 """How to recover from a state dir that lost its store (the refusal's end)."""
 
 
+class StateLost(ValueError):
+    """The state dir lost a store it had: the coordinator refuses to start (a damaged
+    run's record, by contrast, fails that run alone)."""
+
+
 class StateDirLock:
     """The exclusive lock of a state dir, held from `acquire` to `release`."""
 
@@ -158,5 +163,5 @@ def check_active_run(history: RunHistory, directory: str | Path) -> None:
     what = "is missing" if not path.exists() else (
         "is empty (0 bytes)" if path.stat().st_size == 0 else "")
     if what:
-        raise ValueError(f"the active run {running.run_id} has lost its state: {path} "
+        raise StateLost(f"the active run {running.run_id} has lost its state: {path} "
                          f"{what}; {RECOVER}")

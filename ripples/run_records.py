@@ -50,6 +50,16 @@ def agent_summary(agent: pb.AgentInfo) -> dict[str, object]:
             "seen_seconds_ago": round(agent.seen_seconds_ago, 1), "draining": agent.draining}
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal or a log reader would act on (a newline, an
+    escape sequence, a bidirectional override) written as Python writes it in a repr
+    (`\\n`, `\\x1b`): a host's or a run's name cannot forge a log line or recolour a
+    terminal. Printable text comes back as it is (so twice is once)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def natural_key(text: str) -> list[int | str]:
     """Sort key of host names in natural order: node2 before node10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]

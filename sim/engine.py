@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ripples.coordinator import heap
+from ripples.coordinator.config import MAX_ITERATIONS
 from ripples.coordinator.core import CoordinatorCore, GroupDecision, Outcome, Progress
 from ripples.coordinator.groups import GroupRecord
 from ripples.protocols.registry import get_protocol
@@ -119,7 +120,8 @@ class Simulation:
         self.workers.sort(key=lambda w: w.rank)
         if cfg.shards > 1:  # the root: a core of the shards' heads (their first workers)
             heads = [min(index.values(), key=lambda w: w.rank) for index in self.by_wid]
-            root = self._build_core(len(heads), 2**62, list(range(len(heads))))
+            root = self._build_core(len(heads), MAX_ITERATIONS,  # no budget of its own
+                                    list(range(len(heads))))
             self.root = len(self.cores)
             index = {}
             for head, rec in zip(heads, sorted(root.live(), key=lambda x: x.rank), strict=True):

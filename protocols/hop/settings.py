@@ -15,6 +15,9 @@ class HopSettings(ProtocolSettings):
 
     proto_field = "hop"
     cli_names = {"mode": "hop_mode"}
+    limits = {"max_ig": (1, 10_000), "staleness": (0, 10_000), "max_jump": (0, 10_000),
+              "skip_threshold": (0, 10_000), "backup_workers": (0, 100_000)}
+    """A worker keeps max_ig + 1 update slots: an iteration gap past 10,000 is a typo."""
 
     mode: str = "standard"
     """hop: standard (every in-neighbour's update each iteration), backup (backup workers:

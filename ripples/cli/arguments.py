@@ -19,6 +19,8 @@ import textwrap
 from collections.abc import Collection
 from typing import Any
 
+from ripples.run_records import printable
+
 
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of a dataclass (the string literal after each field)."""
@@ -34,12 +36,39 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+PORT_HIGH = 65535
+
+
+def port(text: str) -> int:
+    """A --*port option: 0 (any free port) to 65535; anything else is refused while the
+    arguments are parsed (a socket would take 99999 modulo 65536, or raise)."""
+    return _port(text, 0)
+
+
+def port_or_off(text: str) -> int:
+    """A port option whose -1 turns the endpoint off (a worker's --metrics-port)."""
+    return _port(text, -1)
+
+
+def _port(text: str, low: int) -> int:
+    allowed = f"{'-1 (off), ' if low < 0 else ''}0 (any free port) or 1-{PORT_HIGH}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port, {allowed}; got {text!r}") from None
+    if not low <= value <= PORT_HIGH:
+        raise argparse.ArgumentTypeError(f"expected a port, {allowed}; got {value}")
+    return value
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
                             skip: Collection[str] = frozenset(),
                             rename: dict[str, str] | None = None,
                             option_names: dict[str, str] | None = None,
-                            defaults: dict[str, object] | None = None) -> None:
-    """Add one --option per field of `cls` (bool fields become flags). A field whose
+                            defaults: dict[str, object] | None = None,
+                            types: dict[str, Any] | None = None) -> None:
+    """Add one --option per field of `cls` (bool fields become flags; an int field named
+    `port` or `*_port` takes `port`, unless `types` gives its parser). A field whose
     default is built by a dataclass (options shared by several commands, such as the
     checkpoint options) adds that dataclass's options."""
     docs = field_docs(cls)
@@ -61,8 +90,11 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | Any, cls: type, *,
         if default is dataclasses.MISSING:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help
-        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str,
-                                                        "bool": bool}.get(str(f.type), str)
+        kind: Any = f.type if isinstance(f.type, type) else {
+            "int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), str)
+        if kind is int and (f.name == "port" or f.name.endswith("_port")):
+            kind = port
+        kind = (types or {}).get(f.name, kind)
         if kind is bool:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
@@ -109,10 +141,22 @@ def _nested_options(f: dataclasses.Field[Any]) -> type | None:
 ENV_COORDINATOR = "RIPPLES_COORDINATOR"
 
 
+class PrintableFormatter(logging.Formatter):
+    """Each log record is one line of printable text: a newline or an escape sequence in
+    a message (a host name from a worker's Register, a run's name) is escaped, so no
+    client forges a log line or drives the terminal; a traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        return printable(super().formatMessage(record))
+
+
 def setup_logging(verbose: bool, who: str = "") -> None:
     """The one logging set-up of a command (its processes log to stderr)."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s {who}%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter(
+        f"%(asctime)s {printable(who)}%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        handlers=[handler])
 
 
 def add_coordinator_option(parser: argparse.ArgumentParser) -> None:

@@ -110,9 +110,12 @@ def load(path: str, leaves: Mapping[tuple[str, ...], argparse.ArgumentParser]
     """The file's tables by command path, every key checked against its command's options
     (unknown tables and keys are errors, with the closest names)."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
     except OSError as err:
         raise ConfigError(f"cannot read the config file {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}): give "
+                          "a TOML file") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
     tables: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -199,7 +202,9 @@ def convert_text(action: argparse.Action, text: str, where: str) -> Any:
     kind = action.type if callable(action.type) else str
     try:
         value = kind(text)
-    except (TypeError, ValueError, argparse.ArgumentTypeError):
+    except argparse.ArgumentTypeError as err:  # its message says what is allowed
+        raise ConfigError(f"{where}: {err}") from None
+    except (TypeError, ValueError):
         names: dict[object, str] = {int: "an integer", float: "a number"}
         name = names.get(kind, "a valid value")
         raise ConfigError(f"{where}: expected {name}, got {text!r}") from None

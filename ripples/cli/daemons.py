@@ -22,6 +22,8 @@ from ripples.cli.arguments import (
     add_server_security_arguments,
     check_coordinator,
     dataclass_from_args,
+    port,
+    port_or_off,
     setup_logging,
 )
 from ripples.cli.run import add_run_arguments, run_option_dests, run_settings
@@ -115,10 +117,10 @@ def add_coordinator_parser(coord_sub: argparse._SubParsersAction) -> None:
         "serve", help="serve runs over gRPC: with run options, that run at once; without, "
         "the runs `ripples submit` queues (docs/service.md)")
     serve.add_argument("--host", default="0.0.0.0", help="interface to listen on")
-    serve.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
-    serve.add_argument("--store-port", type=int, default=0,
+    serve.add_argument("--port", type=port, default=50051, help="gRPC port (default: 50051)")
+    serve.add_argument("--store-port", type=port, default=0,
                        help="rendezvous store port (default: any free port)")
-    serve.add_argument("--metrics-port", type=int, default=9400,
+    serve.add_argument("--metrics-port", type=port, default=9400,
                        help="HTTP port for /metrics and Prometheus service discovery at /sd "
                             "(0: any free port; default: 9400)")
     serve.add_argument("--advertise-host", default="",
@@ -146,7 +148,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
         "run", help="run one worker (or --nproc-per-node K of them) until the run ends",
         usage="ripples worker run [options] [-- python train.py ARGS]")
     add_dataclass_arguments(wrun, WorkerConfig, defaults={
-        "coordinator": os.environ.get(ENV_COORDINATOR, "")})
+        "coordinator": os.environ.get(ENV_COORDINATOR, "")}, types={"metrics_port": port_or_off})
     wrun.add_argument("--quiet", action="store_true", help="log warnings only")
     add_client_security_arguments(wrun)
     wrun.set_defaults(func=cmd_worker, takes_script=True)

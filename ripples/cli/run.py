@@ -18,7 +18,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ripples.cli.arguments import add_dataclass_arguments, dataclass_from_args, setup_logging
+from ripples.cli.arguments import (
+    add_dataclass_arguments,
+    dataclass_from_args,
+    port,
+    setup_logging,
+)
 
 if TYPE_CHECKING:
     from ripples.coordinator.config import RunSettings
@@ -183,7 +188,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      "(default: 0, no limit: every wait inside a run has its own timeout)")
     run.add_argument("--dashboard", action="store_true",
                      help="serve the live dashboard during the run (see --dashboard-port)")
-    run.add_argument("--dashboard-port", type=int, default=8080,
+    run.add_argument("--dashboard-port", type=port, default=8080,
                      help="port of the dashboard on 127.0.0.1 (0: any free port; default: 8080)")
     run.add_argument("--resume", action="store_true",
                      help="go on with the run in --output after a total failure (the "

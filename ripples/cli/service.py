@@ -27,7 +27,7 @@ from pathlib import Path
 from ripples.cli.arguments import add_client_security_arguments, add_coordinator_option
 from ripples.cli.run import SCRIPT_RUN_DEFAULTS, add_run_arguments, run_settings
 from ripples.rpc import CoordinatorCallError
-from ripples.run_records import ENDED, agent_summary, state_name, summary
+from ripples.run_records import ENDED, agent_summary, printable, state_name, summary
 from ripples.v1 import coordinator_pb2 as pb
 
 WAIT_POLL_SECONDS = 2.0
@@ -48,7 +48,7 @@ def _client(args: argparse.Namespace):  # -> CoordinatorClient (import kept lazy
 
 
 def _fail(command: str, err: Exception, code: int = 1) -> int:
-    print(f"ripples {command}: error: {err}", file=sys.stderr)
+    print(printable(f"ripples {command}: error: {err}"), file=sys.stderr)
     return code
 
 
@@ -67,6 +67,7 @@ def _duration(seconds: float) -> str:
 
 
 def _table(rows: list[list[str]]) -> str:
+    rows = [[printable(cell) for cell in row] for row in rows]  # names come from clients
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                      for r in rows)
@@ -97,8 +98,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         else:
             where = ("starts now" if info.state == pb.RUN_STATE_RUNNING
                      else f"queued at place {info.queue_position}")
-            print(f"submitted run {info.run_id} ({info.name}): {info.protocol}, "
-                  f"{info.num_workers} workers, {_what(info)}; {where}", flush=True)
+            print(printable(f"submitted run {info.run_id} ({info.name}): {info.protocol}, "
+                            f"{info.num_workers} workers, {_what(info)}; {where}"),
+                  flush=True)
         if not args.wait:
             return 0
         return _wait(client, info.run_id, args.json)
@@ -123,8 +125,9 @@ def _wait(client, run_id: str, as_json: bool) -> int:  # type: ignore[no-untyped
             if as_json:
                 print(json.dumps(summary(info), indent=2))
             else:
-                print(f"run {info.run_id} {state_name(info.state)}: {info.stop_reason}"
-                      + (f"; model at {info.model_path}" if info.model_path else ""))
+                print(printable(f"run {info.run_id} {state_name(info.state)}: "
+                                f"{info.stop_reason}" + (f"; model at {info.model_path}"
+                                                         if info.model_path else "")))
             return 0 if info.state == pb.RUN_STATE_FINISHED else 1
         time.sleep(WAIT_POLL_SECONDS)
 
@@ -263,7 +266,7 @@ def render_status(status: pb.RunStatus) -> str:
         picks = [curve[round(i * (len(curve) - 1) / 4)] for i in range(5)]
         lines.append("")
         lines.append("  loss: " + "  ".join(f"{p.seconds:.0f}s {p.loss:.4f}" for p in picks))
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # one line each, whatever a name holds
 
 
 # ---------------------------------------------------------------------------- stop, logs
@@ -281,7 +284,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         client.close()
     info = status.run
     verb = "cancelled" if info.state == pb.RUN_STATE_CANCELLED else "stopping"
-    print(f"run {info.run_id} ({info.name}): {verb} ({args.reason})")
+    print(printable(f"run {info.run_id} ({info.name}): {verb} ({args.reason})"))
     return 0
 
 
@@ -305,7 +308,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         for batch in client.logs(status.run.run_id, worker=worker, follow=args.follow,
                                  tail=args.tail):
             for line in batch.lines:
-                print(f"[{batch.worker}] {line}" if several else line)
+                print(f"[{printable(batch.worker)}] {line}" if several else line)
                 printed += 1
         sys.stdout.flush()
         if not printed and not args.follow:
@@ -428,7 +431,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("stop", help="stop a run (a queued one is cancelled)")
-    p.add_argument("run", metavar="RUN", help="run id, unique id prefix or name")
+    p.add_argument("run", metavar="RUN", type=_run_named,
+                   help="run id, unique id prefix or name")
     p.add_argument("--reason", default="stopped by an operator",
                    help="recorded as the run's stop reason")
     _common(p)
@@ -471,6 +475,15 @@ def add_health_parser(coord_sub: argparse._SubParsersAction) -> None:
     add_coordinator_option(p)
     add_client_security_arguments(p)
     p.set_defaults(func=cmd_health)
+
+
+def _run_named(text: str) -> str:
+    """A RUN argument that names one: an empty one would reach the coordinator as "the
+    active run", whatever that is by then."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give the run's id, a unique prefix of one or its "
+                                         "name (`ripples runs` lists them)")
+    return text
 
 
 def _count(text: str) -> int:
