@@ -56,6 +56,9 @@ RUN_LIMITS: dict[str, tuple[float, float]] = {
 """RunSettings' bounds where the defaults of protocols/settings.py `value_limits` (the
 proto field's range, a week for `*_seconds`, 1e9 for a float, 1024 characters) are too
 wide. Every field is bounded: a new one gets the defaults."""
+CHECKED_APART = frozenset({"protocol_settings", "topology_edges"})
+"""RunSettings' fields the one schema (check_values) leaves to checks of their own: each
+protocol's settings check their values, and the edges are checked by checked_edges."""
 TOPOLOGY_FILE_REFUSED = (
     "topology_file names a file on the submitting machine, and the coordinator opens no "
     "path a client names: send the edges as topology_edges, a list of [i, j] rank pairs "
@@ -254,8 +257,7 @@ class RunSettings:
         """Raise ValueError naming the first option of the wrong type or out of its bounds:
         every field of the run and of every protocol's settings (all travel in RunConfig),
         the one schema of flags, config files and SubmitRun alike."""
-        check_values(self, pb.RunConfig.DESCRIPTOR, RUN_LIMITS,
-                     skip={"protocol_settings", "topology_edges"})  # edges: checked_edges
+        check_values(self, pb.RunConfig.DESCRIPTOR, RUN_LIMITS, skip=CHECKED_APART)
         for settings in self.protocol_settings.values():
             settings.check_values()
 
