@@ -110,9 +110,13 @@ ENV_COORDINATOR = "RIPPLES_COORDINATOR"
 
 
 def setup_logging(verbose: bool, who: str = "") -> None:
-    """The one logging set-up of a command (its processes log to stderr)."""
+    """The one logging set-up of a command (its processes log to stderr; a record
+    repeated in a loop is summed up, not written each time: ripples/log_repeats.py)."""
+    from ripples import log_repeats
+
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {who}%(levelname)s %(name)s: %(message)s")
+    log_repeats.install()
 
 
 def add_coordinator_option(parser: argparse.ArgumentParser) -> None:
