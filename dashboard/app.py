@@ -46,7 +46,13 @@ from ripples.dashboard.view import RunView, disconnected
 from ripples.guarded import guarded_loop
 from ripples.rpc import aio_channel, describe_rpc_error
 from ripples.run_records import agent_summary, summary
-from ripples.security import COOKIE, ClientSecurity, HttpTokenGate, http_token_accepted
+from ripples.security import (
+    COOKIE,
+    ClientSecurity,
+    HttpTokenGate,
+    http_token_accepted,
+    tls_mismatch,
+)
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -107,7 +113,12 @@ class StatusPoller:
             snapshot = self.view.update(status, time.monotonic())
         except grpc.RpcError as err:
             was_connected = self.snapshot.get("connected")
-            snapshot = disconnected(describe_rpc_error(err, self.config.coordinator),
+            # TLS on one side only, or a certificate check that fails: say so, not
+            # "unreachable" (a blocking probe: off the loop).
+            unreachable = err.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            mismatch = (await asyncio.to_thread(tls_mismatch, self.config.coordinator,
+                                                self.security) if unreachable else "")
+            snapshot = disconnected(mismatch or describe_rpc_error(err, self.config.coordinator),
                                     self.snapshot if self.snapshot.get("run") else None)
             if was_connected:
                 logger.warning("%s", snapshot["error"])
