@@ -490,23 +490,18 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
               message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that refuses every call."""
-    async def refuse_unary(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    """A handler that refuses every call of `handler`'s method without reading its
+    request. It takes the request as a stream whatever the method's shape: a unary
+    request would be received whole, up to the 16 MiB message limit, and parsed before
+    any handler runs, so that a crowd of unauthenticated calls could fill the
+    coordinator's memory; a stream that is never read holds one HTTP/2 flow-control
+    window (64 KiB) per call, and the refusal (only a status) reads the same to every
+    client whatever its method's shape."""
+    async def refuse(_requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    async def refuse_stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, message)
-        yield  # an async generator, as a streaming handler is
-
-    kinds = {"request_deserializer": handler.request_deserializer,
-             "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse_unary, **kinds)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kinds)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse_unary, **kinds)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kinds)
+    return grpc.stream_unary_rpc_method_handler(
+        refuse, response_serializer=handler.response_serializer)
 
 
 # ---------------------------------------------------------------------------- HTTP
