@@ -13,6 +13,7 @@ import logging
 import math
 import socket
 import socketserver
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -50,6 +51,9 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
     poll of serve_forever)."""
 
     daemon_threads = True
+    # socketserver's backlog of 5 drops the handshakes of a crowd, which then trickle
+    # in over a minute of retries: the same backlog as the other endpoints.
+    request_queue_size = 128
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -83,6 +87,12 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
     def _finished(self, request: Any) -> None:
         self.head_received(request)
         self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that stalled or went away (a timeout, a reset) is not worth a
+        traceback on stderr; anything else is."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
     def service_actions(self) -> None:
         now = time.monotonic()
