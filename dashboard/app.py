@@ -44,7 +44,7 @@ from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.models import LossPoint, RunList, Snapshot, WorkerView
 from ripples.dashboard.view import RunView, disconnected
 from ripples.guarded import guarded_loop
-from ripples.rpc import aio_channel, describe_rpc_error
+from ripples.rpc import aio_channel, describe_rpc_error, tls_suspected
 from ripples.run_records import agent_summary, summary
 from ripples.security import (
     COOKIE,
@@ -115,9 +115,9 @@ class StatusPoller:
             was_connected = self.snapshot.get("connected")
             # TLS on one side only, or a certificate check that fails: say so, not
             # "unreachable" (a blocking probe: off the loop).
-            unreachable = err.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
             mismatch = (await asyncio.to_thread(tls_mismatch, self.config.coordinator,
-                                                self.security) if unreachable else "")
+                                                self.security)
+                        if tls_suspected(err.details()) else "")  # type: ignore[attr-defined]
             snapshot = disconnected(mismatch or describe_rpc_error(err, self.config.coordinator),
                                     self.snapshot if self.snapshot.get("run") else None)
             if was_connected:

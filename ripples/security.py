@@ -244,7 +244,7 @@ class ClientSecurity:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
-def tls_mismatch(target: str, security: ClientSecurity, timeout_seconds: float = 5.0) -> str:
+def tls_mismatch(target: str, security: ClientSecurity, timeout_seconds: float = 2.0) -> str:
     """Why the coordinator at `target` (HOST:PORT) turns this client's connections away
     when the reason is TLS: TLS on one side only, or a certificate the client's CA does
     not vouch for (or that names another host). "" when nothing listens there, or the

@@ -15,6 +15,7 @@ from ripples.rpc import (
     coordinator_channel,
     describe_rpc_error,
     tls_refused,
+    tls_suspected,
 )
 from ripples.security import ClientSecurity, tls_mismatch
 from ripples.v1 import coordinator_pb2 as pb
@@ -96,8 +97,9 @@ class CoordinatorClient:
                 return method(request, timeout=timeout)
             except grpc.RpcError as err:
                 code = err.code() if isinstance(err, grpc.Call) else None
-                mismatch = (tls_mismatch(self.target, self.security)
-                            if code == grpc.StatusCode.UNAVAILABLE and attempt == 0 else "")
+                suspected = (code == grpc.StatusCode.UNAVAILABLE and attempt == 0
+                             and tls_suspected(err.details()))  # type: ignore[attr-defined]
+                mismatch = tls_mismatch(self.target, self.security) if suspected else ""
                 if mismatch:  # a setting to fix: no retry will pass
                     raise CoordinatorCallError(mismatch, code) from err
                 error = CoordinatorCallError(describe_rpc_error(err, self.target), code)
