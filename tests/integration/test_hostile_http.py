@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
-from ripples.http_server import HEAD_TIMEOUT_SECONDS
+from ripples.http_server import HEAD_TIMEOUT_SECONDS, MAX_CONNECTIONS
 from ripples.rpc import CoordinatorCallError, coordinator_channel
 from ripples.security import ClientSecurity, ServerSecurity
 from ripples.v1 import coordinator_pb2 as pb
@@ -40,6 +40,8 @@ OPEN_FILES = 256
 """The coordinator's and the dashboard's open-files limit (soft and hard) here: the
 flood below opens more connections than that to each."""
 IDLE_CONNECTIONS = 300
+CAP = MAX_CONNECTIONS
+"""The most connections any endpoint holds (MAX_CONNECTIONS; under OPEN_FILES: 32)."""
 LOG_BOUND = 20_000
 """Bytes a flooded process may log (its start lines); before the connection cap, a
 flood wrote ~30 MB of 'Too many open files' tracebacks in 8 s."""
@@ -138,12 +140,18 @@ def test_idle_http_connections_cannot_take_the_grpc_service_down(
     flood: dict[str, list[socket.socket]] = {name: [] for name in ports}
     try:
         for name, port in ports.items():
-            for _ in range(IDLE_CONNECTIONS):
-                flood[name].append(socket.create_connection(("127.0.0.1", port), timeout=10))
-        # Beyond the cap (an eighth of the limit; the worker's: 100): closed at once.
-        for name, socks in flood.items():
-            wait_for(lambda s=socks: sum(map(_closed_by_server, s)) >= IDLE_CONNECTIONS - 100,
+            # Past the process's limit (the worker's endpoint, in this one: its cap).
+            count = IDLE_CONNECTIONS if name != "worker" else CAP + 50
+            socks = flood[name]
+            for _ in range(count):
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            # Beyond the cap (an eighth of the limit; at most 100): closed at once.
+            wait_for(lambda s=socks, c=count: sum(map(_closed_by_server, s)) >= c - CAP,
                      f"the {name} endpoint to close the connections beyond its cap")
+            flood[name] = [s for s in socks if not _closed_by_server(s)]
+            for s in set(socks) - set(flood[name]):
+                s.close()
+            assert len(flood[name]) <= CAP
         channel = coordinator_channel(address, ClientSecurity(token=TOKEN))
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                            timeout=30)
