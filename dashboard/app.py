@@ -56,9 +56,15 @@ from ripples.dashboard.sign_in import (
 )
 from ripples.dashboard.view import RunView, disconnected, to_json
 from ripples.guarded import guarded_loop
-from ripples.rpc import aio_channel, describe_rpc_error
+from ripples.rpc import aio_channel, describe_rpc_error, tls_suspected
 from ripples.run_records import agent_summary, summary
-from ripples.security import ClientSecurity, HttpTokenGate, cookie_value, token_matches
+from ripples.security import (
+    ClientSecurity,
+    HttpTokenGate,
+    cookie_value,
+    tls_mismatch,
+    token_matches,
+)
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -119,7 +125,12 @@ class StatusPoller:
             snapshot = self.view.update(status, time.monotonic())
         except grpc.RpcError as err:
             was_connected = self.snapshot.get("connected")
-            snapshot = disconnected(describe_rpc_error(err, self.config.coordinator),
+            # TLS on one side only, or a certificate check that fails: say so, not
+            # "unreachable" (a blocking probe: off the loop).
+            mismatch = (await asyncio.to_thread(tls_mismatch, self.config.coordinator,
+                                                self.security)
+                        if tls_suspected(err.details()) else "")  # type: ignore[attr-defined]
+            snapshot = disconnected(mismatch or describe_rpc_error(err, self.config.coordinator),
                                     self.snapshot if self.snapshot.get("run") else None)
             if was_connected:
                 logger.warning("%s", snapshot["error"])

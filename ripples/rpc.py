@@ -74,6 +74,15 @@ def tls_refused(detail: object) -> bool:
     return "handshake failed" in str(detail).lower()
 
 
+def tls_suspected(detail: object) -> bool:
+    """Whether a failed call's detail is one that TLS set on one side only, or a
+    certificate check, produces (a handshake failure, or a socket the server closed):
+    worth asking security.tls_mismatch before saying "unreachable". A network that
+    drops packets (a timeout) or a port nobody listens on (refused) is not."""
+    text = str(detail).lower()
+    return "handshake failed" in text or "socket closed" in text
+
+
 class CoordinatorCallError(RuntimeError):
     """A coordinator call failed; the message says what to check."""
 

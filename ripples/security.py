@@ -30,6 +30,9 @@ import hmac
 import ipaddress
 import logging
 import os
+import socket
+import ssl
+import stat
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,13 +63,47 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _HEADER = "authorization"
 
 
+MAX_SECRET_BYTES = 4096
+"""A token file holds one word: anything longer is the wrong file."""
+MAX_PEM_BYTES = 1 << 20
+"""A certificate chain or key in PEM is a few kilobytes."""
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def read_small_file(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` of them; ValueError naming
+    the file and `what` it should be otherwise. Never blocks: a named pipe, a device or
+    a directory is refused before it is read (a pipe's open does not wait for a
+    writer), and a file over `limit` is refused without reading it all."""
+    def refuse_unless_regular(mode: int) -> None:
+        for test, kind in _FILE_KINDS:
+            if test(mode):
+                raise ValueError(f"the {what} {path} is {kind}, not a regular file: give "
+                                 "a regular file")
+
+    try:
+        refuse_unless_regular(os.stat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            refuse_unless_regular(os.fstat(fd).st_mode)  # replaced since the stat
+            data = f.read(limit + 1)
+    except OSError as err:
+        raise ValueError(f"cannot read the {what} {path}: {err.strerror}") from None
+    if len(data) > limit:
+        raise ValueError(f"the {what} {path} is over {limit:,} bytes: is it the right file?")
+    return data
+
+
 def read_secret(path: str | os.PathLike[str], what: str = "token") -> str:
     """The secret in a file (surrounding whitespace dropped); ValueError naming the file
-    (never the content) when it is unreadable or empty."""
+    (never the content) when it is unreadable, not a small regular file, or empty."""
+    data = read_small_file(path, f"{what} file", MAX_SECRET_BYTES)
     try:
-        value = Path(path).read_text().strip()
-    except OSError as err:
-        raise ValueError(f"cannot read the {what} file {path}: {err.strerror}") from None
+        value = data.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"the {what} file {path} is not text: a {what} is one word") from None
     if not value:
         raise ValueError(f"the {what} file {path} is empty")
     if any(c.isspace() for c in value):
@@ -76,10 +113,40 @@ def read_secret(path: str | os.PathLike[str], what: str = "token") -> str:
 
 
 def _read_file(path: str, what: str) -> bytes:
+    return read_small_file(path, what, MAX_PEM_BYTES)
+
+
+def check_tls_files(cert_file: str, key_file: str, ca_files: tuple[tuple[str, str], ...],
+                    *, cert_option: str, key_option: str) -> None:
+    """ValueError naming the file and the option unless `cert_file` holds a certificate,
+    `key_file` its unencrypted private key, and each (file, option) of `ca_files` a CA
+    certificate (empty names are skipped): gRPC itself only says that it cannot listen,
+    or that a handshake failed."""
+    for path, option in ((cert_file, cert_option), *ca_files):
+        if path and b"-----BEGIN CERTIFICATE-----" not in _read_file(path, "certificate"):
+            raise ValueError(f"{option} {path} holds no PEM certificate "
+                             "('-----BEGIN CERTIFICATE-----')")
+    if not key_file:
+        return
+    key = _read_file(key_file, "key")
+    if b"ENCRYPTED" in key:
+        raise ValueError(f"{key_option} {key_file} is encrypted: give the key without a "
+                         "passphrase (e.g. `openssl pkey -in KEY -out PLAIN`), readable by "
+                         "this user only")
+    if b"PRIVATE KEY-----" not in key:
+        held = " (it holds a certificate)" if b"CERTIFICATE-----" in key else ""
+        raise ValueError(f"{key_option} {key_file} holds no PEM private key{held}: give the "
+                         f"key of the certificate {cert_option} {cert_file}")
     try:
-        return Path(path).read_bytes()
-    except OSError as err:
-        raise ValueError(f"cannot read the {what} {path}: {err.strerror}") from None
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert_file, key_file,
+                                                                password=lambda: b"")
+    except ssl.SSLError as err:
+        mismatch = "KEY_VALUES_MISMATCH" in str(err)
+        raise ValueError(
+            f"{key_option} {key_file} is not the key of the certificate {cert_option} "
+            f"{cert_file}: give the pair's key" if mismatch else
+            f"cannot use the certificate {cert_option} {cert_file} with the key "
+            f"{key_option} {key_file}: {err.reason or err}") from None
 
 
 def _token_from(token_file: str, environ: Mapping[str, str]) -> str:
@@ -141,6 +208,8 @@ class ClientSecurity:
         if self.cert_file and not self.ca_file:
             raise ValueError("a client certificate is for TLS: give --tls-ca (the CA that "
                              f"signed the coordinator's certificate, or {ENV_TLS_CA}) too")
+        check_tls_files(self.cert_file, self.key_file, ((self.ca_file, "--tls-ca"),),
+                        cert_option="--tls-client-cert", key_option="--tls-client-key")
 
     def _credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
@@ -173,6 +242,55 @@ class ClientSecurity:
             return grpc.aio.secure_channel(target, self._credentials(), options=options,
                                            interceptors=interceptors)
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+def tls_mismatch(target: str, security: ClientSecurity, timeout_seconds: float = 2.0) -> str:
+    """Why the coordinator at `target` (HOST:PORT) turns this client's connections away
+    when the reason is TLS: TLS on one side only, or a certificate the client's CA does
+    not vouch for (or that names another host). "" when nothing listens there, or the
+    handshake succeeds (the reason is elsewhere). gRPC only reports that the channel
+    stays unready or a socket closed, so a client that failed to connect asks this
+    before it says "unreachable": one TCP connection and one TLS handshake, each with
+    `timeout_seconds`."""
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=timeout_seconds)
+    except (OSError, ValueError):
+        return ""  # nothing listens: truly unreachable
+    anyone = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    anyone.check_hostname = False
+    anyone.verify_mode = ssl.CERT_NONE
+    anyone.set_alpn_protocols(["h2"])
+    try:
+        with anyone.wrap_socket(raw, server_hostname=host or None):
+            speaks_tls = True
+    except (ssl.SSLError, OSError):  # a plaintext gRPC server answers a hello with junk
+        speaks_tls = False
+    finally:
+        raw.close()
+    if speaks_tls and not security.tls:
+        return (f"the coordinator at {target} speaks TLS and this client does not: give "
+                f"--tls-ca (the CA that signed its certificate; or set {ENV_TLS_CA})")
+    if not speaks_tls and security.tls:
+        return (f"the coordinator at {target} speaks plaintext, not TLS: drop --tls-ca "
+                f"({ENV_TLS_CA}), or start the coordinator with --tls-cert and --tls-key")
+    if not speaks_tls:
+        return ""
+    checked = ssl.create_default_context(cafile=security.ca_file)
+    checked.set_alpn_protocols(["h2"])
+    name = security.server_name or host
+    try:
+        with (socket.create_connection((host, int(port)), timeout=timeout_seconds) as again,
+              checked.wrap_socket(again, server_hostname=name)):
+            return ""
+    except ssl.SSLCertVerificationError as err:
+        reason = str(err.verify_message).rstrip(".")
+        return (f"the coordinator at {target}: certificate check failed: {reason}; check "
+                f"--tls-ca {security.ca_file} (the CA that signed the coordinator's "
+                f"certificate, which must name {name})")
+    except (ssl.SSLError, OSError):
+        return ""
 
 
 def export_client_flags(token_file: str = "", ca_file: str = "", cert_file: str = "",
@@ -297,10 +415,9 @@ class ServerSecurity:
                              f"{ENV_TOKEN}): without one every call is allowed anyway")
         if self.read_token and hmac.compare_digest(self.read_token, self.token):
             raise ValueError("the read-only token must differ from the full token")
-        for path, what in ((self.cert_file, "certificate"), (self.key_file, "key"),
-                           (self.client_ca_file, "client CA certificate")):
-            if path:
-                _read_file(path, what)
+        check_tls_files(self.cert_file, self.key_file,
+                        ((self.client_ca_file, "--tls-client-ca"),),
+                        cert_option="--tls-cert", key_option="--tls-key")
 
     def credentials(self) -> grpc.ServerCredentials | None:
         """TLS server credentials (None: plaintext)."""
@@ -373,23 +490,18 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
               message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that refuses every call."""
-    async def refuse_unary(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    """A handler that refuses every call of `handler`'s method without reading its
+    request. It takes the request as a stream whatever the method's shape: a unary
+    request would be received whole, up to the 16 MiB message limit, and parsed before
+    any handler runs, so that a crowd of unauthenticated calls could fill the
+    coordinator's memory; a stream that is never read holds one HTTP/2 flow-control
+    window (64 KiB) per call, and the refusal (only a status) reads the same to every
+    client whatever its method's shape."""
+    async def refuse(_requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    async def refuse_stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, message)
-        yield  # an async generator, as a streaming handler is
-
-    kinds = {"request_deserializer": handler.request_deserializer,
-             "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse_unary, **kinds)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kinds)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse_unary, **kinds)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kinds)
+    return grpc.stream_unary_rpc_method_handler(
+        refuse, response_serializer=handler.response_serializer)
 
 
 # ---------------------------------------------------------------------------- HTTP

@@ -15,8 +15,9 @@ from ripples.rpc import (
     coordinator_channel,
     describe_rpc_error,
     tls_refused,
+    tls_suspected,
 )
-from ripples.security import ClientSecurity
+from ripples.security import ClientSecurity, tls_mismatch
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.collective_watch import end_if_stuck, end_process
@@ -26,6 +27,11 @@ from ripples.worker.process_launcher import RESTART_EXIT_CODE
 logger = logging.getLogger(__name__)
 
 __all__ = ["CoordinatorCallError", "CoordinatorClient", "GroupStream", "HeartbeatThread"]
+
+
+TLS_CHECK_AFTER_SECONDS = 2.0
+"""A channel not ready after this long is checked for a TLS mismatch (tls_mismatch),
+and again after twice as long, ... until the caller's deadline."""
 
 
 def backoff_pause(attempt: int, rng: random.Random) -> float:
@@ -53,13 +59,30 @@ class CoordinatorClient:
         self._rng = random.Random()
 
     def wait_until_reachable(self, timeout_seconds: float) -> None:
+        """Wait for the channel to connect; a coordinator whose TLS settings differ from
+        this client's is named as such after a moment (tls_mismatch) rather than
+        waited for in vain."""
+        ready = grpc.channel_ready_future(self._channel)
+        deadline = time.monotonic() + timeout_seconds
+        pause = TLS_CHECK_AFTER_SECONDS
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_seconds)
-        except grpc.FutureTimeoutError:
-            raise CoordinatorCallError(
-                f"coordinator at {self.target} is unreachable after {timeout_seconds:.0f} s; "
-                "is it running, and is the address right?", grpc.StatusCode.UNAVAILABLE
-            ) from None
+            while True:
+                try:
+                    ready.result(timeout=max(0.0, min(pause, deadline - time.monotonic())))
+                    return
+                except grpc.FutureTimeoutError:
+                    mismatch = tls_mismatch(self.target, self.security)
+                    if mismatch:
+                        raise CoordinatorCallError(mismatch,
+                                                   grpc.StatusCode.UNAVAILABLE) from None
+                    if time.monotonic() >= deadline:
+                        raise CoordinatorCallError(
+                            f"coordinator at {self.target} is unreachable after "
+                            f"{timeout_seconds:.0f} s; is it running, and is the address "
+                            "right?", grpc.StatusCode.UNAVAILABLE) from None
+                    pause *= 2  # checked again later: it may be starting now
+        finally:
+            ready.cancel()
 
     def _call(self, method: Callable[..., object], request: object, timeout: float, *,
               retry: bool = True) -> object:
@@ -74,6 +97,11 @@ class CoordinatorClient:
                 return method(request, timeout=timeout)
             except grpc.RpcError as err:
                 code = err.code() if isinstance(err, grpc.Call) else None
+                suspected = (code == grpc.StatusCode.UNAVAILABLE and attempt == 0
+                             and tls_suspected(err.details()))  # type: ignore[attr-defined]
+                mismatch = tls_mismatch(self.target, self.security) if suspected else ""
+                if mismatch:  # a setting to fix: no retry will pass
+                    raise CoordinatorCallError(mismatch, code) from err
                 error = CoordinatorCallError(describe_rpc_error(err, self.target), code)
                 now = time.monotonic()
                 failed_since = now if failed_since is None else failed_since

@@ -8,10 +8,14 @@ Observations are made by the compute loop once per iteration, off the collective
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import socket
 import socketserver
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -28,6 +32,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ripples.http_server import HEAD_TIMEOUT_SECONDS, connection_cap
 from ripples.security import wsgi_token_gate
 
 if TYPE_CHECKING:
@@ -39,13 +44,76 @@ disable_created_metrics()
 logger = logging.getLogger(__name__)
 
 class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
-    """One thread per scrape (as prometheus_client's own server), none left at exit."""
+    """One thread per scrape (as prometheus_client's own server), none left at exit; with
+    the bounds of every HTTP endpoint (ripples/http_server.py): connections beyond
+    connection_cap() are closed as soon as they are accepted, and one whose request head
+    is not whole HEAD_TIMEOUT_SECONDS after it connected is shut down (swept every
+    poll of serve_forever)."""
 
     daemon_threads = True
+    # socketserver's backlog of 5 drops the handshakes of a crowd, which then trickle
+    # in over a minute of retries: the same backlog as the other endpoints.
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(connection_cap())
+        self._lock = threading.Lock()
+        self._head_deadlines: dict[socket.socket, float] = {}
+        """Connections still sending their request head, and when they must be done."""
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self._slots.acquire(blocking=False)  # False: socketserver closes it
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            self._head_deadlines[request] = time.monotonic() + HEAD_TIMEOUT_SECONDS
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: its slot is free again
+            self._finished(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._finished(request)
+
+    def head_received(self, request: socket.socket) -> None:
+        with self._lock:
+            self._head_deadlines.pop(request, None)
+
+    def _finished(self, request: Any) -> None:
+        self.head_received(request)
+        self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that stalled or went away (a timeout, a reset) is not worth a
+        traceback on stderr; anything else is."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+    def service_actions(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [s for s, deadline in self._head_deadlines.items() if deadline < now]
+            for s in overdue:
+                del self._head_deadlines[s]
+        for s in overdue:  # its handler's read returns at once; its thread ends
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
 
 class _Quiet(WSGIRequestHandler):
-    """No line on stderr per scrape."""
+    """No line on stderr per scrape; tells the server once the request head is read."""
+
+    timeout = HEAD_TIMEOUT_SECONDS  # no single read or write blocks longer
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self.server.head_received(self.connection)  # type: ignore[attr-defined]
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         pass

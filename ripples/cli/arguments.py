@@ -151,12 +151,16 @@ class PrintableFormatter(logging.Formatter):
 
 
 def setup_logging(verbose: bool, who: str = "") -> None:
-    """The one logging set-up of a command (its processes log to stderr)."""
+    """The one logging set-up of a command (its processes log to stderr; a record
+    repeated in a loop is summed up, not written each time: ripples/log_repeats.py)."""
+    from ripples import log_repeats
+
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(PrintableFormatter(
         f"%(asctime)s {printable(who)}%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         handlers=[handler])
+    log_repeats.install()
 
 
 def add_coordinator_option(parser: argparse.ArgumentParser) -> None:

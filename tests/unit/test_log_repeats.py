@@ -1,0 +1,39 @@
+"""Repeated log records summed up (ripples/log_repeats.py), on a real logging handler
+with a clock the test moves."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+from ripples.log_repeats import RepeatFilter
+
+
+def test_a_flood_of_one_record_is_written_once_then_counted() -> None:
+    now = [0.0]
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RepeatFilter(window_seconds=10.0, clock=lambda: now[0]))
+    logger = logging.getLogger("test_log_repeats")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        for fd in range(4211):  # the same template, other arguments: one kind
+            try:
+                raise OSError(24, "Too many open files")
+            except OSError:
+                logger.exception("socket.accept() out of system resource (fd %d)", fd)
+        logger.warning("something else")  # another kind: written at once
+        lines = stream.getvalue().splitlines()
+        assert sum("out of system resource" in line for line in lines) == 1
+        assert lines[-1] == "something else"
+        now[0] = 10.5  # the window is over: the next one says how many were left out
+        try:
+            raise OSError(24, "Too many open files")
+        except OSError:
+            logger.exception("socket.accept() out of system resource (fd %d)", 7)
+        assert ("socket.accept() out of system resource (fd 7) (repeated 4,210 times in "
+                "the last 10 s)\nTraceback") in stream.getvalue()
+        assert len(stream.getvalue()) < 2000
+    finally:
+        logger.removeHandler(handler)
