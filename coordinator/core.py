@@ -35,7 +35,7 @@ from ripples.coordinator.membership import RunMembership
 from ripples.coordinator.progress import ProgressTracker
 from ripples.coordinator.registry import GONE, Progress, Registry, WorkerRecord, WorkerState
 from ripples.coordinator.restart_rounds import RestartRounds
-from ripples.coordinator.run_graph import RunGraph
+from ripples.coordinator.run_graph import RankGraph, RunGraph
 from ripples.coordinator.schema import SchemaCheck
 from ripples.coordinator.stop import BudgetWatch, StateAdoption, StopAgreement
 from ripples.protocols.spec import Coordination
@@ -59,6 +59,9 @@ class CoordinatorCore(RunMembership):
         self.registry = Registry(settings.num_workers, settings.lease_seconds,
                                  settings.max_workers, first_worker_id=first_worker_id)
         self.graph = RunGraph()
+        self.prepared_graph: RankGraph | None = None
+        """The graph of the full membership on ranks, built ahead off the event loop
+        (run_graph.prepare): the forming only maps it to worker ids."""
         self.progress = ProgressTracker(num_workers=settings.num_workers,
                                         target_loss=settings.target_loss,
                                         live=self.registry.live,

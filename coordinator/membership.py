@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ripples.coordinator.errors import CoordinatorError
 from ripples.coordinator.registry import Registry, WorkerRecord, WorkerState
-from ripples.coordinator.run_graph import RunGraph, static_layout_error
+from ripples.coordinator.run_graph import RankGraph, RunGraph, static_layout_error
 from ripples.coordinator.schema import Schema, SchemaCheck
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class RunMembership:
     settings: RunSettings
     registry: Registry
     graph: RunGraph
+    prepared_graph: RankGraph | None
     progress: ProgressTracker
     rounds: RestartRounds
     stopper: StopAgreement
@@ -121,7 +122,8 @@ class RunMembership:
             self.graph.replace_worker(departed.worker_id, w.worker_id)
             return
         try:
-            self.graph = RunGraph.build(self.settings, self.registry.holders_by_rank())
+            self.graph = RunGraph.build(self.settings, self.registry.holders_by_rank(),
+                                        self.prepared_graph)
         except ValueError as err:
             self.registry.discard(w.worker_id)
             self.registry.size -= 1
@@ -158,7 +160,7 @@ class RunMembership:
         ordered = self.registry.form()
         self.registry.continue_ranks(ordered)
         try:
-            self.graph = RunGraph.build(self.settings, ordered)
+            self.graph = RunGraph.build(self.settings, ordered, self.prepared_graph)
         except ValueError as err:
             self.stop(f"invalid topology: {err}", now)
             return

@@ -360,6 +360,13 @@ class Registry:
         """The live workers by id, in id order (the registry's own index: read only)."""
         return self._live
 
+    def nodes_if_formed(self, host: str) -> list[int]:
+        """Each rank's node if the membership formed now with one more worker on `host`
+        (as `form` numbers them): what a hierarchical graph is built from ahead."""
+        hosts = [w.host for w in self.live()] + [host]
+        index = {h: i for i, h in enumerate(sorted(set(hosts), key=natural_key))}
+        return sorted(index[h] for h in hosts)
+
     def form(self) -> list[WorkerRecord]:
         """Fix the membership: nodes numbered by host name in natural order (node2
         before node10), so that ranks do not depend on who registered first; ranks by

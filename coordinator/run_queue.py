@@ -33,11 +33,12 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from ripples import events
-from ripples.coordinator import snapshot
+from ripples.coordinator import run_graph, snapshot
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.history import ENDED, RunHistory, state_name
 from ripples.coordinator.http import SdTargets
+from ripples.coordinator.run_graph import RankGraph
 from ripples.coordinator.service import CoordinatorService
 from ripples.coordinator.state_dir import RECOVER, StateLost
 from ripples.coordinator.state_store import StateStore, StoreWriteError
@@ -247,14 +248,17 @@ class RunQueue:
                 info = queued[0]
                 try:
                     # Off the loop: a large run's topology takes a second or more to build
-                    # and check, while the loop answers every other call.
+                    # and check, and as long again to build its graph (run_graph.prepare:
+                    # the forming then maps it to worker ids), while the loop answers
+                    # every other call.
                     settings = await asyncio.to_thread(self._settings, info.run_id)
+                    prepared = await asyncio.to_thread(run_graph.prepare, settings)
                     current = self.history.get(info.run_id)
                     if current is None or current.state != pb.RUN_STATE_QUEUED:
                         continue  # cancelled meanwhile
                     info.state = pb.RUN_STATE_RUNNING
                     info.started_at = time.time()
-                    self._open(info, resume=False, settings=settings)
+                    self._open(info, resume=False, settings=settings, prepared=prepared)
                 except StateLost:
                     raise
                 except (*DAMAGED, OSError) as err:  # its options no longer hold
@@ -278,10 +282,11 @@ class RunQueue:
         """A stored run's settings, checked again (thread-safe: the history locks)."""
         return RunSettings.build(**self.history.options(run_id))
 
-    def _open(self, info: pb.RunInfo, *, resume: bool,
-              settings: RunSettings | None = None) -> None:
+    def _open(self, info: pb.RunInfo, *, resume: bool, settings: RunSettings | None = None,
+              prepared: RankGraph | None = None) -> None:
         """The run's core and service: new (from `settings`, else its stored options), or
-        resumed from its state after a restart."""
+        resumed from its state after a restart; `prepared`: its graph on ranks, built
+        ahead (run_graph.prepare)."""
         import torch.distributed as dist
 
         state = StateStore(self.run_dir(info.run_id)) if self._persistent else None
@@ -306,6 +311,7 @@ class RunQueue:
             settings = settings or self._settings(info.run_id)
             core = CoordinatorCore(settings, now=now,
                                    first_worker_id=self.history.meta("next_worker_id"))
+            core.prepared_graph = prepared
         store = (dist.PrefixStore(f"run/{info.run_id}/", self.store)
                  if self.store is not None else None)
         service = CoordinatorService(core, store_host=self.store_host,

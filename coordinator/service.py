@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ripples.coordinator import heap, snapshot, status_view
+from ripples.coordinator import heap, run_graph, snapshot, status_view
 from ripples.coordinator.consensus_collector import ConsensusCollector
 from ripples.coordinator.core import CoordinatorCore, CoordinatorError, Deliveries
 from ripples.coordinator.final_average import FinalAverage
@@ -232,6 +232,7 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         if self.state is not None:  # a disk that takes no write refuses it unchanged
             await self._refuse_unless_stored(context, asyncio.to_thread(
                 self.state.check_writable))
+        await self._prepare_graph(request.host)
         formed, restarts = registry.formed, core.restarts
         worker_id = await self._call(context, lambda: core.register(
             request.host, request.local_rank, request.device or "cpu", request.pid, now))
@@ -263,6 +264,27 @@ class CoordinatorService(pb_grpc.WorkerServicer):
                     worker_id, w.host, w.local_rank, w.device)
         return pb.RegisterReply(worker_id=worker_id, config=self.core.settings.to_proto(),
                                 store_host=self.store_host, store_port=self.store_port)
+
+    async def _prepare_graph(self, host: str) -> None:
+        """A registration from `host` about to complete the membership of a run whose
+        graph needs every rank's host (hierarchical): its graph on ranks is built in a
+        worker thread first, so that the forming, on the loop, only maps it to worker ids
+        (A2CiD2's constants on 4,096 workers take a minute). Other topologies were built
+        when the run was activated (run_graph.prepare). If registrations interleave
+        meanwhile, the forming builds whatever does not fit on the loop, as before."""
+        core, registry = self.core, self.core.registry
+        if (registry.formed or not run_graph.needs_nodes(core.settings)
+                or registry.num_live + 1 != registry.num_workers):
+            return
+        nodes = registry.nodes_if_formed(host)
+        prepared = core.prepared_graph
+        if prepared is not None and prepared.fits(core.settings, nodes):
+            return
+        try:
+            core.prepared_graph = await asyncio.to_thread(
+                run_graph.RankGraph.build, core.settings, len(nodes), nodes)
+        except ValueError:
+            return  # the forming stops the run, saying why
 
     async def _refuse_unless_stored(self, context: grpc.aio.ServicerContext,
                                     write: Awaitable[None],

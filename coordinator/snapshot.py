@@ -22,7 +22,7 @@ from typing import Any
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.registry import GONE, Progress, WorkerRecord, WorkerState
-from ripples.coordinator.run_graph import RunGraph
+from ripples.coordinator.run_graph import RankGraph, RunGraph
 from ripples.coordinator.schema import Schema, SchemaCheck
 from ripples.rpc import ID_SPACE_BITS
 
@@ -71,17 +71,19 @@ def take(core: CoordinatorCore, now: float, wall: float = 0.0, *,
 
 
 def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: float = 0.0,
-            resume: bool = False) -> CoordinatorCore:
+            resume: bool = False, prepared: RankGraph | None = None) -> CoordinatorCore:
     """A core that goes on with the snapshot's run at monotonic time `now` (wall-clock
     time `wall`): with its workers (a coordinator restart: its training time includes the
     time since the save, as the workers trained on meanwhile), or with a new set of them
     (`resume`: after a total failure, whose downtime is no training time; see
-    CoordinatorCore.resume)."""
+    CoordinatorCore.resume); `prepared`: its graph on ranks, built ahead
+    (run_graph.prepare)."""
     if snapshot.get("format") != FORMAT:
         raise ValueError(f"state of format {snapshot.get('format')!r}; this coordinator "
                          f"reads format {FORMAT}")
     settings = RunSettings.build(**snapshot["settings"])
     core = CoordinatorCore(settings, now=now)
+    core.prepared_graph = prepared
     core.groups.rng = random.Random(f"{settings.seed}/{incarnation}")
     core.table._next_id = max(core.table._next_id, incarnation << ID_SPACE_BITS)
     core.groups.comms._next_id = max(core.groups.comms._next_id,
@@ -110,7 +112,7 @@ def restore(snapshot: dict[str, Any], now: float, incarnation: int, *, wall: flo
         core.resumed_elapsed = restarts.get("elapsed", 0.0)
     core.note_ready(w.worker_id for w in registry.live() if w.ready)
     if registry.formed:
-        core.graph = RunGraph.build(settings, registry.holders_by_rank())
+        core.graph = RunGraph.build(settings, registry.holders_by_rank(), prepared)
     core.progress.num_workers = registry.size
     if started:
         since_save = 0.0 if resume else max(0.0, wall - snapshot["wall"])

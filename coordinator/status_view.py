@@ -2,7 +2,8 @@
 
 `run_status` builds the reply of GetRunStatus (the dashboard, `ripples status`, a shard's
 root watch) from the core, on the event loop that answers group requests: it stays
-O(workers) (a complete graph is a flag, the departed workers shown are bounded, the loss
+O(workers) (a complete graph is a flag, a larger graph's edges are counted past
+MAX_STATUS_EDGES instead of listed, the departed workers shown are bounded, the loss
 curve and the recent groups are bounded by the core). `discovery` lists the scrape
 targets of Prometheus' HTTP service discovery.
 """
@@ -28,6 +29,11 @@ STATES = {
     WorkerState.FAILED: pb.WORKER_STATE_FAILED,
 }
 """A worker's state as the wire names it."""
+MAX_STATUS_EDGES = 20_000
+"""A run status lists the graph's edges up to this many (RunStatus.num_topology_edges):
+every graph of 1,000 workers but a "file" one (an exponential one has ~10,000), and a few
+hundred kB; an exponential graph of 100,000 workers (1.7M edges) would make every status
+20 MB and take seconds of the loop that answers group requests."""
 GROUP_STATES = {
     GroupState.PENDING: pb.GROUP_STATE_PENDING,
     GroupState.EXECUTING: pb.GROUP_STATE_EXECUTING,
@@ -76,7 +82,8 @@ def run_status(core: CoordinatorCore, now: float, *, metrics_address: str,
         num_lease_expirations=core.num_lease_expirations,
         iterations_to_target=(core.iterations_to_target
                               if core.iterations_to_target is not None else -1),
-        topology_edges=[pb.TopologyEdge(a=a, b=b) for a, b in core.graph.edges],
+        topology_edges=[pb.TopologyEdge(a=a, b=b) for a, b in shown_edges(core)],
+        num_topology_edges=core.graph.num_edges,
         edges_always_used=core.graph.edges_always_used,
         topology_complete=core.graph.complete,
         spectral_gap=core.graph.spectral_gap,
@@ -84,6 +91,13 @@ def run_status(core: CoordinatorCore, now: float, *, metrics_address: str,
         num_restarts=core.restarts,
         restarting=core.restart_reason if core.restart_began_at is not None else "",
     )
+
+
+def shown_edges(core: CoordinatorCore) -> list[tuple[int, int]]:
+    """The graph's edges a run status lists: all of them up to MAX_STATUS_EDGES, none
+    past it (the status says how many there are: views draw what the workers did)."""
+    graph = core.graph
+    return graph.edges if graph.num_edges <= MAX_STATUS_EDGES else []
 
 
 def shown_workers(core: CoordinatorCore) -> list[WorkerRecord]:

@@ -240,6 +240,9 @@ class RunView:
         if everything:
             note += "; every worker averages with every other each iteration"
         elif not status.topology_edges:
+            if status.num_topology_edges:  # past the coordinator's MAX_STATUS_EDGES
+                note += (f"; the graph's {status.num_topology_edges:,} edges are too many "
+                         "to draw in full")
             note += (f"; lines: workers of two nodes averaged together in the last "
                      f"{EDGE_MEMORY_SECONDS:.0f} s")
         return {"mode": "hosts", "note": note, "nodes": nodes,
