@@ -13,15 +13,17 @@ Writes are single transactions (WAL, synchronous=NORMAL), as in state_store.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from ripples.coordinator.state_store import open_database
+from ripples.coordinator.state_store import StoreWriteError, open_database
 from ripples.run_records import ENDED, agent_summary, state_name, summary
 from ripples.v1 import coordinator_pb2 as pb
 
@@ -53,14 +55,16 @@ class RunHistory:
         return default if row is None else int(row[0])
 
     def set_meta(self, key: str, value: int) -> None:
-        with self._lock, self._db:
+        """Store a counter (StoreWriteError if the disk refuses: nothing changed)."""
+        with self._writing():
             self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, str(value)))
 
     # ------------------------------------------------------------------ runs
     def add(self, info: pb.RunInfo, options: dict[str, object]) -> None:
-        """A new run (ValueError when its id is taken)."""
+        """A new run (ValueError when its id is taken; StoreWriteError if the disk refuses
+        it: nothing is stored)."""
         try:
-            with self._lock, self._db:
+            with self._writing():
                 self._db.execute("INSERT INTO runs (run_id, info, options) VALUES (?, ?, ?)",
                                  (info.run_id, info.SerializeToString(),
                                   json.dumps(options)))
@@ -68,7 +72,8 @@ class RunHistory:
             raise ValueError(f"a run with id {info.run_id!r} exists already") from err
 
     def update(self, info: pb.RunInfo, final_status: pb.RunStatus | None = None) -> None:
-        with self._lock, self._db:
+        """A run's new row (StoreWriteError if the disk refuses it: the old row stays)."""
+        with self._writing():
             if final_status is None:
                 self._db.execute("UPDATE runs SET info = ? WHERE run_id = ?",
                                  (info.SerializeToString(), info.run_id))
@@ -76,6 +81,20 @@ class RunHistory:
                 self._db.execute(
                     "UPDATE runs SET info = ?, final_status = ? WHERE run_id = ?",
                     (info.SerializeToString(), final_status.SerializeToString(), info.run_id))
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One write transaction; a disk that refuses it (full, read-only, failing) raises
+        StoreWriteError, which says so, and the transaction is rolled back."""
+        with self._lock:
+            try:
+                with self._db:
+                    yield
+            except sqlite3.IntegrityError:
+                raise
+            except sqlite3.OperationalError as err:
+                raise StoreWriteError(self.path or Path(":memory:"), err,
+                                      "the run history") from err
 
     def runs(self) -> list[pb.RunInfo]:
         """Every run, oldest first."""

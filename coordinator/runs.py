@@ -21,6 +21,7 @@ from ripples.coordinator.agents import AgentsService
 from ripples.coordinator.history import ENDED, state_name
 from ripples.coordinator.logs import RunLogs
 from ripples.coordinator.run_queue import RunQueue
+from ripples.coordinator.state_store import StoreWriteError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -88,6 +89,13 @@ class RunsService(pb_grpc.RunsServicer):
             # topology) takes a second or more, and the loop goes on answering (health
             # checks, heartbeats) meanwhile.
             info = await asyncio.to_thread(check_and_store)
+        except StoreWriteError as err:  # nothing stored: the history's write rolled back
+            logger.error("run refused: %s", err)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED if err.full else grpc.StatusCode.UNAVAILABLE,
+                f"{err.reason}: the run was not stored, so it is refused; the operator must "
+                "free or fix the state dir's disk")
+            raise AssertionError("unreachable") from err
         except (ValueError, TypeError) as err:
             message = f"bad run: {err}"
             if len(message) > MAX_REFUSAL_CHARS:

@@ -56,11 +56,12 @@ def open_database(path: Path | None, schema: str, what: str) -> sqlite3.Connecti
 class StoreWriteError(OSError):
     """A save the state dir's disk refused; nothing of it was stored."""
 
-    def __init__(self, path: Path, err: sqlite3.Error | OSError) -> None:
+    def __init__(self, path: Path, err: sqlite3.Error | OSError,
+                 what: str = "the run's state") -> None:
         name = getattr(err, "sqlite_errorname", "")
         self.full = name == "SQLITE_FULL" or getattr(err, "errno", None) == errno.ENOSPC
         """The disk is full (else read-only or failing)."""
-        super().__init__(f"cannot save the run's state in {path}: {err}")
+        super().__init__(f"cannot save {what} in {path}: {err}")
 
     @property
     def reason(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -178,7 +179,7 @@ def _fill(directory: Path) -> Path:
     return filler
 
 
-def test_a_registration_the_full_disk_cannot_store_is_refused_and_forgotten(
+def test_a_registration_or_a_run_the_full_disk_cannot_store_is_refused_and_forgotten(
         tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a small filesystem to fill needs root")
@@ -192,6 +193,13 @@ def test_a_registration_the_full_disk_cannot_store_is_refused_and_forgotten(
         assert "the disk of the coordinator's state dir is full" in str(refused.value)
         assert str(disk) not in str(refused.value)  # no server path for a client
         assert [w.worker_id for w in client.run_status().workers] == [0]  # not registered
+        runs = [r.run_id for r in client.list_runs().runs]
+        with pytest.raises(CoordinatorCallError) as refused:  # nor is a submission stored
+            client.submit_run(json.dumps({"task": "digits", "num_workers": 2, "iterations": 5}))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the run was not stored" in str(refused.value)
+        assert str(disk) not in str(refused.value)
+        assert [r.run_id for r in client.list_runs().runs] == runs
         filler.unlink()  # the operator frees space: the same worker registers, id 1
         assert client.register("node1", 0, "cpu", 1).worker_id == 1
         assert [w.worker_id for w in client.run_status().workers] == [0, 1]
