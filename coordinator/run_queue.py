@@ -35,7 +35,7 @@ from google.protobuf.message import DecodeError
 from ripples import events
 from ripples.coordinator import run_graph, snapshot
 from ripples.coordinator.config import RunSettings
-from ripples.coordinator.core import CoordinatorCore
+from ripples.coordinator.core import CoordinatorCore, WorkerState
 from ripples.coordinator.history import ENDED, RunHistory, state_name
 from ripples.coordinator.http import SdTargets
 from ripples.coordinator.run_graph import RankGraph
@@ -390,12 +390,13 @@ class RunQueue:
             shown.queue_position = ids.index(info.run_id) + 1 if info.run_id in ids else 0
         return shown
 
-    async def status(self, info: pb.RunInfo) -> pb.RunStatus:
-        """A run's status: the active run's live one, an ended run's final one from the
-        history, or what was submitted (queued, or ended before it started)."""
+    async def status(self, info: pb.RunInfo, *, all_workers: bool = False) -> pb.RunStatus:
+        """A run's status: the active run's live one (`all_workers`: with every worker's
+        row), an ended run's final one from the history (as bounded as it was), or what
+        was submitted (queued, or ended before it started)."""
         try:
             if self.active is not None and info.run_id == self.active.info.run_id:
-                status = self.active.service.run_status()
+                status = self.active.service.run_status(all_workers=all_workers)
                 status.run.CopyFrom(self.run_info(info))
                 return status
             final = self.history.final_status(info.run_id)
@@ -454,7 +455,7 @@ def _end_state(active: ActiveRun, status: pb.RunStatus) -> pb.RunState:
     worker left cleanly) or finished (its budget or target)."""
     if active.operator_stop or active.service.stopped_at_root:
         return pb.RUN_STATE_STOPPED
-    clean = any(w.state == pb.WORKER_STATE_LEFT for w in status.workers)
+    clean = any(w.state is WorkerState.LEFT for w in active.service.core.workers.values())
     if not status.started or not clean or active.service.core.stopped_by_failure:
         return pb.RUN_STATE_FAILED
     return pb.RUN_STATE_FINISHED
@@ -466,5 +467,5 @@ def fill_progress(info: pb.RunInfo, status: pb.RunStatus) -> None:
     info.mean_loss = status.mean_loss or (status.loss_curve[-1].loss if status.loss_curve
                                           else 0.0)
     info.elapsed_seconds = status.elapsed_seconds
-    if status.workers:
-        info.mean_iterations = sum(w.iteration for w in status.workers) / len(status.workers)
+    if status.num_worker_rows:
+        info.mean_iterations = status.mean_iterations

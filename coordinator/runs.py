@@ -123,7 +123,7 @@ class RunsService(pb_grpc.RunsServicer):
             if not runs:
                 return pb.RunStatus()
             info = runs[-1]
-        return await self.queue.status(info)
+        return await self.queue.status(info, all_workers=request.all_workers)
 
     async def StopRun(self, request: pb.StopRunRequest, context: grpc.aio.ServicerContext
                       ) -> pb.StopRunReply:

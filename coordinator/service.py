@@ -41,7 +41,20 @@ from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 STATE_SAVE_SECONDS = 0.5
-"""How often the run's state is saved to the state dir besides membership changes."""
+"""How often the run's state is saved to the state dir besides membership changes (at
+up to SAVE_WORKERS workers; see save_interval)."""
+SAVE_WORKERS = 5_000
+"""Workers per STATE_SAVE_SECONDS of the state saver's interval: a save's rows cost
+O(workers) of the saver's thread (~1.5 s at 100,000 workers, which shares the
+interpreter with the event loop), so a larger run is saved less often."""
+
+
+def save_interval(num_workers: int) -> float:
+    """Seconds between two periodic saves of a run of `num_workers` workers: 0.5 s up to
+    5,000 workers, then 0.5 s more per 5,000 (10 s at 100,000). A restart loses at most
+    this much of the workers' progress reports, which their next reports restore;
+    membership changes are saved when they happen whatever the size."""
+    return STATE_SAVE_SECONDS * max(1.0, num_workers / SAVE_WORKERS)
 
 T = TypeVar("T")
 
@@ -103,7 +116,7 @@ class CoordinatorService(pb_grpc.WorkerServicer):
                                      max(0.05, self.core.settings.lease_seconds / 4))
         if self.state is not None:  # its failures are logged and retried (guarded)
             self._saver = self._guarded("state-saver", self._save_or_raise,
-                                        STATE_SAVE_SECONDS)
+                                        save_interval(self.core.settings.num_workers))
         root = self.core.settings.root
         if root:  # this run is one shard of a sharded job
             self._root_watch = RootWatch(root, self._stop_from_root)
@@ -121,26 +134,36 @@ class CoordinatorService(pb_grpc.WorkerServicer):
 
     async def save_state(self) -> None:
         """Save the run's state to the state dir (if any). A save the disk refuses is
-        logged, and the state saver's next round (every STATE_SAVE_SECONDS, backing off
+        logged, and the state saver's next round (every save_interval, backing off
         while it fails) tries again: the run goes on meanwhile."""
         try:
             await self._save_or_raise()
         except StoreWriteError as err:
             logger.error("%s; the state saver retries every %.1f s or more", err,
-                         STATE_SAVE_SECONDS)
+                         save_interval(self.core.settings.num_workers))
 
     async def _save_or_raise(self, only: Iterable[int] | None = None) -> None:
         """Save the run's state (`only`: the run's keys and these workers' records, when
-        nothing else changed); StoreWriteError if the disk refuses. The snapshot is
-        taken on the loop (consistent), written off it; saves never overlap."""
+        nothing else changed); StoreWriteError if the disk refuses. The snapshot's
+        values are copied on the loop (consistent: snapshot.capture), made into rows and
+        written off it; saves never overlap."""
         if self.state is None:
             return
         if self._saving is None:
             self._saving = asyncio.Lock()
         async with self._saving:
-            data = snapshot.take(self.core, self.clock(), time.time(), only=only)
-            data["metrics_targets"] = {str(k): v for k, v in self.metrics_targets.items()}
-            await asyncio.to_thread(self.state.save, data)
+            captured = snapshot.capture(self.core, self.clock(), time.time(), only=only)
+            targets = dict(self.metrics_targets)
+            await asyncio.to_thread(self._write, self.state, captured, targets)
+
+    @staticmethod
+    def _write(state: StateStore, captured: snapshot.Captured,
+               targets: dict[int, str]) -> None:
+        """Make a captured snapshot's JSON rows and store those that changed (in the
+        saver's thread: at 100,000 workers this is seconds the event loop is not held)."""
+        data = captured.values()
+        data["metrics_targets"] = {str(k): v for k, v in targets.items()}
+        state.save(data)
 
     async def close(self) -> None:
         if self._reaper is not None:
@@ -459,11 +482,13 @@ class CoordinatorService(pb_grpc.WorkerServicer):
                                   consensus_at_iteration=self.core.consensus_at)
 
     # ------------------------------------------------------------------ views
-    def run_status(self) -> pb.RunStatus:
-        """The run's status now (coordinator/status_view.py)."""
+    def run_status(self, *, all_workers: bool = False) -> pb.RunStatus:
+        """The run's status now (coordinator/status_view.py; `all_workers`: every
+        worker's row, not the first MAX_STATUS_WORKERS)."""
         return status_view.run_status(self.core, self.clock(),
                                       metrics_address=self.metrics_address,
-                                      metrics_targets=self.metrics_targets)
+                                      metrics_targets=self.metrics_targets,
+                                      all_workers=all_workers)
 
     def discovery(self) -> SdTargets:
         """Prometheus HTTP service discovery: the coordinator and each live worker."""

@@ -1,11 +1,11 @@
 """What a run looks like from outside: its RunStatus and its Prometheus targets.
 
 `run_status` builds the reply of GetRunStatus (the dashboard, `ripples status`, a shard's
-root watch) from the core, on the event loop that answers group requests: it stays
-O(workers) (a complete graph is a flag, a larger graph's edges are counted past
-MAX_STATUS_EDGES instead of listed, the departed workers shown are bounded, the loss
-curve and the recent groups are bounded by the core). `discovery` lists the scrape
-targets of Prometheus' HTTP service discovery.
+root watch) from the core, on the event loop that answers group requests: it is bounded
+(the workers' rows up to MAX_STATUS_WORKERS unless a request asks for all of them, a
+complete graph is a flag, a larger graph's edges are counted past MAX_STATUS_EDGES
+instead of listed, the loss curve and the recent groups are bounded by the core).
+`discovery` lists the scrape targets of Prometheus' HTTP service discovery.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ MAX_STATUS_EDGES = 20_000
 every graph of 1,000 workers but a "file" one (an exponential one has ~10,000), and a few
 hundred kB; an exponential graph of 100,000 workers (1.7M edges) would make every status
 20 MB and take seconds of the loop that answers group requests."""
+MAX_STATUS_WORKERS = 2_000
+"""A run status lists the rows of this many workers (RunStatus.num_worker_rows counts
+them all; RunStatusRequest.all_workers lists every one): all of a 1,000-worker run's; at
+100,000 workers every row took 0.7-0.8 s of the event loop per status
+(python -m ripples.bench.loop_hold)."""
 GROUP_STATES = {
     GroupState.PENDING: pb.GROUP_STATE_PENDING,
     GroupState.EXECUTING: pb.GROUP_STATE_EXECUTING,
@@ -41,17 +46,20 @@ GROUP_STATES = {
 
 
 def run_status(core: CoordinatorCore, now: float, *, metrics_address: str,
-               metrics_targets: dict[int, str]) -> pb.RunStatus:
-    """The run's status now: settings, every shown worker, groups, progress, topology.
+               metrics_targets: dict[int, str], all_workers: bool = False) -> pb.RunStatus:
+    """The run's status now: settings, the shown workers, groups, progress, topology.
 
     Args:
         core: the run's core.
         now: the coordinator's clock.
         metrics_address: the coordinator's own metrics HOST:PORT ("" if none).
         metrics_targets: each worker's metrics HOST:PORT, by worker id.
+        all_workers: list every shown worker's row, not the first MAX_STATUS_WORKERS.
     """
     mean = core.mean_loss()
     distance = core.consensus_distance()
+    shown = shown_workers(core)
+    listed = shown if all_workers else shown[:MAX_STATUS_WORKERS]
     workers = [
         pb.WorkerStatus(
             worker_id=w.worker_id, host=w.host, local_rank=w.local_rank, device=w.device,
@@ -60,7 +68,7 @@ def run_status(core: CoordinatorCore, now: float, *, metrics_address: str,
             loss=w.progress.loss if math.isfinite(w.progress.loss) else 0.0,
             progress=progress_to_proto(w.progress), error=w.error,
             metrics_address=metrics_targets.get(w.worker_id, ""))
-        for w in shown_workers(core)
+        for w in listed
     ]
     return pb.RunStatus(
         config=core.settings.to_proto(), workers=workers, elapsed_seconds=core.elapsed(now),
@@ -90,6 +98,9 @@ def run_status(core: CoordinatorCore, now: float, *, metrics_address: str,
         consensus_distance=distance if distance is not None else -1.0,
         num_restarts=core.restarts,
         restarting=core.restart_reason if core.restart_began_at is not None else "",
+        num_worker_rows=len(shown),
+        mean_iterations=(sum(w.progress.iteration for w in shown) / len(shown)
+                         if shown else 0.0),
     )
 
 

@@ -120,7 +120,8 @@ class Snapshot(BaseModel):
     workers: list[WorkerView] = Field(description=f"Every worker up to {MAX_WORKER_DETAIL}; "
                                                   "past it that many, the departed, the slow "
                                                   "and the furthest behind first")
-    workers_total: int = Field(description="Workers the status lists (departed included)")
+    workers_total: int = Field(description="Workers the run status counts (departed "
+                               "included; it lists at most 2,000)")
     workers_live: int
     workers_note: str = Field(description="Why `workers` lists fewer than workers_total")
     topology: TopologyView

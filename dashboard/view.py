@@ -134,6 +134,9 @@ class RunView:
             workers_note = (f"{len(listed)} of {len(workers):,} workers listed: the departed, "
                             "the slow and the furthest behind first (/api/workers/ID shows "
                             "any one)")
+            if status.num_worker_rows > len(workers):  # the status lists at most 2,000
+                workers_note += (f"; the coordinator sent the first {len(workers):,} of "
+                                 f"{status.num_worker_rows:,} workers' rows")
         c = status.config
         return {
             "connected": True,
@@ -165,7 +168,7 @@ class RunView:
                 "metrics_address": status.metrics_address,
             },
             "workers": listed,
-            "workers_total": len(workers),
+            "workers_total": max(status.num_worker_rows, len(workers)),
             "workers_live": live,
             "workers_note": workers_note,
             "hosts": [{"host": h, "worker_ids": ids} for h, ids in hosts.items()],

@@ -218,6 +218,8 @@ def status_json(status: pb.RunStatus) -> dict[str, object]:
                          "local_rank": w.local_rank, "state": _WORKER_STATES[w.state],
                          "iteration": w.iteration, "loss": w.loss, "error": w.error}
                         for w in status.workers],
+            # `workers` lists the first 2,000 of them: RunStatus.num_worker_rows
+            "num_workers": max(status.num_worker_rows, len(status.workers)),
             "loss_curve": [[p.seconds, p.loss] for p in status.loss_curve]}
 
 
@@ -245,6 +247,10 @@ def render_status(status: pb.RunStatus) -> str:
                      f"{status.num_groups_failed} failed")
     if status.num_restarts:
         lines.append(f"  restart rounds: {status.num_restarts}")
+    if status.num_worker_rows > len(status.workers):
+        lines.append(f"  workers sent: the first {len(status.workers)} of "
+                     f"{status.num_worker_rows} (a status lists at most "
+                     f"{len(status.workers)}); the rows below are of those")
     if status.workers:
         rows = [["RANK", "WORKER", "ID", "STATE", "ITERATION", "LOSS", "ERROR"]]
         shown = sorted(status.workers, key=lambda w: (w.rank, w.worker_id))
@@ -253,7 +259,7 @@ def render_status(status: pb.RunStatus) -> str:
             lines.append("  workers: " + ", ".join(f"{n} {state}"
                                                    for state, n in sorted(states.items())))
             lines.append(f"  listed: {STATUS_MAX_WORKER_ROWS} of {len(shown)}, those that left "
-                         "or failed and those furthest behind first (--json lists every one)")
+                         "or failed and those furthest behind first (--json lists every one sent)")
             shown = sorted(shown, key=lambda w: (w.state not in _GONE, w.iteration,
                                                  w.worker_id))[:STATUS_MAX_WORKER_ROWS]
         for w in shown:

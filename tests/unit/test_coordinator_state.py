@@ -140,3 +140,32 @@ def test_an_undone_registration_hands_its_id_and_new_node_out_again() -> None:
     assert list(registry.workers) == [7] and registry.next_worker_id == 8
     again = registry.register("c", 0, "cpu", 3, 0.0)
     assert (again.worker_id, again.node) == (8, 1)
+
+
+def test_a_snapshot_captured_on_the_loop_and_made_later_restores_the_same_core(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The saver copies the values on the event loop (snapshot.capture) and makes the rows
+    in its thread: what the core does in between is not in that save, and the rows are
+    those of the former whole-record copy (dataclasses.asdict)."""
+    import dataclasses
+    core, ids = _running()
+    captured = snapshot.capture(core, now=110.0)
+    before = {i: dataclasses.asdict(core.workers[i]) for i in ids}
+    core.heartbeat(ids[0], Progress(iteration=777, loss=0.5, samples=1, compute_seconds=1.0),
+                   110.5)  # after the capture: not in it
+    saved = captured.values()
+    for row in saved["workers"]:
+        whole = before[row["worker_id"]]
+        assert row == {**{k: whole[k] for k in row}, "state": whole["state"].value,
+                       "own_base": list(whole["own_base"])}
+        assert "round_target" not in row  # a pending request's fields are left out
+    store = StateStore(tmp_path)
+    store.save(saved)
+    again = snapshot.restore(store.load() or {}, now=0.0, incarnation=2)
+    store.close()
+    assert again.workers[ids[0]].progress.iteration != 777
+    assert [dataclasses.asdict(w.progress) for w in again.workers.values()] == [
+        before[i]["progress"] for i in ids]
+    assert again.registry._nodes == core.registry._nodes
+    assert [(w.worker_id, w.rank, w.host) for w in again.workers.values()] == [
+        (w.worker_id, w.rank, w.host) for w in core.workers.values()]

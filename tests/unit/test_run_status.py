@@ -60,3 +60,23 @@ def test_the_dashboard_snapshot_of_a_thousand_workers_stays_bounded() -> None:
     service = status_bench.training_service("ripples-smart", 1000, run_seconds=60.0)
     kilobytes, _ = status_bench.dashboard_snapshot(service, 60.0, polls=20)
     assert kilobytes < 64
+
+
+def test_a_status_lists_at_most_its_bound_of_rows_and_counts_them_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_STATUS_WORKERS the status lists the first rows and says how many there
+    are (and their mean iteration); a request for all of them gets every row, and the
+    CLI says how many rows it was not sent."""
+    from ripples.cli.service import render_status
+    from ripples.coordinator import status_view
+    monkeypatch.setattr(status_view, "MAX_STATUS_WORKERS", 5)
+    service = status_bench.training_service("ripples-smart", 12, run_seconds=10.0)
+    status = service.run_status()
+    assert len(status.workers) == 5 and status.num_worker_rows == 12
+    assert [w.worker_id for w in status.workers] == list(service.core.workers)[:5]
+    iterations = [w.progress.iteration for w in service.core.workers.values()]
+    assert status.mean_iterations == pytest.approx(sum(iterations) / 12)
+    every = service.run_status(all_workers=True)
+    assert len(every.workers) == every.num_worker_rows == 12
+    status.run.CopyFrom(pb.RunInfo(run_id="r1", name="big", state=pb.RUN_STATE_RUNNING))
+    assert "workers sent: the first 5 of 12" in render_status(status)
