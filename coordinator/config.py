@@ -52,6 +52,8 @@ RUN_LIMITS: dict[str, tuple[float, float]] = {
     "iterations": (0, MAX_ITERATIONS), "epochs": (0, 1e6),
     "seed": (0, 2**32 - 1),  # numpy's and torch's generators take it as it is
     "batch_size": (0, 2**24), "run_id": (0, 64),
+    "local_steps": (1, 100_000), "outer_optimizer": (0, 16),
+    "outer_lr": (0.0, 10.0), "outer_momentum": (0.0, 1.0),
 }
 """RunSettings' bounds where the defaults of protocols/settings.py `value_limits` (the
 proto field's range, a week for `*_seconds`, 1e9 for a float, 1024 characters) are too
@@ -64,6 +66,12 @@ TOPOLOGY_FILE_REFUSED = (
     "path a client names: send the edges as topology_edges, a list of [i, j] rank pairs "
     "(`ripples submit --topology-file FILE` reads the file and sends them)")
 """The answer to a submission (or a record of an older version) that names topology_file."""
+
+OUTER_OPTIMIZERS = ("none", "nesterov")
+"""What a synchronisation applies (RunSettings.outer_optimizer)."""
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+"""The outer Nesterov step's defaults: DiLoCo's (arXiv 2311.08105)."""
 
 LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS = 1800.0
 """Lock-step protocols' default collective timeout: torch's, so that a peer busy between
@@ -122,6 +130,19 @@ class RunSettings:
     moments) along with the parameters, so a group leaves with one update direction;
     measured here to cut iterations to target ~15% (--no-average-optimizer-state: the
     papers' parameters-only averaging)."""
+    local_steps: int = 1
+    """Synchronise every this many optimizer steps (H): the workers take H steps each on
+    their own, then average (local SGD; DiLoCo's H). 1: every step, as without it. Only
+    protocols whose runtime has the outer step take it (docs/configuration.md)."""
+    outer_optimizer: str = "none"
+    """What a synchronisation applies: none (average the models) or nesterov (average
+    the pseudo-gradients, each worker's progress since its last synchronisation, and take
+    an outer Nesterov SGD step with outer_lr and outer_momentum: DiLoCo's outer step)."""
+    outer_lr: float = OUTER_LR
+    """Outer optimizer nesterov: its learning rate (DiLoCo's 0.7; 1 with outer_momentum 0
+    is plain model averaging)."""
+    outer_momentum: float = OUTER_MOMENTUM
+    """Outer optimizer nesterov: its momentum, below 1 (DiLoCo's 0.9)."""
     collective_timeout_seconds: float = 0.0
     """Bound on one collective: a peer that has not reached it by then fails it. 0: 1800 s
     (torch's default) for lock-step protocols (allreduce, ripples-static), where every
@@ -312,6 +333,7 @@ class RunSettings:
             raise ValueError("max_restarts must not be negative")
         if self.join_window_seconds <= 0:
             raise ValueError("join_window_seconds must be positive")
+        self._validate_outer_steps(spec)
         for settings_cls in spec.settings:
             self.settings(settings_cls).validate()
             self.settings(settings_cls).check_run(self.run_facts())
@@ -328,6 +350,30 @@ class RunSettings:
             raise ValueError(f"root (a shard of a sharded job) needs protocol "
                              f"{' or '.join(shardable)}, not {self.protocol}")
         self._validate_topology()
+
+    def _validate_outer_steps(self, spec: ProtocolSpec) -> None:
+        """local_steps and the outer optimizer: their values, and whether the protocol
+        takes them (a protocol whose runtime has no outer step refuses them, saying why,
+        rather than run without them)."""
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer_optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, "
+                             f"got {printable(self.outer_optimizer[:20])!r}")
+        if self.outer_optimizer == "nesterov":
+            if self.outer_lr <= 0:
+                raise ValueError(f"outer_lr must be positive, got {self.outer_lr:g}")
+            if self.outer_momentum >= 1:
+                raise ValueError(f"outer_momentum must be below 1 (1 never forgets a step), "
+                                 f"got {self.outer_momentum:g}")
+        elif (self.outer_lr, self.outer_momentum) != (OUTER_LR, OUTER_MOMENTUM):
+            raise ValueError("outer_lr and outer_momentum are for outer_optimizer nesterov; "
+                             "set it, or leave them out (outer_optimizer none averages the "
+                             "models)")
+        if (self.local_steps == 1 and self.outer_optimizer == "none") or not spec.no_local_steps:
+            return
+        takers = [s.name for s in PROTOCOLS.values() if not s.no_local_steps]
+        use = f"use {', '.join(takers)}" if takers else "no protocol takes them yet"
+        raise ValueError(f"{self.protocol} takes no local_steps or outer_optimizer "
+                         f"({spec.no_local_steps}); {use}, or leave them at 1 and none")
 
     def _validate_topology(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -373,6 +419,10 @@ class RunSettings:
             topology=self.topology,
             root=self.root,
             inter_period=self.inter_period,
+            local_steps=self.local_steps,
+            outer_optimizer=self.outer_optimizer,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
         )
         for settings in self.protocol_settings.values():
             getattr(config, settings.proto_field).CopyFrom(settings.to_proto())

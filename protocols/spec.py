@@ -146,6 +146,10 @@ class ProtocolSpec:
     fixed_size: str = ""
     """Elastic protocols that take no workers beyond num_workers: why; empty: the run
     may grow up to max_workers."""
+    no_local_steps: str = "its worker runtime has no outer step"
+    """Why it refuses local steps and an outer optimizer (RunSettings.local_steps > 1 or
+    outer_optimizer other than none), in the refusal's words; empty: it takes them (its
+    runtime synchronises every local_steps steps and applies the outer step)."""
     shardable: bool = False
     """Its runs may be shards of a sharded job (the shards' heads average in the root
     coordinator's run of the same protocol; docs/scale.md)."""

@@ -50,5 +50,8 @@ A2CID2 = ProtocolSpec(
     role=Role(coordination=Coordination.GOSSIP, label="a2cid2", pairing=FifoPairing,
               listening=A2CID2_VARIANT.listens, graph_extras=a2cid2_extras),
     settings=(GossipSettings,), runtime=_runtime, simulation=_simulation,
-    fixed_size="its momentum constants are computed for the run's graph at the start")
+    fixed_size="its momentum constants are computed for the run's graph at the start",
+    no_local_steps="its continuous momentum already accelerates the consensus, and "
+                   "rate_com below 1 already spaces its exchanges: an outer Nesterov step "
+                   "would be a second momentum")
 

@@ -23,6 +23,8 @@ HOP = ProtocolSpec(
     name="hop", summary="Hop: parameters and tokens worker to worker",
     role=Role(coordination=Coordination.PEER_TO_PEER), settings=(HopSettings,),
     runtime=_runtime, summarise=summarise, record_key="hop",
+    no_local_steps="its queues bound the iteration gap between neighbours update by update, "
+                   "which local steps would redefine",
     membership=Membership.RESTART, fixed_membership="hop's queues and tokens are fixed at "
     "the start",
     groups_note="hop's workers send their updates to their neighbours themselves, without "

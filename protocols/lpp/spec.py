@@ -32,12 +32,16 @@ def _role(lookup: Callable[[type[Any]], Any]) -> Role:
 
 
 _FIXED = "a worker's updater processes share one model, which a joiner cannot heal"
+_OWN_AVERAGING = ("its updater processes average in the background every --sync-period "
+                  "updates, outside ripples.Optimizer")
 
 LAP_SGD = ProtocolSpec(
     name="lap-sgd", summary="LAP-SGD: Hogwild updaters, background averaging", role=_ALL,
     settings=(LppSettings, GroupGeneratorSettings), runtime=_runtime, library=False,
-    role_from=_role, record_key="lpp", membership=Membership.RESTART, fixed_membership=_FIXED)
+    role_from=_role, record_key="lpp", membership=Membership.RESTART, fixed_membership=_FIXED,
+    no_local_steps=_OWN_AVERAGING)
 LPP_SGD = ProtocolSpec(
     name="lpp-sgd", summary="LPP-SGD: LAP-SGD with partial backpropagation", role=_ALL,
     settings=(LppSettings, GroupGeneratorSettings), runtime=_runtime, library=False,
-    role_from=_role, record_key="lpp", membership=Membership.RESTART, fixed_membership=_FIXED)
+    role_from=_role, record_key="lpp", membership=Membership.RESTART, fixed_membership=_FIXED,
+    no_local_steps=_OWN_AVERAGING)
