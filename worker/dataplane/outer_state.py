@@ -1,0 +1,174 @@
+"""A worker's outer optimizer state: the anchor and the outer momentum of local-step
+training (DiLoCo, arXiv 2311.08105), over the parameters of an `AveragedState`.
+
+Between synchronisations a worker takes its local steps from its anchor φ (the model it
+left its last synchronisation with). Its pseudo-gradient is its own progress, Δ = φ − x
+(x: its parameters now). DiLoCo averages Δ over every worker and takes one outer
+Nesterov SGD step, exactly torch's `SGD(lr=η, momentum=μ, nesterov=True)` with grad Δ̄:
+
+    m ← μ m + Δ̄,    φ ← φ − η (Δ̄ + μ m),    x ← φ.
+
+Ripples' groups are not every worker, and a group's members come from different
+synchronisations, so their anchors and momenta differ. Each member therefore takes its
+own outer step first (`stage`, no communication: the *provisional* step from its own φ, m
+and Δ), the group averages the results in one SUM collective, and every member adopts the
+average (`commit`). The step is linear in (φ, m, Δ), so the average of the provisional
+steps is one outer step on the group's mean anchor, mean momentum and mean
+pseudo-gradient:
+
+    φ' = φ̄ − η (1 + μ) Δ̄ − η μ² m̄,    m' = μ m̄ + Δ̄.
+
+With every worker in the group and equal anchors and momenta (allreduce) it is DiLoCo's
+step; with η = 1 and μ = 0 it is φ' = mean x, plain model averaging (P-Reduce). Each
+pseudo-gradient is relative to its member's own anchor: relative to the mean anchor it
+would count the anchors' disagreement as progress and push it through the momentum,
+where averaging the anchors removes it once. All members receive the same SUM and divide
+alike, so they leave with bit-identical models, anchors and momenta. A member that has
+taken no local step since its last synchronisation (a second group in the same round)
+contributes its φ and m unchanged: momentum is applied once per own round, never
+compounded (the failure of naive asynchronous Nesterov, arXiv 2401.09135).
+
+When the members' anchors and momenta are known to be bitwise equal (allreduce, where
+every worker is in every synchronisation) only Δ needs to travel: `stage(...,
+same_anchor=True)` sends Δ (P values instead of 2P) and every member takes the identical
+outer step on the sum.
+
+The rest of the flat buffer (floating-point buffers such as BatchNorm's statistics, and
+the optimizer state when it is averaged) is averaged plainly alongside. As for
+`AveragedState`, the collective runs on a staging buffer of its own: a failed collective
+may still write into it afterwards (docs/data-plane.md rule 4), so on failure it is
+abandoned and the model, anchor and momentum keep their values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ripples.worker.dataplane.averaged_state import AveragedState
+
+
+class OuterState:
+    """The anchor φ and outer momentum m of one worker, shaped like its parameters (the
+    head of `state.flat`), and the count of local steps since its last synchronisation.
+
+    Invariant: between a `stage` and its `commit` or `abandon`, only the staging buffer
+    changes; `commit` sets the parameters to the new anchor.
+    """
+
+    def __init__(self, state: AveragedState, *, lr: float, momentum: float) -> None:
+        if lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError(f"the outer step needs lr > 0 and 0 <= momentum < 1, got lr "
+                             f"{lr:g} and momentum {momentum:g}")
+        self.state = state
+        self.lr = lr
+        self.momentum_factor = momentum
+        self.numel = sum(p.numel() for p in state.params)
+        """The parameters' elements: the head of the flat buffer the outer step covers."""
+        with torch.no_grad():
+            self.anchor = state.flat[: self.numel].detach().clone()
+            self.momentum = torch.zeros_like(self.anchor)
+        self.steps_since_sync = 0
+        """Local steps since the last synchronisation (0: nothing to contribute)."""
+        self._staging: torch.Tensor | None = None
+        self._same_anchor = False
+
+    def record_step(self) -> None:
+        """Count one local step (the caller's optimizer stepped)."""
+        self.steps_since_sync += 1
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Δ = φ − x: how far the parameters moved since the last synchronisation."""
+        return self.anchor - self.state.flat[: self.numel]
+
+    # ------------------------------------------------------------------ collectives
+    def stage(self, scale: float, *, same_anchor: bool = False) -> torch.Tensor:
+        """A buffer ready for an in-place SUM collective over the group, `scale` (1/|G|)
+        applied.
+
+        Group form (default): [φ̂ | m̂ | rest] * scale, where (φ̂, m̂) is this member's
+        provisional outer step (its φ and m as they are if it took no local step since
+        its last synchronisation) and rest the flat buffer past the parameters.
+        `same_anchor=True` (every member's φ and m bitwise equal): [Δ | rest] * scale.
+        """
+        flat, n = self.state.flat, self.numel
+        rest = flat.numel() - n
+        size = (n if same_anchor else 2 * n) + rest
+        if self._staging is None or self._staging.numel() != size:
+            self._staging = torch.empty(size, dtype=flat.dtype, device=flat.device)
+        staged = self._staging
+        with torch.no_grad():
+            head = staged[:n]
+            torch.sub(self.anchor, flat[:n], out=head)  # Δ
+            if not same_anchor:
+                moment = staged[n : 2 * n]
+                self._provisional_step(head, moment)
+            staged[size - rest :].copy_(flat[n:])
+            staged.mul_(scale)
+        self._same_anchor = same_anchor
+        return staged
+
+    def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor) -> None:
+        """In place: Δ becomes φ̂ = φ − η (Δ + μ m̂), and `moment` gets m̂ = μ m + Δ (the
+        identity step, φ̂ = φ and m̂ = m, for a member with no local step since its last
+        synchronisation). The operations are torch's SGD(nesterov=True), in its order."""
+        if not self.steps_since_sync:
+            delta_then_anchor.copy_(self.anchor)
+            moment.copy_(self.momentum)
+            return
+        torch.mul(self.momentum, self.momentum_factor, out=moment)
+        moment.add_(delta_then_anchor)  # m̂ = μ m + Δ
+        delta_then_anchor.add_(moment, alpha=self.momentum_factor)  # Δ + μ m̂
+        torch.add(self.anchor, delta_then_anchor, alpha=-self.lr, out=delta_then_anchor)
+
+    def commit(self) -> None:
+        """Adopt the collective's result: the group's anchor, momentum and the rest of the
+        flat buffer; the parameters become the anchor."""
+        assert self._staging is not None, "commit() without stage()"
+        flat, n, staged = self.state.flat, self.numel, self._staging
+        with torch.no_grad():
+            if self._same_anchor:
+                delta = staged[:n]  # the group's Δ̄: every member steps identically
+                self.momentum.mul_(self.momentum_factor).add_(delta)
+                delta.add_(self.momentum, alpha=self.momentum_factor)
+                self.anchor.add_(delta, alpha=-self.lr)
+                rest = staged[n:]
+            else:
+                self.anchor.copy_(staged[:n])
+                self.momentum.copy_(staged[n : 2 * n])
+                rest = staged[2 * n :]
+            flat[:n].copy_(self.anchor)
+            flat[n:].copy_(rest)
+        self.steps_since_sync = 0
+
+    def abandon(self) -> None:
+        """Forget the staging buffer after a failed collective; nothing else changed."""
+        self._staging = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the anchor and momentum, the step count and the outer step's
+        hyper-parameters (checked again on load)."""
+        return {"anchor": self.anchor.detach().clone(), "momentum": self.momentum.detach().clone(),
+                "steps_since_sync": self.steps_since_sync, "lr": self.lr,
+                "momentum_factor": self.momentum_factor}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore a `state_dict`; ValueError naming what differs if it was saved by a
+        run with another outer step or another model."""
+        for key, option in (("lr", "outer_lr"), ("momentum_factor", "outer_momentum")):
+            if float(saved[key]) != getattr(self, key):
+                raise ValueError(f"the checkpoint's outer step has {option} {saved[key]:g}, "
+                                 f"this run {getattr(self, key):g}: resume with --"
+                                 f"{option.replace('_', '-')} {saved[key]:g}")
+        for key in ("anchor", "momentum"):
+            value = saved[key]
+            if not isinstance(value, torch.Tensor) or value.shape != self.anchor.shape:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise ValueError(f"the checkpoint's outer {key} has shape {shape}, this "
+                                 f"model's parameters {self.numel} values: not this model")
+        with torch.no_grad():
+            self.anchor.copy_(saved["anchor"])
+            self.momentum.copy_(saved["momentum"])
+        self.steps_since_sync = int(saved["steps_since_sync"])
