@@ -13,6 +13,17 @@ parameters only, so this protocol averages the floating-point buffers (BatchNorm
 statistics) after every step instead, in one small all-reduce: the buffers are the
 average of the workers' (as for the other protocols), not rank 0's.
 
+With local steps or an outer optimizer (`--local-steps H`, `--outer-optimizer
+nesterov`) this is DiLoCo (arXiv 2311.08105) instead: nothing synchronises in backward
+(no DDP: `opt.no_sync()` has nothing to skip), every worker takes H steps of its own
+optimizer from the common anchor, then one all-reduce averages, at a step every worker
+agrees on (a multiple of H, or the agreed stop): with `none` the models (local SGD),
+with `nesterov` the pseudo-gradients, on which every worker takes the same outer Nesterov
+step (worker/dataplane/outer_state.py; every worker is in every synchronisation, so the
+anchors and momenta stay bitwise equal and only the pseudo-gradients travel). Rank 0's
+model is broadcast at the start, as DDP does, so the anchors start equal too. The
+wrapped optimizer's state (AdamW's moments) stays each worker's own, as in DiLoCo.
+
 Every worker waits in every all-reduce for the slowest, which may be busy between steps
 (an evaluation on rank 0): the run's collective timeout is long for lock-step protocols
 (RunSettings.collective_timeout_seconds), a dead peer is caught by its lease, and the
@@ -39,6 +50,7 @@ from ripples.protocols.lockstep import (
     explained_collective,
 )
 from ripples.worker.collective_watch import COLLECTIVES
+from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 
@@ -64,6 +76,17 @@ class AllReduceProtocol(Protocol):
             timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_seconds),
         )
         self._window: list[float] = []
+        self.stopper = LockstepStop(ctx)
+        self.local_steps = max(1, ctx.config.local_steps)
+        self.outer: OuterState | None = None
+        """The anchor and outer momentum (outer optimizer nesterov); None otherwise."""
+        self.local = self.local_steps > 1 or ctx.config.outer_optimizer != "none"
+        """DiLoCo's form (no DDP; a synchronisation every local_steps steps)."""
+        self.synced_at = 0
+        """The last step this worker synchronised at (DiLoCo's form)."""
+        if self.local:
+            self._start_local(ctx)
+            return
         self.gradient_allreduce = "the gradient all-reduce of this process's first step"
         """What the comm hook's collectives are called in errors (the step they serve)."""
         replicate(ctx.model, device_id=ctx.device)
@@ -81,26 +104,51 @@ class AllReduceProtocol(Protocol):
         params = sum(p.numel() for p in state.params)
         buffers = sum(b.numel() for b in state.buffers)
         self._buffers = state.flat[params: params + buffers] if buffers else None
-        self.stopper = LockstepStop(ctx)
+
+    def _start_local(self, ctx: ProtocolContext) -> None:
+        """DiLoCo's form: every worker starts from rank 0's model (parameters and
+        buffers), the common anchor; nothing hooks the backward pass."""
+        self.syncs_gradients = False
+        state = ctx.state
+        with torch.no_grad(), explained_collective(ctx, "the broadcast of rank 0's model "
+                                                        "at the start"):
+            dist.broadcast(state.flat[: state.model_numel], src=0)
+        if ctx.config.outer_optimizer == "nesterov":
+            self.outer = OuterState(state, lr=ctx.config.outer_lr,
+                                    momentum=ctx.config.outer_momentum)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        if self.local:  # nothing synchronises in backward
+            return contextlib.nullcontext()
         return self.gradient_sync.no_sync()
 
     def on_stop(self) -> None:
         """The peers are leaving: backward passes after the stop stay local."""
-        self.gradient_sync.stop()
+        if not self.local:
+            self.gradient_sync.stop()
 
     def backward_sync_seconds(self) -> float:
         window = self._window
         return (max(window) - min(window)) if len(window) >= 2 else 0.0
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
-        return self.stopper.should_stop(completed, planned)
+        verdict = self.stopper.should_stop(completed, planned)
+        if verdict is not None and verdict.stop and self.local and self.synced_at != completed:
+            # Every worker stops at this same step (LockstepStop): synchronise once more,
+            # so that every worker ends with the same model.
+            self._synchronise(completed)
+        return verdict
 
     def consensus_agreement(self) -> tuple[int, int] | None:
         return self.stopper.consensus
 
     def after_step(self, completed: int) -> SyncResult:
+        if self.local:
+            if self.outer is not None:
+                self.outer.record_step()
+            if completed % self.local_steps:
+                return SyncResult()
+            return self._synchronise(completed)
         seconds = self.backward_sync_seconds()
         self._window[:] = []
         self.gradient_allreduce = f"the gradient all-reduce of step {completed + 1}"
@@ -117,6 +165,49 @@ class AllReduceProtocol(Protocol):
                           inside_step_seconds=seconds,
                           group_sizes=(self.ctx.num_workers,),
                           preduce_durations=(seconds + buffer_seconds,), preduce_bytes=size)
+
+    def _synchronise(self, completed: int) -> SyncResult:
+        """DiLoCo's synchronisation, in one all-reduce: the pseudo-gradients (and the
+        buffers) and the outer step, or (outer optimizer none) the models. A failed
+        all-reduce leaves the model, anchor and momentum as they were."""
+        state, outer, n = self.ctx.state, self.outer, self.ctx.num_workers
+        what = (f"the {'outer step' if outer is not None else 'model average'} after "
+                f"step {completed}")
+        t0 = time.perf_counter()
+        staged = (outer.stage(1.0 / n, same_anchor=True) if outer is not None
+                  else state.stage(1.0 / n))
+        try:
+            with torch.no_grad(), explained_collective(self.ctx, what):
+                dist.all_reduce(staged)
+        except BaseException:
+            (outer if outer is not None else state).abandon()
+            raise
+        (outer if outer is not None else state).commit()
+        self.synced_at = completed
+        seconds = time.perf_counter() - t0
+        return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(n,),
+                          preduce_durations=(seconds,),
+                          preduce_bytes=staged.numel() * staged.element_size())
+
+    def state_dict(self) -> dict[str, object]:
+        """The anchor and outer momentum (outer optimizer nesterov): a restart round
+        restores them with the model."""
+        return {"outer": self.outer.state_dict()} if self.outer is not None else {}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Put back the anchor and outer momentum; a checkpoint without them (another
+        protocol's, or a run without the outer optimizer) starts the outer state afresh
+        from the model it restored."""
+        if self.outer is None:
+            return
+        saved = state.get("outer")
+        if isinstance(saved, dict):
+            self.outer.load_state_dict(saved)
+            return
+        with torch.no_grad():
+            self.outer.anchor.copy_(self.ctx.state.flat[: self.outer.numel])
+            self.outer.momentum.zero_()
+        self.outer.steps_since_sync = 0
 
     def close(self) -> None:
         if dist.is_initialized():

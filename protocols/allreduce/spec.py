@@ -28,5 +28,6 @@ ALLREDUCE = ProtocolSpec(
     role=Role(coordination=Coordination.LOCKSTEP), runtime=_runtime, simulation=_simulation,
     membership=Membership.RESTART,
     fixed_membership="every worker is in every all-reduce of DDP's backward pass",
+    no_local_steps="",
     groups_note="allreduce averages every worker's gradients in each backward pass, "
                 "without the coordinator's groups")
