@@ -28,6 +28,7 @@ from ripples.worker.synchronizer import StepSynchronizer, StepTimes
 
 if TYPE_CHECKING:
     from ripples.worker.api import Worker
+    from ripples.worker.dataplane.outer_state import OuterState
 
 logger = logging.getLogger(__name__)
 
@@ -185,23 +186,36 @@ class Optimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, plus Ripples' own counters under "ripples"
-        (a plain optimizer loads it too, ignoring that key). Its tensors are copies where
-        the optimizer's are views into the averaged state, so torch.save writes what it
-        names and no more."""
+        (a plain optimizer loads it too, ignoring that key), and there too, with an outer
+        optimizer (--outer-optimizer nesterov), its anchor and momentum. Its tensors are
+        copies where the optimizer's are views into the averaged state, so torch.save
+        writes what it names and no more."""
         state = self.optimizer.state_dict()
         state["ripples"] = {"local_step": self.local_step, "skipped_steps": self.skipped_steps}
+        outer = self._outer()
+        if outer is not None:  # the anchor and outer momentum (--outer-optimizer nesterov)
+            state["ripples"]["outer"] = outer.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer (its new `param_groups` and `state` are this
         optimizer's too); its new state tensors rejoin the averaged state (the protocols
-        that average it keep doing so)."""
+        that average it keep doing so). With an outer optimizer, its anchor and momentum
+        come back too; a state dict without them starts them afresh from the model as it
+        is then (load the model first)."""
         state_dict = dict(state_dict)
         own = state_dict.pop("ripples", None)
         self.optimizer.load_state_dict(state_dict)  # then _after_wrapped_load
         if own is not None:
             self.local_step = int(own.get("local_step", self.local_step))
             self.skipped_steps = int(own.get("skipped_steps", self.skipped_steps))
+        outer = self._outer()
+        if outer is not None:
+            outer.restore((own or {}).get("outer"))
+
+    def _outer(self) -> OuterState | None:
+        """The protocol's outer optimizer state, if it has one."""
+        return self._sync.protocol.outer if self._sync is not None else None
 
     def __repr__(self) -> str:
         protocol = self.worker.protocol or "single-process"

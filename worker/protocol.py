@@ -27,6 +27,7 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient, Restart
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator, CommunicatorCache
+from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.group_stream import GroupStream, StreamInterrupted
 from ripples.worker.launch_env import CheckpointOptions
 from ripples.worker.metrics import MetricSpec, ProtocolMetrics
@@ -162,6 +163,10 @@ class Protocol(abc.ABC):
     group's average. Protocols that exchange deltas or snapshots of a flat buffer fixed at
     the start (gossip, hop, lap/lpp) average parameters and buffers only, as their papers."""
 
+    outer: OuterState | None = None
+    """The anchor and outer momentum of local-step training (--outer-optimizer nesterov),
+    for the protocols that take it: ripples.Optimizer's state_dict carries them."""
+
     def __init__(self, ctx: ProtocolContext) -> None:
         self.ctx = ctx
 
@@ -217,12 +222,15 @@ class Protocol(abc.ABC):
 
     def state_dict(self) -> dict[str, object]:
         """What a checkpoint keeps of this protocol's own state, besides the model and the
-        optimizer's (a2cid2: its momentum copy); empty for most protocols."""
-        return {}
+        optimizer's (a2cid2: its momentum copy; the outer optimizer's anchor and
+        momentum); empty for most protocols."""
+        return {"outer": self.outer.state_dict()} if self.outer is not None else {}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:  # noqa: B027 (optional hook)
+    def load_state_dict(self, state: dict[str, object]) -> None:
         """Put back what state_dict() gave (empty from a checkpoint of another protocol),
         once the checkpoint's model is loaded, before the first step."""
+        if self.outer is not None:
+            self.outer.restore(state.get("outer"))
 
     def close(self) -> None:  # noqa: B027 (optional hook, deliberately empty)
         """Release protocol resources (not communicators: the session owns the cache)."""

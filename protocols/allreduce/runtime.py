@@ -78,8 +78,7 @@ class AllReduceProtocol(Protocol):
         self._window: list[float] = []
         self.stopper = LockstepStop(ctx)
         self.local_steps = max(1, ctx.config.local_steps)
-        self.outer: OuterState | None = None
-        """The anchor and outer momentum (outer optimizer nesterov); None otherwise."""
+        self.outer: OuterState | None = None  # set by _start_local for nesterov
         self.local = self.local_steps > 1 or ctx.config.outer_optimizer != "none"
         """DiLoCo's form (no DDP; a synchronisation every local_steps steps)."""
         self.synced_at = 0
@@ -170,44 +169,25 @@ class AllReduceProtocol(Protocol):
         """DiLoCo's synchronisation, in one all-reduce: the pseudo-gradients (and the
         buffers) and the outer step, or (outer optimizer none) the models. A failed
         all-reduce leaves the model, anchor and momentum as they were."""
-        state, outer, n = self.ctx.state, self.outer, self.ctx.num_workers
+        outer, n = self.outer, self.ctx.num_workers
+        averaged = outer if outer is not None else self.ctx.state
         what = (f"the {'outer step' if outer is not None else 'model average'} after "
                 f"step {completed}")
         t0 = time.perf_counter()
         staged = (outer.stage(1.0 / n, same_anchor=True) if outer is not None
-                  else state.stage(1.0 / n))
+                  else self.ctx.state.stage(1.0 / n))
         try:
             with torch.no_grad(), explained_collective(self.ctx, what):
                 dist.all_reduce(staged)
         except BaseException:
-            (outer if outer is not None else state).abandon()
+            averaged.abandon()
             raise
-        (outer if outer is not None else state).commit()
+        averaged.commit()
         self.synced_at = completed
         seconds = time.perf_counter() - t0
         return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(n,),
                           preduce_durations=(seconds,),
                           preduce_bytes=staged.numel() * staged.element_size())
-
-    def state_dict(self) -> dict[str, object]:
-        """The anchor and outer momentum (outer optimizer nesterov): a restart round
-        restores them with the model."""
-        return {"outer": self.outer.state_dict()} if self.outer is not None else {}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        """Put back the anchor and outer momentum; a checkpoint without them (another
-        protocol's, or a run without the outer optimizer) starts the outer state afresh
-        from the model it restored."""
-        if self.outer is None:
-            return
-        saved = state.get("outer")
-        if isinstance(saved, dict):
-            self.outer.load_state_dict(saved)
-            return
-        with torch.no_grad():
-            self.outer.anchor.copy_(self.ctx.state.flat[: self.outer.numel])
-            self.outer.momentum.zero_()
-        self.outer.steps_since_sync = 0
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,4 +1,9 @@
-"""`ripples-static`: the conflict-free static schedule, computed locally with no RPC."""
+"""`ripples-static`: the conflict-free static schedule, computed locally with no RPC.
+
+With local steps (`--local-steps H`) a worker synchronises at every H-th step only, in
+the schedule's group of round `step / H` (the schedule counts rounds, not steps); with
+`--outer-optimizer nesterov` the group averages its members' outer steps
+(worker/dataplane/outer_state.py) instead of their models."""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import time
 
 from ripples.protocols.lockstep import LockstepStop, explained_collective
 from ripples.static_schedule import static_group_of
-from ripples.worker.dataplane.preduce import preduce
+from ripples.worker.dataplane.outer_state import OuterState
+from ripples.worker.dataplane.preduce import outer_preduce, preduce
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 
@@ -31,6 +37,10 @@ class StaticScheduleProtocol(Protocol):
         self.rank = params.rank
         self.run_id = params.run_id
         self.stopper = LockstepStop(ctx)
+        self.local_steps = max(1, ctx.config.local_steps)
+        if ctx.config.outer_optimizer == "nesterov":
+            self.outer = OuterState(ctx.state, lr=ctx.config.outer_lr,
+                                    momentum=ctx.config.outer_momentum)
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         return self.stopper.should_stop(completed, planned)
@@ -42,7 +52,12 @@ class StaticScheduleProtocol(Protocol):
         return self.stopper.may_adopt_state(completed, ready)
 
     def after_step(self, completed: int) -> SyncResult:
-        group = static_group_of(completed - 1, self.rank, self.num_nodes, self.workers_per_node)
+        if self.outer is not None:
+            self.outer.record_step()
+        if completed % self.local_steps:
+            return SyncResult()
+        group = static_group_of(completed // self.local_steps - 1, self.rank, self.num_nodes,
+                                self.workers_per_node)
         if group is None:
             return SyncResult()
         key = f"static/{self.run_id}/{'-'.join(map(str, group))}"
@@ -51,7 +66,12 @@ class StaticScheduleProtocol(Protocol):
         with explained_collective(self.ctx, f"the P-Reduce of step {completed} with "
                                             f"ranks {list(group)}"):
             comm = self.ctx.comms.get(key, group.index(self.rank), len(group), create=True)
-            preduce(state, comm, self.ctx.config.collective_timeout_seconds)
+            timeout = self.ctx.config.collective_timeout_seconds
+            if self.outer is not None:
+                outer_preduce(self.outer, comm, timeout)
+            else:
+                preduce(state, comm, timeout)
         seconds = time.perf_counter() - t0
+        sent = self.outer.staged_bytes if self.outer is not None else state.size_bytes
         return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(len(group),),
-                          preduce_durations=(seconds,), preduce_bytes=state.size_bytes)
+                          preduce_durations=(seconds,), preduce_bytes=sent)

@@ -22,5 +22,6 @@ RIPPLES_STATIC = ProtocolSpec(
     role=Role(coordination=Coordination.STATIC), runtime=_runtime,
     membership=Membership.RESTART,
     fixed_membership="every worker is in the static schedule's groups every iteration",
+    no_local_steps="",
     groups_note="ripples-static's workers compute the static schedule's groups themselves, "
                 "without the coordinator")

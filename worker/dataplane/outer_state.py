@@ -109,6 +109,11 @@ class OuterState:
         self._same_anchor = same_anchor
         return staged
 
+    @property
+    def staged_bytes(self) -> int:
+        """The bytes the last `stage` handed to the collective."""
+        return 0 if self._staging is None else self._staging.numel() * self._staging.element_size()
+
     def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor) -> None:
         """In place: Δ becomes φ̂ = φ − η (Δ + μ m̂), and `moment` gets m̂ = μ m + Δ (the
         identity step, φ̂ = φ and m̂ = m, for a member with no local step since its last
@@ -147,6 +152,23 @@ class OuterState:
         self._staging = None
 
     # ------------------------------------------------------------------ checkpoints
+    def restore(self, saved: object) -> None:
+        """After a checkpoint's model was loaded: `saved` is its `state_dict()`, or None
+        where it holds none (another protocol's, a run without the outer optimizer):
+        then start afresh from the model."""
+        if isinstance(saved, dict):
+            self.load_state_dict(saved)
+        else:
+            self.restart_from_model()
+
+    def restart_from_model(self) -> None:
+        """Start afresh from the parameters as they are (a checkpoint that holds no outer
+        state was loaded): they become the anchor, the momentum is zero."""
+        with torch.no_grad():
+            self.anchor.copy_(self.state.flat[: self.numel])
+            self.momentum.zero_()
+        self.steps_since_sync = 0
+
     def state_dict(self) -> dict[str, Any]:
         """Copies of the anchor and momentum, the step count and the outer step's
         hyper-parameters (checked again on load)."""
