@@ -20,6 +20,7 @@ its schema matched (then training starts and the clock runs), training, stop.
 
 from __future__ import annotations
 
+import functools
 import random
 
 from ripples.coordinator.config import RunSettings
@@ -187,6 +188,13 @@ class CoordinatorCore(RunMembership):
         if w is None or self.stopped:
             return ""
         return self.rounds.rejoins(w, self.live(), formed=self.registry.formed)
+
+    @functools.cached_property
+    def settings_options(self) -> dict[str, object]:
+        """The run's settings as flat options (RunSettings.options), made once: they do not
+        change during a run, and the state store encodes them only when they are a new
+        object (a file topology's 500,000 edges would otherwise be encoded at every save)."""
+        return self.settings.options()
 
     @property
     def restarts(self) -> int:

@@ -323,6 +323,10 @@ class Registry:
         not be stored, so no process was told its id): its id and, if new, its host's
         node are handed out again."""
         self.discard(record.worker_id)
+        slot = (record.host, record.local_rank)
+        earlier = [w for w in self.workers.values() if (w.host, w.local_rank) == slot]
+        if earlier:  # the slot's earlier (departed) holder, as before the registration
+            self._slots[slot] = max(earlier, key=lambda w: w.worker_id)
         if self._next_worker_id == record.worker_id + 1:
             self._next_worker_id = record.worker_id
         if (self._nodes.get(record.host) == len(self._nodes) - 1

@@ -41,7 +41,7 @@ from ripples.coordinator.http import SdTargets
 from ripples.coordinator.run_graph import RankGraph
 from ripples.coordinator.service import CoordinatorService
 from ripples.coordinator.state_dir import RECOVER, StateLost
-from ripples.coordinator.state_store import StateStore, StoreWriteError
+from ripples.coordinator.state_store import StateStore
 from ripples.guarded import guarded_loop
 from ripples.run_records import printable
 from ripples.v1 import coordinator_pb2 as pb
@@ -148,8 +148,8 @@ class RunQueue:
         """Held while a queued run is being made active: its settings are checked in a
         worker thread (activate_next), so two activations could otherwise interleave."""
         self._configs: dict[str, pb.RunConfig] = {}
-        """The settings of runs shown before they start (their status), by run id, built
-        once, off the loop (status)."""
+        """The settings of queued runs shown before they start (their status), by run id,
+        built once, off the loop (status); dropped when the run starts or ends."""
 
     # ------------------------------------------------------------------ life
     async def start(self, run: RunSettings | None) -> None:
@@ -161,8 +161,12 @@ class RunQueue:
                 self._open(running, resume=True)
             except StateLost:
                 raise  # the dir lost the run's state: refused (coordinator/state_dir.py)
-            except (*DAMAGED, OSError) as err:  # stored by an older version, or edited
+            except DAMAGED as err:  # stored by an older version, or edited
                 self._fail_start(running, f"could not resume: {err}")
+            except OSError as err:  # the disk or the system, maybe for a moment: the run
+                # stays as it is and the coordinator refuses to start; fix and restart
+                raise OSError(f"cannot resume the active run {running.run_id}: {err}; "
+                              "fix that and start the coordinator again") from err
         elif run is not None and not self.history.runs():
             self.submit(run.options(), name="", command=[], workdir="")
         await self.activate_next()
@@ -234,6 +238,7 @@ class RunQueue:
         """Cancel a queued run."""
         info.state, info.ended_at, info.stop_reason = (pb.RUN_STATE_CANCELLED, time.time(),
                                                        reason)
+        self._configs.pop(info.run_id, None)
         self.history.update(info)
         logger.info("queued run %s cancelled: %s", info.run_id, reason)
 
@@ -261,12 +266,17 @@ class RunQueue:
                     self._open(info, resume=False, settings=settings, prepared=prepared)
                 except StateLost:
                     raise
-                except (*DAMAGED, OSError) as err:  # its options no longer hold
-                    # A refused save names the cause, not the server's files (the log does).
-                    why = err.reason if isinstance(err, StoreWriteError) else str(err)
-                    self._fail_start(info, f"could not start: {why}")
+                except DAMAGED as err:  # its options no longer hold
+                    self._fail_start(info, f"could not start: {err}")
                     announce = True
                     continue
+                except OSError as err:  # the disk (full?) or the system, maybe for a
+                    # moment: the run stays queued and the watcher tries it again
+                    info.state, info.started_at = pb.RUN_STATE_QUEUED, 0.0
+                    logger.error("run %s stays queued: it could not start: %s",
+                                 info.run_id, err)
+                    return
+                self._configs.pop(info.run_id, None)  # its status is the live one now
                 self.history.update(info)
                 if announce:
                     logger.info("run %s (%s) is the active run", info.run_id, info.name)
@@ -275,6 +285,7 @@ class RunQueue:
         """A run that cannot start (or resume) ends failed with the reason; the queue goes
         on with the next one."""
         info.state, info.ended_at, info.stop_reason = pb.RUN_STATE_FAILED, time.time(), reason
+        self._configs.pop(info.run_id, None)
         self.history.update(info)
         logger.error("run %s %s", info.run_id, reason)
 
@@ -287,9 +298,19 @@ class RunQueue:
         """The run's core and service: new (from `settings`, else its stored options), or
         resumed from its state after a restart; `prepared`: its graph on ranks, built
         ahead (run_graph.prepare)."""
+        state = StateStore(self.run_dir(info.run_id)) if self._persistent else None
+        try:
+            self._serve(info, state, resume=resume, settings=settings, prepared=prepared)
+        except BaseException:  # not opened: its file is not held open either
+            if state is not None:
+                state.close()
+            raise
+
+    def _serve(self, info: pb.RunInfo, state: StateStore | None, *, resume: bool,
+               settings: RunSettings | None, prepared: RankGraph | None) -> None:
+        """_open's run service on its opened `state`."""
         import torch.distributed as dist
 
-        state = StateStore(self.run_dir(info.run_id)) if self._persistent else None
         now = self.clock()
         saved = state.load() if state is not None and resume else None
         if state is not None and resume and saved is None:
@@ -297,7 +318,6 @@ class RunQueue:
             # an active run without one lost it (state_dir.check_active_run refused a
             # missing or empty file already), and starting it afresh would forget its
             # workers and hand their ids out again.
-            state.close()
             raise StateLost(
                 f"the active run {info.run_id} has lost its state: {state.path} holds no "
                 f"saved run (its tables are empty); {RECOVER}")

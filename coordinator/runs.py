@@ -104,7 +104,11 @@ class RunsService(pb_grpc.RunsServicer):
             raise AssertionError("unreachable") from err
         logger.info("run %s (%s) submitted: %s, %d workers", info.run_id, info.name,
                     info.protocol, info.num_workers)
-        await self.queue.activate_next(announce=True)
+        try:
+            await self.queue.activate_next(announce=True)
+        except OSError as err:  # stored and queued: the watcher starts it later
+            logger.error("run %s is queued; the next run could not start: %s",
+                         info.run_id, err)
         return self.queue.run_info(self.queue.history.get(info.run_id) or info)
 
     async def ListRuns(self, request: pb.ListRunsRequest,

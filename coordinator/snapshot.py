@@ -76,12 +76,13 @@ def capture(core: CoordinatorCore, now: float, wall: float = 0.0, *,
 
 
 def _run(core: CoordinatorCore, now: float, wall: float) -> dict[str, Any]:
-    """The run's keys but the workers, as JSON values (fresh containers: none is shared
-    with the core, so that they may be serialised off the loop)."""
+    """The run's keys but the workers, as JSON values (fresh containers, so that they may
+    be serialised off the loop; but the settings, which never change during a run, are
+    the core's one dict, which the state store encodes once)."""
     progress = core.progress
     return {
         "format": FORMAT,
-        "settings": core.settings.options(),
+        "settings": core.settings_options,
         "elapsed": core.elapsed(now) if core.started_at is not None else None,
         "wall": wall,
         "registry": {"formed": core.registry.formed, "nodes": dict(core.registry._nodes),

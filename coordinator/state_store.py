@@ -79,6 +79,8 @@ class StateStore:
         self.path = self.directory / DB_NAME
         self._db = open_database(self.path, SCHEMA, f"use the state dir {self.directory}")
         self._lock = threading.Lock()
+        self._last_encoded: dict[str, tuple[Any, str]] = {}
+        """Each run key's last value and its JSON text (`_encoded`)."""
         self._saved_run: dict[str, str] = {}
         """The text of each run key as stored (a save writes the keys that differ)."""
         self._saved_workers: dict[int, str] = {}
@@ -105,7 +107,8 @@ class StateStore:
         """Store the snapshot's run keys and worker rows (all of them, or the workers a
         partial snapshot holds: snapshot.take's `only`), in one transaction, writing
         those that differ from what is stored; StoreWriteError if the disk refuses."""
-        run = {key: json.dumps(value) for key, value in snapshot.items() if key != "workers"}
+        run = {key: self._encoded(key, value) for key, value in snapshot.items()
+               if key != "workers"}
         workers = {w["worker_id"]: json.dumps(w) for w in snapshot["workers"]}
         with self._lock:
             changed_run = [(k, v) for k, v in run.items() if self._saved_run.get(k) != v]
@@ -122,6 +125,16 @@ class StateStore:
                 raise StoreWriteError(self.path, err) from err
             self._saved_run.update(changed_run)
             self._saved_workers.update(changed)
+
+    def _encoded(self, key: str, value: Any) -> str:
+        """`value` as JSON text; encoded once while the snapshots hand the same object
+        (the run's settings, with their edge list: core.settings_options)."""
+        last = self._last_encoded.get(key)
+        if last is not None and last[0] is value:
+            return last[1]
+        text = json.dumps(value)
+        self._last_encoded[key] = (value, text)
+        return text
 
     def check_writable(self) -> None:
         """StoreWriteError unless the disk takes a write now (a registration asks first,

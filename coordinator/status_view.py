@@ -99,6 +99,7 @@ def run_status(core: CoordinatorCore, now: float, *, metrics_address: str,
         num_restarts=core.restarts,
         restarting=core.restart_reason if core.restart_began_at is not None else "",
         num_worker_rows=len(shown),
+        num_live_workers=len(core.live()),
         mean_iterations=(sum(w.progress.iteration for w in shown) / len(shown)
                          if shown else 0.0),
     )

@@ -53,9 +53,11 @@ from ripples.dashboard.sign_in import (
     RequestGuard,
     Sessions,
     retry_after,
+    served_over_https,
 )
 from ripples.dashboard.view import RunView, disconnected, to_json
 from ripples.guarded import guarded_loop
+from ripples.http_server import HEAD_TIMEOUT_SECONDS
 from ripples.rpc import aio_channel, describe_rpc_error, tls_suspected
 from ripples.run_records import agent_summary, summary
 from ripples.security import (
@@ -174,12 +176,18 @@ class StrictJSONResponse(JSONResponse):
 
 
 async def _form_token(request: Request) -> str | None:
-    """The token field of the sign-in form; None when the body is over MAX_FORM_BYTES."""
+    """The token field of the sign-in form; None when the body is over MAX_FORM_BYTES or
+    not whole within HEAD_TIMEOUT_SECONDS (a body sent a byte at a time would otherwise
+    hold one of the endpoint's few connections for as long as its sender likes)."""
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_FORM_BYTES:
-            return None
+    try:
+        async with asyncio.timeout(HEAD_TIMEOUT_SECONDS):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_FORM_BYTES:
+                    return None
+    except TimeoutError:
+        return None
     return parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
 
 
@@ -244,12 +252,13 @@ def create_app(config: DashboardConfig) -> FastAPI:
                                {"Retry-After": retry_after(wait)})
         given = await _form_token(request)
         if given is None:
-            return _login_page(f"The sign-in form is over {MAX_FORM_BYTES} bytes.", 413)
+            return _login_page(f"The sign-in form is over {MAX_FORM_BYTES} bytes, or was "
+                               f"not sent within {HEAD_TIMEOUT_SECONDS:.0f} s.", 413)
         if not token_matches((token,), given):
             return _login_page("Wrong token.", 401)
         done = RedirectResponse("/", status_code=303)
         done.set_cookie(SESSION_COOKIE, sessions.open(), max_age=int(sessions.lifetime_seconds),
-                        httponly=True, samesite="strict", secure=request.url.scheme == "https")
+                        httponly=True, samesite="strict", secure=served_over_https(request))
         return done
 
     @app.post("/logout", include_in_schema=False)
@@ -257,7 +266,7 @@ def create_app(config: DashboardConfig) -> FastAPI:
         sessions.close(cookie_value(request.headers.get("cookie", ""), SESSION_COOKIE))
         done = RedirectResponse("/login" if token else "/", status_code=303)
         done.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict",
-                           secure=request.url.scheme == "https")
+                           secure=served_over_https(request))
         return done
 
     @app.get("/healthz", response_class=PlainTextResponse, include_in_schema=False)

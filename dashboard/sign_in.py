@@ -7,8 +7,9 @@ coordinator. Sessions live in the dashboard's memory: a restart signs everyone o
 
 Sign-in attempts are limited per client address (a token bucket: `attempts` at once,
 then one more every window/attempts seconds), so the token cannot be guessed at the
-speed of the network. Behind a proxy every viewer shares the proxy's address (uvicorn
-takes the client from X-Forwarded-For only when the proxy runs on the same host).
+speed of the network. Behind a proxy every viewer shares the proxy's address: the
+client's address is the connection's, never a header's (X-Forwarded-For is not trusted,
+so a local process cannot rotate it to escape the limit).
 
 Against cross-site request forgery and DNS rebinding every request must name a host the
 dashboard serves as (`RequestGuard`): an IP address, localhost, this machine's name, or
@@ -28,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
+
+from starlette.requests import Request
 
 MAX_SESSIONS = 1000
 """Sessions kept at most; past it, signing in drops the oldest."""
@@ -184,3 +187,12 @@ class RequestGuard:
         await send({"type": "http.response.start", "status": code,
                     "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
         await send({"type": "http.response.body", "body": message.encode() + b"\n"})
+
+
+def served_over_https(request: Request) -> bool:
+    """Whether the viewer reached the page over HTTPS: directly, or through a proxy that
+    terminated TLS and says so (X-Forwarded-Proto). The session cookie is then marked
+    Secure. Trusting the header can only withhold a cookie from a client that lied about
+    its own connection, never expose one."""
+    return (request.url.scheme == "https"
+            or request.headers.get("x-forwarded-proto", "").strip().lower() == "https")

@@ -169,7 +169,7 @@ class RunView:
             },
             "workers": listed,
             "workers_total": max(status.num_worker_rows, len(workers)),
-            "workers_live": live,
+            "workers_live": status.num_live_workers or live,  # the rows: older statuses
             "workers_note": workers_note,
             "hosts": [{"host": h, "worker_ids": ids} for h, ids in hosts.items()],
             "edges": self._edge_list(status, now) if detail else [],

@@ -69,8 +69,16 @@ def write_atomically(path: Path, data: bytes | Callable[[BinaryIO], None]) -> No
         os.close(directory)
 
 
-def read_regular_file(path: str | Path, limit: int, *, what: str) -> bytes:
-    """The bytes of a small regular file, read without ever blocking.
+FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+              (stat.S_ISSOCK, "a socket"))
+"""What a path that is no regular file is, for the refusal."""
+
+
+def read_regular_file(path: str | os.PathLike[str], limit: int, *, what: str) -> bytes:
+    """The bytes of a small regular file, read without ever blocking: the one bounded read
+    of a file a user names (token, certificate and key files, topology files, config
+    files).
 
     The file is opened non-blocking (opening a FIFO would otherwise wait for a writer)
     and refused unless it is a regular file (a FIFO, a device or a directory could block
@@ -85,15 +93,18 @@ def read_regular_file(path: str | Path, limit: int, *, what: str) -> bytes:
     Raises:
         ValueError: one line naming `what` and `path` and what to fix.
     """
+    def refuse_unless_regular(mode: int) -> None:
+        for test, kind in FILE_KINDS:
+            if test(mode):
+                raise ValueError(f"the {what} {path} is {kind}, not a regular file: give a "
+                                 "regular file")
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
-        raise ValueError(f"cannot read {what} {path}: {err.strerror}") from None
+        raise ValueError(f"cannot read the {what} {path}: {err.strerror}") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"{what} {path} is not a regular file (a FIFO, a device or a "
-                             "directory): give a file")
+        refuse_unless_regular(os.fstat(fd).st_mode)
         chunks, size = [], 0
         while size <= limit:
             chunk = os.read(fd, min(1 << 20, limit + 1 - size))
@@ -102,9 +113,9 @@ def read_regular_file(path: str | Path, limit: int, *, what: str) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
     except OSError as err:
-        raise ValueError(f"cannot read {what} {path}: {err.strerror}") from None
+        raise ValueError(f"cannot read the {what} {path}: {err.strerror}") from None
     finally:
         os.close(fd)
     if size > limit:
-        raise ValueError(f"{what} {path} is over {limit} bytes: give a smaller file")
+        raise ValueError(f"the {what} {path} is over {limit:,} bytes: is it the right file?")
     return b"".join(chunks)

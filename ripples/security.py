@@ -32,7 +32,6 @@ import logging
 import os
 import socket
 import ssl
-import stat
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from ripples.files import read_regular_file
 from ripples.v1 import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -67,39 +67,10 @@ MAX_SECRET_BYTES = 4096
 """A token file holds one word: anything longer is the wrong file."""
 MAX_PEM_BYTES = 1 << 20
 """A certificate chain or key in PEM is a few kilobytes."""
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISSOCK, "a socket"))
-
-
-def read_small_file(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
-    """The bytes of the regular file `path`, at most `limit` of them; ValueError naming
-    the file and `what` it should be otherwise. Never blocks: a named pipe, a device or
-    a directory is refused before it is read (a pipe's open does not wait for a
-    writer), and a file over `limit` is refused without reading it all."""
-    def refuse_unless_regular(mode: int) -> None:
-        for test, kind in _FILE_KINDS:
-            if test(mode):
-                raise ValueError(f"the {what} {path} is {kind}, not a regular file: give "
-                                 "a regular file")
-
-    try:
-        refuse_unless_regular(os.stat(path).st_mode)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            refuse_unless_regular(os.fstat(fd).st_mode)  # replaced since the stat
-            data = f.read(limit + 1)
-    except OSError as err:
-        raise ValueError(f"cannot read the {what} {path}: {err.strerror}") from None
-    if len(data) > limit:
-        raise ValueError(f"the {what} {path} is over {limit:,} bytes: is it the right file?")
-    return data
-
-
 def read_secret(path: str | os.PathLike[str], what: str = "token") -> str:
     """The secret in a file (surrounding whitespace dropped); ValueError naming the file
     (never the content) when it is unreadable, not a small regular file, or empty."""
-    data = read_small_file(path, f"{what} file", MAX_SECRET_BYTES)
+    data = read_regular_file(path, MAX_SECRET_BYTES, what=f"{what} file")
     try:
         value = data.decode().strip()
     except UnicodeDecodeError:
@@ -113,7 +84,7 @@ def read_secret(path: str | os.PathLike[str], what: str = "token") -> str:
 
 
 def _read_file(path: str, what: str) -> bytes:
-    return read_small_file(path, what, MAX_PEM_BYTES)
+    return read_regular_file(path, MAX_PEM_BYTES, what=what)
 
 
 def check_tls_files(cert_file: str, key_file: str, ca_files: tuple[tuple[str, str], ...],

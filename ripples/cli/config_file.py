@@ -30,9 +30,12 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from ripples.files import read_regular_file
+
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file holds a few tables of options: anything larger is the wrong file."""
 ENVIRONMENT: dict[str, str] = {  # option key -> variable
     "coordinator": "RIPPLES_COORDINATOR",
     "token_file": "RIPPLES_TOKEN_FILE",
@@ -110,9 +113,11 @@ def load(path: str, leaves: Mapping[tuple[str, ...], argparse.ArgumentParser]
     """The file's tables by command path, every key checked against its command's options
     (unknown tables and keys are errors, with the closest names)."""
     try:
-        data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
-    except OSError as err:
-        raise ConfigError(f"cannot read the config file {path}: {err.strerror}") from None
+        raw = read_regular_file(path, MAX_CONFIG_BYTES, what="config file")
+    except ValueError as err:  # unreadable, not a regular file, or far too large
+        raise ConfigError(str(err)) from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}): give "
                           "a TOML file") from None

@@ -99,7 +99,7 @@ def test_the_cli_refuses_a_fifo_at_once_and_sends_a_files_edges(
     os.mkfifo(fifo)
     done = _cli(service, pki, "--topology", "file", "--topology-file", str(fifo))
     assert done.returncode == 2, done.stderr
-    assert "is not a regular file" in done.stderr and "Traceback" not in done.stderr
+    assert "not a regular file" in done.stderr and "Traceback" not in done.stderr
     assert not client.list_runs().runs
 
     edges = tmp_path / "edges.txt"

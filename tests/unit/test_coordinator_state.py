@@ -142,6 +142,36 @@ def test_an_undone_registration_hands_its_id_and_new_node_out_again() -> None:
     assert (again.worker_id, again.node) == (8, 1)
 
 
+def test_an_undone_registration_gives_its_slot_back_to_the_earlier_holder() -> None:
+    from ripples.coordinator.registry import Registry
+
+    registry = Registry(num_workers=2, lease_seconds=5.0)
+    first = registry.register("a", 0, "cpu", 1, 0.0)
+    first.state = WorkerState.LEFT
+    again = registry.register("a", 0, "cpu", 2, 0.0)  # the slot's new holder
+    registry.undo(again)
+    assert registry._slots[("a", 0)] is first
+
+
+def test_a_file_topologys_settings_are_encoded_once_for_every_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The settings (a file topology's edges with them) never change during a run: every
+    snapshot hands the core's one dict, which the store encodes once."""
+    edges = [(i, (i + 1) % 64) for i in range(64)]
+    core = CoordinatorCore(RunSettings(protocol="ripples-smart", num_workers=64,
+                                       iterations=5, topology="file",
+                                       topology_edges=edges), now=0.0)
+    first, second = snapshot.take(core, 1.0), snapshot.take(core, 2.0)
+    assert first["settings"] is second["settings"] is core.settings_options
+    store = StateStore(tmp_path)
+    store.save(first)
+    text = store._last_encoded["settings"][1]
+    store.save(second)
+    assert store._last_encoded["settings"][1] is text  # not encoded again
+    restored = snapshot.restore(store.load() or {}, 3.0, incarnation=1)
+    assert restored.settings.topology_edges == core.settings.topology_edges
+    store.close()
+
+
 def test_a_snapshot_captured_on_the_loop_and_made_later_restores_the_same_core(
         tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The saver copies the values on the event loop (snapshot.capture) and makes the rows

@@ -37,3 +37,29 @@ def test_a_flood_of_one_record_is_written_once_then_counted() -> None:
         assert len(stream.getvalue()) < 2000
     finally:
         logger.removeHandler(handler)
+
+
+def test_lines_that_differ_are_all_written_and_a_lone_count_is_written_after_its_window(
+) -> None:
+    now = [0.0]
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    repeats = RepeatFilter(window_seconds=10.0, clock=lambda: now[0])
+    repeats.handler = handler
+    handler.addFilter(repeats)
+    logger = logging.getLogger("test_log_repeats_lone")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        for worker in range(5):  # one template, five different lines: all written
+            logger.warning("registered worker %d", worker)
+        for _ in range(30):  # one identical line: written once, the rest counted
+            logger.warning("the store is slow")
+        assert stream.getvalue().splitlines() == [
+            *(f"registered worker {w}" for w in range(5)), "the store is slow"]
+        now[0] = 11.0  # the flood stopped: its count is written on its own
+        repeats.flush()
+        assert stream.getvalue().splitlines()[-1] == (
+            "the store is slow: repeated 29 more times in the last 11 s")
+    finally:
+        logger.removeHandler(handler)

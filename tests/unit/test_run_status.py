@@ -73,6 +73,7 @@ def test_a_status_lists_at_most_its_bound_of_rows_and_counts_them_all(
     service = status_bench.training_service("ripples-smart", 12, run_seconds=10.0)
     status = service.run_status()
     assert len(status.workers) == 5 and status.num_worker_rows == 12
+    assert status.num_live_workers == len(service.core.live()) > 5  # listed or not
     assert [w.worker_id for w in status.workers] == list(service.core.workers)[:5]
     iterations = [w.progress.iteration for w in service.core.workers.values()]
     assert status.mean_iterations == pytest.approx(sum(iterations) / 12)

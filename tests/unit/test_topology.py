@@ -125,7 +125,7 @@ def test_edge_list_files(tmp_path) -> None:
     with pytest.raises(ValueError, match="disconnected"):
         RunSettings(protocol="a2cid2", num_workers=4, topology="file",
                     topology_edges=[(0, 1), (2, 3)])
-    with pytest.raises(ValueError, match="cannot read topology file .*missing.txt"):
+    with pytest.raises(ValueError, match="cannot read the topology file .*missing.txt"):
         read_edge_list(str(tmp_path / "missing.txt"))
 
 

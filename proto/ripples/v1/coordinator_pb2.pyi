@@ -592,7 +592,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., all_workers: _Optional[bool] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used", "topology_complete", "num_restarts", "restarting", "run", "num_topology_edges", "num_worker_rows", "mean_iterations")
+    __slots__ = ("config", "workers", "elapsed_seconds", "started", "stopped", "stop_reason", "num_groups_formed", "num_groups_executing", "num_groups_pending", "num_conflicts", "num_pending_waits", "pending_wait_seconds", "num_groups_cancelled", "num_groups_failed", "mean_loss", "time_to_target_seconds", "loss_curve", "recent_groups", "num_lease_expirations", "iterations_to_target", "active_groups", "metrics_address", "topology_edges", "spectral_gap", "consensus_distance", "edges_always_used", "topology_complete", "num_restarts", "restarting", "run", "num_topology_edges", "num_worker_rows", "mean_iterations", "num_live_workers")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -626,6 +626,7 @@ class RunStatus(_message.Message):
     NUM_TOPOLOGY_EDGES_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKER_ROWS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     elapsed_seconds: float
@@ -659,7 +660,8 @@ class RunStatus(_message.Message):
     num_topology_edges: int
     num_worker_rows: int
     mean_iterations: float
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ..., topology_complete: _Optional[bool] = ..., num_restarts: _Optional[int] = ..., restarting: _Optional[str] = ..., run: _Optional[_Union[RunInfo, _Mapping]] = ..., num_topology_edges: _Optional[int] = ..., num_worker_rows: _Optional[int] = ..., mean_iterations: _Optional[float] = ...) -> None: ...
+    num_live_workers: int
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., started: _Optional[bool] = ..., stopped: _Optional[bool] = ..., stop_reason: _Optional[str] = ..., num_groups_formed: _Optional[int] = ..., num_groups_executing: _Optional[int] = ..., num_groups_pending: _Optional[int] = ..., num_conflicts: _Optional[int] = ..., num_pending_waits: _Optional[int] = ..., pending_wait_seconds: _Optional[float] = ..., num_groups_cancelled: _Optional[int] = ..., num_groups_failed: _Optional[int] = ..., mean_loss: _Optional[float] = ..., time_to_target_seconds: _Optional[float] = ..., loss_curve: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., recent_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., num_lease_expirations: _Optional[int] = ..., iterations_to_target: _Optional[float] = ..., active_groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., topology_edges: _Optional[_Iterable[_Union[TopologyEdge, _Mapping]]] = ..., spectral_gap: _Optional[float] = ..., consensus_distance: _Optional[float] = ..., edges_always_used: _Optional[bool] = ..., topology_complete: _Optional[bool] = ..., num_restarts: _Optional[int] = ..., restarting: _Optional[str] = ..., run: _Optional[_Union[RunInfo, _Mapping]] = ..., num_topology_edges: _Optional[int] = ..., num_worker_rows: _Optional[int] = ..., mean_iterations: _Optional[float] = ..., num_live_workers: _Optional[int] = ...) -> None: ...
 
 class TopologyEdge(_message.Message):
     __slots__ = ("a", "b")
