@@ -10,7 +10,6 @@ so). Runs.GetLogs reads them back: once, or following the files while the run is
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import logging
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from ripples.coordinator.run_queue import RunQueue
+from ripples.coordinator.state_store import StoreWriteError
 from ripples.v1 import coordinator_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -60,14 +60,11 @@ class RunLogs:
             await asyncio.to_thread(self._append, self.path(batch.run_id, batch.worker),
                                     list(batch.lines))
         except OSError as err:  # the operator reads the file in the log, the agent the cause
-            logger.error("cannot keep the output of worker %s of run %s: %s", batch.worker,
-                         batch.run_id, err)
-            full = err.errno == errno.ENOSPC
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.UNAVAILABLE,
-                "the coordinator cannot store this output: "
-                + ("the disk of its state dir is full" if full else
-                   "its state dir cannot be written (a read-only or failing disk)"))
+            refused = StoreWriteError(self.path(batch.run_id, batch.worker), err,
+                                      f"the output of worker {batch.worker}")
+            logger.error("%s", refused)
+            await context.abort(grpc.StatusCode[refused.status],
+                                f"the coordinator cannot store this output: {refused.reason}")
 
     def _append(self, path: Path, lines: list[str]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -92,7 +92,7 @@ class RunsService(pb_grpc.RunsServicer):
         except StoreWriteError as err:  # nothing stored: the history's write rolled back
             logger.error("run refused: %s", err)
             await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED if err.full else grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode[err.status],
                 f"{err.reason}: the run was not stored, so it is refused; the operator must "
                 "free or fix the state dir's disk")
             raise AssertionError("unreachable") from err

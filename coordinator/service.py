@@ -326,8 +326,7 @@ class CoordinatorService(pb_grpc.WorkerServicer):
                 return
             logger.error("registration refused: %s", err)
             await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED if err.full
-                else grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode[err.status],
                 f"{err.reason}: the registration was not stored, so it is refused (nothing "
                 "changed); the operator must free or fix the state dir's disk")
 

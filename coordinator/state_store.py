@@ -70,6 +70,12 @@ class StoreWriteError(OSError):
         return ("the disk of the coordinator's state dir is full" if self.full else
                 "the coordinator's state dir cannot be written (a read-only or failing disk)")
 
+    @property
+    def status(self) -> str:
+        """The gRPC status a refused call gets: RESOURCE_EXHAUSTED for a full disk (a
+        client may retry once space is freed), UNAVAILABLE for a read-only or failing one."""
+        return "RESOURCE_EXHAUSTED" if self.full else "UNAVAILABLE"
+
 
 class StateStore:
     """One run's state in the state dir. Thread-safe: saves may run off the event loop."""

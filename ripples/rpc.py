@@ -79,8 +79,7 @@ def tls_suspected(detail: object) -> bool:
     certificate check, produces (a handshake failure, or a socket the server closed):
     worth asking security.tls_mismatch before saying "unreachable". A network that
     drops packets (a timeout) or a port nobody listens on (refused) is not."""
-    text = str(detail).lower()
-    return "handshake failed" in text or "socket closed" in text
+    return tls_refused(detail) or "socket closed" in str(detail).lower()
 
 
 class CoordinatorCallError(RuntimeError):
