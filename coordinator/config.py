@@ -345,6 +345,10 @@ class RunSettings:
             except ValueError:
                 raise ValueError(f"root must be the root coordinator's HOST:PORT, got "
                                  f"{self.root!r}") from None
+        if self.root and (self.local_steps > 1 or self.outer_optimizer == "nesterov"):
+            raise ValueError("root (a shard of a sharded job) takes no local_steps or "
+                             "outer_optimizer yet: a shard's head would hold two anchors (its "
+                             "shard's and the root's) over one model")
         if self.root and not spec.shardable:
             shardable = [s.name for s in PROTOCOLS.values() if s.shardable]
             raise ValueError(f"root (a shard of a sharded job) needs protocol "

@@ -51,6 +51,7 @@ def progress_from_proto(p: pb.Progress) -> Progress:
         planned_iterations=p.planned_iterations,
         checkpoint_step=p.checkpoint_step,
         collective_wait_seconds=_seconds(p.collective_wait_seconds),
+        preduce_bytes=p.preduce_bytes,
     )
 
 
@@ -71,6 +72,7 @@ def progress_to_proto(p: Progress) -> pb.Progress:
         planned_iterations=p.planned_iterations,
         checkpoint_step=p.checkpoint_step,
         collective_wait_seconds=p.collective_wait_seconds,
+        preduce_bytes=p.preduce_bytes,
     )
 
 

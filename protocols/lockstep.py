@@ -58,6 +58,7 @@ class LockstepStop:
     def __init__(self, ctx: ProtocolContext) -> None:
         self.ctx = ctx
         self.interval = max(1, ctx.config.checkpoint_interval)
+        self.round_steps = max(1, ctx.config.local_steps)
         self.stop_at = 0
         self.reason = ""
         self.state_ready = False
@@ -79,7 +80,10 @@ class LockstepStop:
                                                optimizer_state_ready=self.state_ready)
             self.adopt_after = self.adopt_after or reply.adopt_state_after_iteration
             if reply.consensus_id and reply.consensus_at_iteration:
-                self.consensus = (reply.consensus_id, reply.consensus_at_iteration)
+                # With local steps, the models are equal only at a synchronisation: the
+                # next multiple of H (every worker rounds the same way).
+                at, h = reply.consensus_at_iteration, self.round_steps
+                self.consensus = (reply.consensus_id, -(-at // h) * h)
             elif not reply.consensus_id:  # the request is over: a late model would leak
                 self.consensus = (0, 0)
             if reply.stop_at_iteration:

@@ -178,6 +178,18 @@ class Checkpointer:
                 f"{optimizer.worker.protocol} runs in lock-step: every worker must save the "
                 f"same steps, which an interval of {self.interval.seconds:g} s cannot "
                 "promise; give a step count (--checkpoint-every 500)")
+        session = optimizer.worker._session
+        self.round_steps = max(1, session.config.local_steps) if session is not None else 1
+        """Local-step training (--local-steps H): periodic checkpoints fall on multiples
+        of H only, right after a synchronisation, where every worker's model is its
+        anchor (a lock-step run's ranks hold equal models there; a restart round's copy
+        of another rank's file then carries no partial round that would count twice)."""
+        if self.interval.steps % self.round_steps:
+            rounded = -(-self.interval.steps // self.round_steps) * self.round_steps
+            logger.info("checkpoints every %d steps, not %d: a multiple of the run's local "
+                        "steps (%d), where models are synchronised", rounded,
+                        self.interval.steps, self.round_steps)
+            self.interval = CheckpointInterval(steps=rounded)
         self._counted_step = optimizer.local_step
         self._saved_step = -1
         self._last_save = time.monotonic()
@@ -204,7 +216,7 @@ class Checkpointer:
         if interval.steps:
             due = step % interval.steps == 0
         else:
-            due = bool(interval.seconds) and (
+            due = bool(interval.seconds) and step % self.round_steps == 0 and (
                 time.monotonic() - self._last_save >= interval.seconds)
         return self.save() if due or (self.save_on_stop and opt.stopped) else None
 

@@ -100,8 +100,12 @@ class ScriptState:
 
     def entries(self) -> dict[str, Any]:
         opt = self.optimizer
-        return {"script_state": compact_on_cpu(self._state_dict()),
-                "ripples": {"local_step": opt.local_step, "skipped_steps": opt.skipped_steps}}
+        counters: dict[str, Any] = {"local_step": opt.local_step,
+                                    "skipped_steps": opt.skipped_steps}
+        outer = opt._outer()
+        if outer is not None:  # whether or not the script's own state holds opt.state_dict()
+            counters["outer"] = outer.state_dict()
+        return {"script_state": compact_on_cpu(self._state_dict()), "ripples": counters}
 
     def check(self, path: Path, checkpoint: dict[str, Any]) -> None:
         if "script_state" not in checkpoint:
@@ -114,6 +118,9 @@ class ScriptState:
         counters, opt = checkpoint["ripples"], self.optimizer
         opt.local_step = int(counters["local_step"])
         opt.skipped_steps = int(counters["skipped_steps"])
+        outer = opt._outer()
+        if outer is not None and "outer" in counters:
+            outer.restore(counters["outer"])
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -258,6 +258,8 @@ class Optimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """The local step, then the protocol's synchronisation (see the class doc)."""
         started = time.perf_counter()
+        if self._sync is not None:
+            self._sync.before_local_step()
         loss = self._local_step(closure)
         local_seconds = time.perf_counter() - started
         self.local_step += 1

@@ -111,6 +111,21 @@ class SyncResult:
     stop: bool = False
     stop_reason: str = ""
 
+    def merged(self, later: SyncResult) -> SyncResult:
+        """This synchronisation and a `later` one of the same step as one result (a
+        lock-step protocol's stop synchronises once more): costs add up, the verdict is
+        the later one's."""
+        return SyncResult(
+            wait_seconds=self.wait_seconds + later.wait_seconds,
+            preduce_seconds=self.preduce_seconds + later.preduce_seconds,
+            num_groups=self.num_groups + later.num_groups,
+            group_sizes=self.group_sizes + later.group_sizes,
+            preduce_durations=self.preduce_durations + later.preduce_durations,
+            preduce_bytes=self.preduce_bytes + later.preduce_bytes,
+            num_failed_groups=self.num_failed_groups + later.num_failed_groups,
+            inside_step_seconds=self.inside_step_seconds + later.inside_step_seconds,
+            stop=later.stop, stop_reason=later.stop_reason)
+
 
 @dataclass(kw_only=True)
 class TrainingJob:
@@ -222,15 +237,13 @@ class Protocol(abc.ABC):
 
     def state_dict(self) -> dict[str, object]:
         """What a checkpoint keeps of this protocol's own state, besides the model and the
-        optimizer's (a2cid2: its momentum copy; the outer optimizer's anchor and
-        momentum); empty for most protocols."""
-        return {"outer": self.outer.state_dict()} if self.outer is not None else {}
+        optimizer's (a2cid2: its momentum copy); empty for most protocols. The outer
+        optimizer's anchor and momentum are in ripples.Optimizer's state dict."""
+        return {}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:  # noqa: B027 (optional hook)
         """Put back what state_dict() gave (empty from a checkpoint of another protocol),
         once the checkpoint's model is loaded, before the first step."""
-        if self.outer is not None:
-            self.outer.restore(state.get("outer"))
 
     def close(self) -> None:  # noqa: B027 (optional hook, deliberately empty)
         """Release protocol resources (not communicators: the session owns the cache)."""

@@ -28,6 +28,8 @@ class WorkerStats:
     wait_seconds: float = 0.0
     preduce_seconds: float = 0.0
     num_groups: int = 0
+    preduce_bytes: int = 0
+    """Bytes fed into the synchronisations' collectives (SyncResult.preduce_bytes)."""
     planned_iterations: int = 0
     checkpoint_step: int = 0
     """The newest step this worker holds a checkpoint of (ripples.Checkpointer)."""
@@ -54,6 +56,7 @@ class WorkerStats:
             self.wait_seconds += result.wait_seconds
             self.preduce_seconds += result.preduce_seconds
             self.num_groups += result.num_groups
+            self.preduce_bytes += result.preduce_bytes
             return self.smoothed_loss()
 
     def smoothed_loss(self) -> float:
@@ -73,4 +76,5 @@ class WorkerStats:
                 planned_iterations=self.planned_iterations,
                 checkpoint_step=self.checkpoint_step,
                 collective_wait_seconds=COLLECTIVES.waiting()[1],
+                preduce_bytes=self.preduce_bytes,
             )

@@ -83,9 +83,12 @@ class StepSynchronizer:
         self.session = session
         self.model = model
         self.optimizer = optimizer
-        self.average_optimizer_state = (config.average_optimizer_state
-                                        if average_optimizer_state is None
-                                        else average_optimizer_state)
+        if average_optimizer_state is None:
+            # With an outer optimizer the inner one's state stays each worker's own, as in
+            # DiLoCo: its moments follow the worker's own local steps.
+            average_optimizer_state = (config.average_optimizer_state
+                                       and config.outer_optimizer != "nesterov")
+        self.average_optimizer_state = average_optimizer_state
         self.planned_steps = planned_steps
         self.state = AveragedState(model)
         session.start_training(self.state, planned_steps)
@@ -107,6 +110,13 @@ class StepSynchronizer:
         self._since = time.perf_counter()
 
     # ------------------------------------------------------------------ per step
+    def before_local_step(self) -> None:
+        """Before the local step: local-step training anchors at the model as the first
+        step finds it (weights loaded after wrapping included)."""
+        outer = self.protocol.outer
+        if outer is not None:
+            outer.take_anchor()
+
     def after_local_step(self, completed: int, local_seconds: float,
                          step_started: float) -> str:
         """Everything after the local step of step `completed`; returns why the run is
@@ -126,13 +136,17 @@ class StepSynchronizer:
             stats.iteration = completed
         injected = self.slowdown.after_compute(compute)
         compute += injected
+        if self.protocol.outer is not None:  # skipped steps count: H is counted in step()s
+            self.protocol.outer.record_step()
         try:
             result = self.protocol.after_step(completed)
+            verdict: SyncResult | None = result if result.stop else self.protocol.should_stop(
+                completed, self.planned_steps)
+            if verdict is not None and verdict is not result and verdict.num_groups:
+                result = result.merged(verdict)  # the stop synchronised once more
             smoothed = stats.add_sync(result, compute)
             self.session.metrics.observe_iteration(compute_seconds=compute, result=result,
                                                    loss=smoothed)
-            verdict: SyncResult | None = result if result.stop else self.protocol.should_stop(
-                completed, self.planned_steps)
         except CoordinatorCallError as err:
             self._restart_instead(err)
             raise

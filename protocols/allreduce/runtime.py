@@ -79,7 +79,7 @@ class AllReduceProtocol(Protocol):
         self.stopper = LockstepStop(ctx)
         self.local_steps = max(1, ctx.config.local_steps)
         self.outer: OuterState | None = None  # set by _start_local for nesterov
-        self.local = self.local_steps > 1 or ctx.config.outer_optimizer != "none"
+        self.local = self.local_steps > 1 or ctx.config.outer_optimizer == "nesterov"
         """DiLoCo's form (no DDP; a synchronisation every local_steps steps)."""
         self.synced_at = 0
         """The last step this worker synchronised at (DiLoCo's form)."""
@@ -133,9 +133,14 @@ class AllReduceProtocol(Protocol):
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         verdict = self.stopper.should_stop(completed, planned)
         if verdict is not None and verdict.stop and self.local and self.synced_at != completed:
-            # Every worker stops at this same step (LockstepStop): synchronise once more,
-            # so that every worker ends with the same model.
-            self._synchronise(completed)
+            # Every worker stops at this same step (LockstepStop), inside a round: every
+            # worker ends with the mean of the models, as the other protocols' final
+            # average gives (no outer step on a partial round: its momentum term would
+            # extrapolate a round that was not taken). The anchor and the momentum stay
+            # as they were, so a resume from the checkpoint of this step goes on with
+            # the round: its pseudo-gradient holds these steps too.
+            sync = self._synchronise(completed, final=True)
+            verdict = sync.merged(verdict)
         return verdict
 
     def consensus_agreement(self) -> tuple[int, int] | None:
@@ -143,8 +148,6 @@ class AllReduceProtocol(Protocol):
 
     def after_step(self, completed: int) -> SyncResult:
         if self.local:
-            if self.outer is not None:
-                self.outer.record_step()
             if completed % self.local_steps:
                 return SyncResult()
             return self._synchronise(completed)
@@ -165,16 +168,25 @@ class AllReduceProtocol(Protocol):
                           group_sizes=(self.ctx.num_workers,),
                           preduce_durations=(seconds + buffer_seconds,), preduce_bytes=size)
 
-    def _synchronise(self, completed: int) -> SyncResult:
+    def _synchronise(self, completed: int, *, final: bool = False) -> SyncResult:
         """DiLoCo's synchronisation, in one all-reduce: the pseudo-gradients (and the
-        buffers) and the outer step, or (outer optimizer none) the models. A failed
-        all-reduce leaves the model, anchor and momentum as they were."""
-        outer, n = self.outer, self.ctx.num_workers
+        buffers) and the outer step, or (outer optimizer none, or `final`: the stop
+        inside a round) the models. A failed all-reduce leaves the model, anchor and
+        momentum as they were.
+
+        Every worker is in every synchronisation, so the anchors and momenta stay
+        bitwise equal and only the pseudo-gradients need to travel; until one
+        synchronisation has made them equal (the first, and the first after a restore:
+        a checkpoint without the outer state anchors each worker at its own model), the
+        group form averages them too, once."""
+        outer = None if final else self.outer
+        n = self.ctx.num_workers
         averaged = outer if outer is not None else self.ctx.state
         what = (f"the {'outer step' if outer is not None else 'model average'} after "
                 f"step {completed}")
         t0 = time.perf_counter()
-        staged = (outer.stage(1.0 / n, same_anchor=True) if outer is not None
+        same = outer is not None and outer.in_agreement
+        staged = (outer.stage(1.0 / n, same_anchor=same) if outer is not None
                   else self.ctx.state.stage(1.0 / n))
         try:
             with torch.no_grad(), explained_collective(self.ctx, what):
@@ -183,6 +195,8 @@ class AllReduceProtocol(Protocol):
             averaged.abandon()
             raise
         averaged.commit()
+        if outer is not None:
+            outer.in_agreement = True
         self.synced_at = completed
         seconds = time.perf_counter() - t0
         return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(n,),

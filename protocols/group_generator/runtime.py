@@ -1,4 +1,11 @@
-"""`ripples-random` and `ripples-smart`: P-Reduce in groups made by the Group Generator."""
+"""`ripples-random` and `ripples-smart`: P-Reduce in groups made by the Group Generator.
+
+With local steps (`--local-steps H`) a worker asks for groups after every H-th step only:
+its rounds are H steps long, and a group whose members are between two of their rounds
+waits for them (their request counters, which the smart policy's filter compares, count
+rounds). With `--outer-optimizer nesterov` a group averages its members' outer steps
+(worker/dataplane/outer_state.py) instead of their models: each member keeps its own
+anchor and momentum between groups, and a group leaves every member with the group's."""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import time
 from ripples.rpc import ID_SPACE_BITS, CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
+from ripples.worker.dataplane.outer_state import OuterState, outer_preduce
 from ripples.worker.dataplane.preduce import copy_model, preduce
 from ripples.worker.protocol import (
     COORDINATOR_RETRY_SECONDS,
@@ -57,6 +65,10 @@ class GroupGeneratorProtocol(Protocol):
         self.retry_ends_round = False
         """A wait that ran out (RETRY) ends the round with no group, rather than asking
         again: a head's rounds at the root, which never hold its shard up for long."""
+        self.local_steps = max(1, ctx.config.local_steps)
+        if ctx.config.outer_optimizer == "nesterov":
+            self.outer = OuterState(ctx.state, lr=ctx.config.outer_lr,
+                                    momentum=ctx.config.outer_momentum)
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
@@ -71,6 +83,10 @@ class GroupGeneratorProtocol(Protocol):
                 root.poll_seconds = ROOT_GROUP_WAIT_SECONDS
                 root.retry_ends_round = True
                 root.max_group_wait_seconds = ROOT_HEAL_WAIT_SECONDS
+                if root.local_steps > 1 or root.outer is not None:
+                    self._leave_root(error="the root's run has local steps or an outer "
+                                           "optimizer, which sharded jobs do not take yet")
+                    return
                 try:
                     root.begin()  # a replacement head heals at the root too
                 except (CoordinatorCallError, TimeoutError) as err:
@@ -82,6 +98,8 @@ class GroupGeneratorProtocol(Protocol):
         return None
 
     def after_step(self, completed: int) -> SyncResult:
+        if completed % self.local_steps:  # inside a round of local steps
+            return SyncResult()
         root, link = self._root, self.ctx.root
         if root is None or link is None or completed % link.inter_period:
             return self._round(completed)
@@ -150,7 +168,7 @@ class GroupGeneratorProtocol(Protocol):
             result.preduce_seconds += seconds
             result.num_groups += 1
             result.num_failed_groups += not ok
-            result.preduce_bytes += self.ctx.state.size_bytes
+            result.preduce_bytes += self._bytes_sent(reply.group)
             sizes.append(len(reply.group.members))
             durations.append(seconds)
             if not reply.more:
@@ -214,12 +232,32 @@ class GroupGeneratorProtocol(Protocol):
         if group.heal:
             donor = list(group.members).index(group.heal_donor)
             return run_group_collective(self.ctx, self.stream, group, key, lambda comm: (
-                copy_model(self.ctx.state, comm, donor, self.timeout)))
+                self.copy_from(comm, donor)))
         return run_group_collective(self.ctx, self.stream, group, key, self.average)
 
+    def copy_from(self, comm: Communicator, donor: int) -> None:
+        """A heal group: the joiner copies the donor's model (with an outer optimizer, its
+        anchor and momentum, and the model becomes the donor's anchor)."""
+        if self.outer is not None:
+            self.outer.heal(comm, donor, self.ctx.state.model_numel, self.timeout)
+        else:
+            copy_model(self.ctx.state, comm, donor, self.timeout)
+
     def average(self, comm: Communicator) -> None:
-        """Average the model over the group (LPP-SGD's averaging process overrides it)."""
-        preduce(self.ctx.state, comm, self.timeout)
+        """Average the model over the group, or with an outer optimizer the members' outer
+        steps (LPP-SGD's averaging process overrides it)."""
+        if self.outer is not None:
+            outer_preduce(self.outer, comm, self.timeout)
+        else:
+            preduce(self.ctx.state, comm, self.timeout)
+
+    def _bytes_sent(self, group: pb.Group) -> int:
+        """The bytes this worker fed into the group's collective."""
+        outer, state = self.outer, self.ctx.state
+        if group.heal:
+            numel = state.model_numel + (outer.numel if outer is not None else 0)
+            return numel * state.flat.element_size()
+        return outer.staged_bytes if outer is not None else state.size_bytes
 
     def close(self) -> None:
         if self._root is not None:

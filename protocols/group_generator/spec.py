@@ -48,8 +48,8 @@ _GROUPS = "P-Reduce in groups of the Group Generator"
 RIPPLES_RANDOM = ProtocolSpec(
     name="ripples-random", summary=f"{_GROUPS}: random groups", role=GROUPS_ROLE_RANDOM,
     settings=(GroupGeneratorSettings,), runtime=_runtime, simulation=_simulation,
-    shardable=True)
+    shardable=True, no_local_steps="")
 RIPPLES_SMART = ProtocolSpec(
     name="ripples-smart", summary=f"{_GROUPS}: smart groups (slowdown filter)",
     role=GROUPS_ROLE_SMART, settings=(GroupGeneratorSettings,), runtime=_runtime,
-    simulation=_simulation, shardable=True)
+    simulation=_simulation, shardable=True, no_local_steps="")

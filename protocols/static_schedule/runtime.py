@@ -11,8 +11,8 @@ import time
 
 from ripples.protocols.lockstep import LockstepStop, explained_collective
 from ripples.static_schedule import static_group_of
-from ripples.worker.dataplane.outer_state import OuterState
-from ripples.worker.dataplane.preduce import outer_preduce, preduce
+from ripples.worker.dataplane.outer_state import OuterState, outer_preduce
+from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 
@@ -52,8 +52,6 @@ class StaticScheduleProtocol(Protocol):
         return self.stopper.may_adopt_state(completed, ready)
 
     def after_step(self, completed: int) -> SyncResult:
-        if self.outer is not None:
-            self.outer.record_step()
         if completed % self.local_steps:
             return SyncResult()
         group = static_group_of(completed // self.local_steps - 1, self.rank, self.num_nodes,

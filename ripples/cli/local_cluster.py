@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,6 +294,7 @@ class LocalCluster:
              "compute_seconds": w.progress.compute_seconds,
              "wait_seconds": w.progress.wait_seconds,
              "preduce_seconds": w.progress.preduce_seconds,
+             "preduce_bytes": w.progress.preduce_bytes,
              "request_count": w.request_count}
             for w in by_host
         ]
@@ -319,6 +321,8 @@ class LocalCluster:
             "seconds_per_epoch": status.elapsed_seconds / epochs if epochs else None,
             "loss_curve": [[p.seconds, p.loss] for p in status.loss_curve],
             "loss_curve_iterations": [p.mean_iterations for p in status.loss_curve],
+            # What a worker fed into its synchronisations per optimizer step, on average.
+            "bytes_per_worker_step": bytes_per_step(status.workers),
             "num_groups_formed": status.num_groups_formed,
             "num_conflicts": status.num_conflicts,
             "num_pending_waits": status.num_pending_waits,
@@ -382,6 +386,14 @@ class LocalCluster:
             if w["rank"] in per_worker:
                 w[run.spec.record_key or run.protocol] = per_worker[w["rank"]]
         return extra
+
+
+def bytes_per_step(workers: Iterable[pb.WorkerStatus]) -> float | None:
+    """Bytes a worker fed into its synchronisations per optimizer step: all workers'
+    bytes over all their steps (None before any step)."""
+    rows = list(workers)
+    steps = sum(w.progress.iteration for w in rows)
+    return sum(w.progress.preduce_bytes for w in rows) / steps if steps else None
 
 
 def _progress_line(status: pb.RunStatus) -> str:

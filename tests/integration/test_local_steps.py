@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from helpers import REPO, ripples_cli
+from helpers import REPO, finish, ripples_cli, running_coordinator, start_worker, wait_for
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -34,29 +35,50 @@ def _script() -> ModuleType:
     return module
 
 
-def _diloco(script: ModuleType, nesterov: bool) -> dict[str, torch.Tensor]:
-    """The reference, from the definition: one process, every worker's copy and batch."""
-    anchor = script.build_model()
+def _diloco(script: ModuleType, nesterov: bool, *, batchnorm: bool = False,
+            steps: int = STEPS, resumed_at: int = 0) -> dict[str, torch.Tensor]:
+    """The reference, from the definition: one process, every worker's copy and batch.
+    At every multiple of H the outer step on the mean pseudo-gradient (the floating-point
+    buffers averaged); at the stop inside a round (`steps`, and `resumed_at`: a run that
+    stopped there and a second that resumed from its checkpoint) the models' plain mean,
+    the anchor and momentum kept."""
+    anchor = script.build_model(batchnorm)
     outer = torch.optim.SGD(anchor.parameters(), lr=OUTER_LR if nesterov else 1.0,
                             momentum=OUTER_MOMENTUM if nesterov else 0.0, nesterov=nesterov)
     copies = [copy.deepcopy(anchor) for _ in range(WORKERS)]
     inner = [torch.optim.AdamW(m.parameters(), lr=script.LR) for m in copies]
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         for rank, (model, opt) in enumerate(zip(copies, inner, strict=True)):
             x, y = script.batch(rank, step)
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        if step % H and step != STEPS:
-            continue
-        with torch.no_grad():
-            for p, *local in zip(anchor.parameters(), *(m.parameters() for m in copies),
-                                 strict=True):
-                p.grad = torch.stack([p - q for q in local]).mean(0)  # mean pseudo-gradient
-        outer.step()
-        for model in copies:  # every worker restarts from the new anchor
-            model.load_state_dict(anchor.state_dict())
-    return anchor.state_dict()
+        if step % H == 0:
+            with torch.no_grad():
+                for p, *local in zip(anchor.parameters(), *(m.parameters() for m in copies),
+                                     strict=True):
+                    p.grad = torch.stack([p - q for q in local]).mean(0)  # mean Δ
+            outer.step()
+            _average_buffers(anchor, copies)
+            for model in copies:  # every worker restarts from the new anchor
+                model.load_state_dict(anchor.state_dict())
+        elif step in (steps, resumed_at):
+            mean = copy.deepcopy(copies[0])
+            with torch.no_grad():
+                for p, *local in zip(mean.parameters(), *(m.parameters() for m in copies),
+                                     strict=True):
+                    p.copy_(torch.stack(local).mean(0))
+            _average_buffers(mean, copies)
+            for model in copies:
+                model.load_state_dict(mean.state_dict())
+    return copies[0].state_dict()
+
+
+def _average_buffers(into: nn.Module, copies: list[nn.Module]) -> None:
+    with torch.no_grad():
+        for b, *local in zip(into.buffers(), *(m.buffers() for m in copies), strict=True):
+            if b.is_floating_point():
+                b.copy_(torch.stack(local).mean(0))
 
 
 @pytest.mark.slow
@@ -64,17 +86,52 @@ def _diloco(script: ModuleType, nesterov: bool) -> dict[str, torch.Tensor]:
 def test_allreduce_with_local_steps_is_diloco(outer: str, tmp_path: Path) -> None:
     """Also: the workers load `opt.state_dict()` back in mid-round (step 6: two local
     steps from the anchor), as a resume does; the anchor and outer momentum come back
-    with it (were they restarted from the model, the run would leave DiLoCo's path)."""
+    with it (were they restarted from the model, the run would leave DiLoCo's path).
+    With nesterov the model has a BatchNorm layer, whose statistics are averaged."""
+    nesterov = outer == "nesterov"
+    extra = ["--batchnorm"] if nesterov else []
     proc = ripples_cli("run", "--workers", str(WORKERS), "--workers-per-node", str(WORKERS),
                        "--protocol", "allreduce", "--iterations", str(STEPS),
                        "--local-steps", str(H), "--outer-optimizer", outer,
                        "--output", str(tmp_path), "--quiet", "--", "python", str(SCRIPT),
-                       "--reload-at", "6")
+                       "--reload-at", "6", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = _diloco(_script(), nesterov=outer == "nesterov")
+    expected = _diloco(_script(), nesterov=nesterov, batchnorm=nesterov)
     models = [torch.load(tmp_path / "workers" / f"rank{r}.pt") for r in range(WORKERS)]
     for name, value in expected.items():
         assert torch.equal(models[0][name], models[1][name]), name  # one model, bit for bit
+        if not value.is_floating_point():  # BatchNorm's batch count: each worker's own
+            continue
+        torch.testing.assert_close(models[0][name], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_allreduce_diloco_resumes_its_anchor_and_momentum_from_checkpoint_files(
+        tmp_path: Path) -> None:
+    """A run that stops inside a round (step 6 of H = 4) and a second run that resumes
+    from its ripples.Checkpointer files, in new processes: the anchor, the outer momentum
+    and the round's count come back from the optimizer's state in the files, and the
+    second run ends where the definition does."""
+    checkpoints = tmp_path / "checkpoints"
+
+    def run(iterations: int, out: Path) -> None:
+        proc = ripples_cli("run", "--workers", str(WORKERS), "--workers-per-node",
+                           str(WORKERS), "--protocol", "allreduce", "--iterations",
+                           str(iterations), "--local-steps", str(H), "--outer-optimizer",
+                           "nesterov", "--checkpoint-dir", str(checkpoints), "--output",
+                           str(out), "--quiet", "--", "python", str(SCRIPT), "--checkpoint")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run(6, tmp_path / "first")
+    saved = torch.load(checkpoints / "rank-0" / "step-6.pt", weights_only=False)
+    assert saved["optimizer"]["ripples"]["outer"]["steps_since_sync"] == 2
+    assert "outer" not in saved["protocol_state"]  # one copy of the anchor, not two
+    run(STEPS, tmp_path / "second")
+    expected = _diloco(_script(), nesterov=True, resumed_at=6)
+    models = [torch.load(tmp_path / "second" / "workers" / f"rank{r}.pt")
+              for r in range(WORKERS)]
+    for name, value in expected.items():
+        torch.testing.assert_close(models[0][name], models[1][name], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(models[0][name], value, rtol=1e-5, atol=1e-5)
 
 
@@ -132,3 +189,67 @@ def test_ripples_static_with_local_steps_averages_its_groups_outer_steps(
         model.load_state_dict(torch.load(tmp_path / "workers" / f"rank{rank}.pt"))
         torch.testing.assert_close(parameters_to_vector(model.parameters()).detach(),
                                    expected[rank], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["ripples-smart", "ripples-random"])
+def test_group_generator_protocols_take_local_steps_and_the_outer_step(
+        protocol: str, tmp_path: Path) -> None:
+    """Four workers, H = 4, the outer Nesterov step in the Group Generator's groups: the
+    run ends at its budget, every worker asks for groups once per round of H steps, and
+    its groups' bytes are the outer form's (2P plus the buffers)."""
+    steps = 40
+    proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
+                       protocol, "--iterations", str(steps), "--local-steps", str(H),
+                       "--outer-optimizer", "nesterov", "--seed", "1", "--output",
+                       str(tmp_path), "--", "python", str(SCRIPT), "--batchnorm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
+    model = _script().build_model(batchnorm=True)
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    per_group = 4 * (2 * params + buffers)
+    for worker in summary["workers"]:
+        # A worker asks for groups once per round of H steps, and is in at most one
+        # group per request of any worker (random groups: its own and those others'
+        # requests put it in, group_size per round on average).
+        assert 0 < worker["request_count"] <= worker["iterations"] // H, worker
+        sent = worker["preduce_bytes"]
+        assert sent > 0 and sent % per_group == 0, (sent, per_group)
+        assert sent // per_group <= 4 * worker["iterations"] // H
+    assert 0 < summary["bytes_per_worker_step"] <= 4 * per_group / H
+
+
+@pytest.mark.slow
+def test_a_joiner_of_a_local_step_run_heals_its_anchor_and_averages(tmp_path: Path) -> None:
+    """ripples-smart with H = 4 and the outer optimizer takes a fourth worker mid-run: it
+    heals from a live peer (the donor's anchor and momentum, the model at the donor's
+    anchor), then averages in the policy's groups, and the run ends at its budget."""
+    with running_coordinator(protocol="ripples-smart", num_workers=3, max_workers=4,
+                             task="digits", iterations=12000, lease_seconds=4.0, seed=1,
+                             local_steps=H, outer_optimizer="nesterov") as server:
+        core = server.service.core  # type: ignore[union-attr]
+        workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1")
+                   for r in range(3)]
+        try:
+            wait_for(lambda: core.started_at is not None and core.mean_iterations() > 40,
+                     "the run to train")
+            workers.append(start_worker(server.address, "--host", "node3",
+                                        "--metrics-port", "-1"))
+            wait_for(lambda: any(w.host == "node3" and w.healed
+                                 for w in core.workers.values()) or core.stopped,
+                     "the joiner to heal")
+            outputs = finish(workers, 180)
+        finally:
+            for p in workers:
+                if p.poll() is None:
+                    p.kill()
+        for p, out in zip(workers, outputs, strict=True):
+            assert p.returncode == 0, out[-3000:]
+        joiner = next(w for w in core.workers.values() if w.host == "node3")
+        assert joiner.healed, core.stop_reason
+        assert core.stopped and "iteration budget reached" in core.stop_reason
+        assert any(joiner.worker_id in g.members and g.heal_donor is None
+                   for g in core.recent_groups), "the joiner averaged in no group"
+        assert "healed from worker" in outputs[3], outputs[3][-3000:]

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator, CommunicatorFactory
-from ripples.worker.dataplane.outer_state import OuterState
-from ripples.worker.dataplane.preduce import outer_preduce, preduce
+from ripples.worker.dataplane.outer_state import OuterState, outer_preduce
+from ripples.worker.dataplane.preduce import preduce
 
 T = TypeVar("T")
 TIMEOUT = 60.0
@@ -43,6 +43,8 @@ def _local_steps(model: torch.nn.Module, outer: OuterState | None, steps: int,
         x, y = torch.randn(16, 5, generator=gen), torch.randint(0, 3, (16,), generator=gen)
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        if outer is not None:
+            outer.take_anchor()
         optimizer.step()
         if outer is not None:
             outer.record_step()
@@ -216,12 +218,67 @@ def test_the_outer_state_survives_a_state_dict_round_trip() -> None:
     assert torch.equal(outer.momentum, restored.momentum)
 
 
-def test_a_checkpoint_of_another_outer_step_or_model_is_refused_naming_it() -> None:
+def test_another_outer_lr_on_resume_is_used_with_a_warning_and_another_model_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
     _, _, outer = _synced_once(0)
     saved = outer.state_dict()
+    assert saved["anchor"].device.type == "cpu" and saved["anchor"] is not outer.anchor
     other = OuterState(AveragedState(_model(0)), lr=0.5, momentum=MU)
-    with pytest.raises(ValueError, match="outer_lr 0.7, this run 0.5: resume with --outer-lr 0.7"):
-        other.load_state_dict(saved)
+    other.load_state_dict(saved)  # as a learning rate may change on resume
+    assert other.lr == 0.5 and torch.equal(other.anchor, outer.anchor)
+    assert "had outer_lr 0.7, this run has 0.5" in caplog.text
     wider = OuterState(AveragedState(torch.nn.Linear(5, 9)), lr=LR, momentum=MU)
     with pytest.raises(ValueError, match="outer anchor has shape .* not this model"):
         wider.load_state_dict(saved)
+
+
+def test_the_anchor_is_the_model_the_first_step_finds_not_the_one_wrapped() -> None:
+    """Weights loaded after the outer state was built (pretrained weights, a script's own
+    resume) are the anchor: the first pseudo-gradient is the first round's progress only."""
+    model = _model(0)
+    outer = OuterState(AveragedState(model), lr=LR, momentum=MU)
+    model.load_state_dict(_model(7).state_dict())  # after wrapping
+    loaded = _params(outer.state)
+    _local_steps(model, outer, 1, seed=1)
+    assert torch.equal(outer.anchor, loaded)
+    outer.restart_from_model()  # a checkpoint without outer state: anchor at the next step
+    model.load_state_dict(_model(8).state_dict())
+    _local_steps(model, outer, 1, seed=2)
+    assert torch.equal(outer.anchor, _params(AveragedState(_model(8))))
+    assert not outer.in_agreement and torch.count_nonzero(outer.momentum) == 0
+
+
+def test_a_same_anchor_sync_with_no_step_since_the_last_applies_no_momentum() -> None:
+    model, state, outer = _synced_once(0)
+    outer.take_anchor()
+    before = (outer.anchor.clone(), outer.momentum.clone())
+    _in_group(1, lambda _rank, comm: outer_preduce(outer, comm, TIMEOUT, same_anchor=True))
+    assert torch.equal(outer.anchor, before[0]) and torch.equal(outer.momentum, before[1])
+    assert torch.equal(_params(state), before[0])
+
+
+def test_a_joiner_heals_to_the_donors_anchor_and_momentum_not_its_model_mid_round() -> None:
+    """The donor's steps since its last sync stay in the donor's next pseudo-gradient
+    only: the joiner's model becomes the donor's anchor."""
+    donor_model, donor_state, donor = _synced_once(0)
+    _local_steps(donor_model, donor, 3, seed=4)
+    expected = (donor.anchor.clone(), donor.momentum.clone(), _params(donor_state))
+    joiner_model = _model(5)
+    joiner_state = AveragedState(joiner_model)
+    joiner = OuterState(joiner_state, lr=LR, momentum=MU)
+    with torch.no_grad():
+        donor_state.flat[outer_numel(donor):donor_state.model_numel].add_(1.0)  # buffers
+    buffers = donor_state.flat[donor.numel:donor_state.model_numel].clone()
+    members = [donor, joiner]
+    _in_group(2, lambda rank, comm: members[rank].heal(
+        comm, 0, members[rank].state.model_numel, TIMEOUT))
+    assert torch.equal(joiner.anchor, expected[0]) and torch.equal(joiner.momentum, expected[1])
+    assert torch.equal(_params(joiner_state), expected[0])
+    assert torch.equal(joiner_state.flat[joiner.numel:joiner_state.model_numel], buffers)
+    assert joiner.anchored and joiner.steps_since_sync == 0
+    assert torch.equal(donor.anchor, expected[0]) and torch.equal(_params(donor_state), expected[2])
+    assert donor.steps_since_sync == 3
+
+
+def outer_numel(outer: OuterState) -> int:
+    return outer.numel

@@ -29,9 +29,15 @@ contributes its φ and m unchanged: momentum is applied once per own round, neve
 compounded (the failure of naive asynchronous Nesterov, arXiv 2401.09135).
 
 When the members' anchors and momenta are known to be bitwise equal (allreduce, where
-every worker is in every synchronisation) only Δ needs to travel: `stage(...,
-same_anchor=True)` sends Δ (P values instead of 2P) and every member takes the identical
-outer step on the sum.
+every worker is in every synchronisation, once one synchronisation in the group form has
+made them equal: `in_agreement`) only Δ needs to travel: `stage(..., same_anchor=True)`
+sends Δ (P values instead of 2P) and every member takes the identical outer step on the
+sum.
+
+The anchor is taken at the first local step (`take_anchor`, called by ripples.Optimizer
+before the step), not when the optimizer is built: a script that loads weights into the
+model after wrapping it (pretrained weights, its own resume) anchors at what it loaded.
+A restore (`load_state_dict`) or a heal from a peer sets it instead.
 
 The rest of the flat buffer (floating-point buffers such as BatchNorm's statistics, and
 the optimizer state when it is averaged) is averaged plainly alongside. As for
@@ -42,11 +48,16 @@ abandoned and the model, anchor and momentum keep their values.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.communicators import Communicator
+from ripples.worker.dataplane.preduce import copy_from_donor
+
+logger = logging.getLogger(__name__)
 
 
 class OuterState:
@@ -69,10 +80,27 @@ class OuterState:
         with torch.no_grad():
             self.anchor = state.flat[: self.numel].detach().clone()
             self.momentum = torch.zeros_like(self.anchor)
+        self.anchored = False
+        """The anchor holds the start of this round: taken at the first local step
+        (`take_anchor`), restored from a checkpoint, or healed from a peer."""
+        self.in_agreement = False
+        """Every member's anchor and momentum are known to be bitwise equal (set by a
+        protocol whose every worker is in every synchronisation, after one in the group
+        form); a restore or a fresh anchor clears it."""
         self.steps_since_sync = 0
         """Local steps since the last synchronisation (0: nothing to contribute)."""
         self._staging: torch.Tensor | None = None
         self._same_anchor = False
+
+    def take_anchor(self) -> None:
+        """Before a local step: anchor at the parameters as they are, unless the anchor
+        was already taken, restored or healed."""
+        if self.anchored:
+            return
+        with torch.no_grad():
+            self.anchor.copy_(self.state.flat[: self.numel])
+        self.anchored = True
+        self.in_agreement = False
 
     def record_step(self) -> None:
         """Count one local step (the caller's optimizer stepped)."""
@@ -92,6 +120,7 @@ class OuterState:
         its last synchronisation) and rest the flat buffer past the parameters.
         `same_anchor=True` (every member's φ and m bitwise equal): [Δ | rest] * scale.
         """
+        self.take_anchor()  # a member that has not stepped yet: its model is its anchor
         flat, n = self.state.flat, self.numel
         rest = flat.numel() - n
         size = (n if same_anchor else 2 * n) + rest
@@ -133,7 +162,9 @@ class OuterState:
         assert self._staging is not None, "commit() without stage()"
         flat, n, staged = self.state.flat, self.numel, self._staging
         with torch.no_grad():
-            if self._same_anchor:
+            if self._same_anchor and not self.steps_since_sync:
+                rest = staged[n:]  # nothing unspent anywhere: no outer step (no momentum)
+            elif self._same_anchor:
                 delta = staged[:n]  # the group's Δ̄: every member steps identically
                 self.momentum.mul_(self.momentum_factor).add_(delta)
                 delta.add_(self.momentum, alpha=self.momentum_factor)
@@ -146,10 +177,33 @@ class OuterState:
             flat[:n].copy_(self.anchor)
             flat[n:].copy_(rest)
         self.steps_since_sync = 0
+        self.anchored = True
 
     def abandon(self) -> None:
         """Forget the staging buffer after a failed collective; nothing else changed."""
         self._staging = None
+
+    # ------------------------------------------------------------------ healing
+    def heal(self, comm: Communicator, donor: int, model_numel: int,
+             timeout_seconds: float) -> None:
+        """A heal group (an elastic join): the joiner takes the donor's anchor, momentum
+        and model buffers, and its parameters become the donor's *anchor*, its last
+        synchronised point, not its model mid-round: the donor's progress since then is
+        in the donor's next pseudo-gradient, and copying it would count it twice. The
+        donor keeps its own; the joiner's inner optimizer state starts anew."""
+        n, flat = self.numel, self.state.flat
+        self.take_anchor()  # a donor that has not stepped yet: its model is its anchor
+        with torch.no_grad():
+            payload = torch.cat([self.anchor, self.momentum, flat[n:model_numel]])
+        copied = copy_from_donor(payload, comm, donor, timeout_seconds)
+        if copied is None:  # the donor
+            return
+        with torch.no_grad():
+            self.anchor.copy_(copied[:n])
+            self.momentum.copy_(copied[n : 2 * n])
+            flat[:n].copy_(self.anchor)
+            flat[n:model_numel].copy_(copied[2 * n :])
+        self.anchored, self.in_agreement, self.steps_since_sync = True, False, 0
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self, saved: object) -> None:
@@ -162,28 +216,31 @@ class OuterState:
             self.restart_from_model()
 
     def restart_from_model(self) -> None:
-        """Start afresh from the parameters as they are (a checkpoint that holds no outer
-        state was loaded): they become the anchor, the momentum is zero."""
+        """Start afresh from the parameters as they will be at the next local step (a
+        checkpoint that holds no outer state was loaded): they become the anchor, the
+        momentum is zero."""
         with torch.no_grad():
-            self.anchor.copy_(self.state.flat[: self.numel])
             self.momentum.zero_()
-        self.steps_since_sync = 0
+        self.anchored, self.in_agreement, self.steps_since_sync = False, False, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the anchor and momentum, the step count and the outer step's
-        hyper-parameters (checked again on load)."""
-        return {"anchor": self.anchor.detach().clone(), "momentum": self.momentum.detach().clone(),
+        """CPU copies of the anchor and momentum, the step count and the outer step's
+        hyper-parameters."""
+        self.take_anchor()
+        return {"anchor": self.anchor.detach().to("cpu", copy=True),
+                "momentum": self.momentum.detach().to("cpu", copy=True),
                 "steps_since_sync": self.steps_since_sync, "lr": self.lr,
                 "momentum_factor": self.momentum_factor}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Restore a `state_dict`; ValueError naming what differs if it was saved by a
-        run with another outer step or another model."""
+        """Restore a `state_dict`; ValueError if it was saved for another model. A
+        different outer lr or momentum is this run's to choose (as a learning rate on
+        resume): it is used from now on, with a warning."""
         for key, option in (("lr", "outer_lr"), ("momentum_factor", "outer_momentum")):
             if float(saved[key]) != getattr(self, key):
-                raise ValueError(f"the checkpoint's outer step has {option} {saved[key]:g}, "
-                                 f"this run {getattr(self, key):g}: resume with --"
-                                 f"{option.replace('_', '-')} {saved[key]:g}")
+                logger.warning("the checkpoint's outer step had %s %g, this run has %g: "
+                               "the run's value applies from now on", option,
+                               float(saved[key]), getattr(self, key))
         for key in ("anchor", "momentum"):
             value = saved[key]
             if not isinstance(value, torch.Tensor) or value.shape != self.anchor.shape:
@@ -194,3 +251,23 @@ class OuterState:
             self.anchor.copy_(saved["anchor"])
             self.momentum.copy_(saved["momentum"])
         self.steps_since_sync = int(saved["steps_since_sync"])
+        self.anchored, self.in_agreement = True, False
+
+
+def outer_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float, *,
+                  same_anchor: bool = False) -> None:
+    """Synchronise local-step training over one group: every member takes its own outer
+    step, the group averages the results, and every member leaves with the group's model,
+    anchor and outer momentum (outer_state.py). `same_anchor`: the members' anchors and
+    momenta are bitwise equal (allreduce), so only the pseudo-gradients travel.
+
+    One SUM collective on the outer state's staging buffer, pre-scaled by 1/|G| as in
+    `preduce`; on any error the staging buffer is abandoned and the model, anchor and
+    momentum keep their local values."""
+    staged = outer.stage(1.0 / comm.size, same_anchor=same_anchor)
+    try:
+        comm.allreduce_sum_(staged, timeout_seconds)
+    except BaseException:
+        outer.abandon()
+        raise
+    outer.commit()

@@ -8,7 +8,6 @@ import torch
 
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.outer_state import OuterState
 
 
 def preduce(params: AveragedState, comm: Communicator, timeout_seconds: float) -> None:
@@ -96,21 +95,3 @@ class DeltaAverager:
             self.flat.add_(delta)
         return tuple(float(v) for v in self._staged[n:].tolist())
 
-
-def outer_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float, *,
-                  same_anchor: bool = False) -> None:
-    """Synchronise local-step training over one group: every member takes its own outer
-    step, the group averages the results, and every member leaves with the group's model,
-    anchor and outer momentum (outer_state.py). `same_anchor`: the members' anchors and
-    momenta are bitwise equal (allreduce), so only the pseudo-gradients travel.
-
-    One SUM collective on the outer state's staging buffer, pre-scaled by 1/|G| as in
-    `preduce`; on any error the staging buffer is abandoned and the model, anchor and
-    momentum keep their local values."""
-    staged = outer.stage(1.0 / comm.size, same_anchor=same_anchor)
-    try:
-        comm.allreduce_sum_(staged, timeout_seconds)
-    except BaseException:
-        outer.abandon()
-        raise
-    outer.commit()

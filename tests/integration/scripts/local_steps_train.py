@@ -1,6 +1,8 @@
 """A training script for the tests of local steps (issue 33), on the public API only: a
-small MLP, AdamW, and batches that depend on (rank, step) alone, so that a test can replay
-every worker's steps in one process and compare (`batch`, `build_model`)."""
+small MLP (with --batchnorm, a BatchNorm layer whose statistics are averaged too), AdamW,
+and batches that depend on (rank, step) alone, so that a test can replay every worker's
+steps in one process and compare (`batch`, `build_model`). With --checkpoint, a
+ripples.Checkpointer saves and restores (the launch's --checkpoint-dir)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ FEATURES, CLASSES, BATCH = 12, 4, 16
 LR = 0.01
 
 
-def build_model() -> nn.Module:
+def build_model(batchnorm: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, CLASSES))
+    # After the ReLU: a bias just before a BatchNorm gets no gradient but rounding noise,
+    # which AdamW's normalised step turns into steps no two computations agree on.
+    norm = [nn.BatchNorm1d(16)] if batchnorm else []
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), *norm, nn.Linear(16, CLASSES))
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,11 +38,15 @@ def main() -> None:
     parser.add_argument("--reload-at", type=int, default=0,
                         help="after this step, load opt.state_dict() back into the optimizer "
                         "(a resume in place): the run must go on as if it had not")
+    parser.add_argument("--batchnorm", action="store_true")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="save and restore with ripples.Checkpointer")
     args = parser.parse_args()
     worker = ripples.init()
-    model = build_model()
+    model = build_model(args.batchnorm)
     opt = ripples.Optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
-    step = 0
+    ckpt = ripples.Checkpointer(opt) if args.checkpoint else None
+    step = ckpt.restore() if ckpt is not None else 0
     while not opt.stopped:
         step += 1
         x, y = batch(worker.rank, step)
@@ -46,6 +55,8 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.report_loss(loss, num_samples=len(x))
+        if ckpt is not None:
+            ckpt.step()
         if step == args.reload_at:
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
 
