@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ripples.bench.matrix import (
+    DILOCO_VARIANT,
     SCRIPT_WORKLOADS,
     VARIANTS,
     HarnessConfig,
     base_protocol,
+    diloco_flags,
     takes_topology,
 )
 from ripples.bench.peers import PEERS
@@ -61,6 +63,11 @@ class RunRecord:
     others_seconds_per_iteration: float | None = None
     """Wall time over the iterations of an average worker that the scenario does not slow
     in every iteration (all workers in homogeneous and random scenarios)."""
+    bytes_per_worker_step: float | None = None
+    """Bytes a worker fed into its synchronisations' collectives per optimizer step, all
+    workers' over all their steps (summary.json's; None: not counted, or an older record).
+    Ripples' workers count what they hand their collectives; the peers' are counted as
+    bench/peers/progress.py's bytes_per_step says."""
 
 
 def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int,
@@ -78,6 +85,8 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
         The argv, a script workload's (SCRIPT_WORKLOADS) after `--`.
     """
     extra = list(VARIANTS[protocol].flags) if protocol in VARIANTS else []
+    if protocol == DILOCO_VARIANT:  # the peer's H and outer step, overrides included
+        extra = list(diloco_flags(cfg.peer_settings.get("torchft-diloco", {})))
     if takes_topology(protocol) and cfg.topology != "complete":
         extra += ["--topology", cfg.topology]
     if PROTOCOLS[base_protocol(protocol)].role.coordination is Coordination.GOSSIP:
@@ -189,5 +198,6 @@ def record_from_summary(summary: dict, scenario: Scenario, repeat: int,
         others_seconds_per_iteration=(summary["wall_seconds"] / (sum(others) / len(others))
                                       if others and sum(others) else None),
         samples_per_second=summary.get("samples_per_second"),
+        bytes_per_worker_step=summary.get("bytes_per_worker_step"),
     )
 

@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ripples.bench.peers import PEERS, missing_package
+from ripples.bench.peers import DILOCO_DEFAULTS, PEERS, missing_package
 from ripples.cli.arguments import scalar
 from ripples.coordinator.topology import TOPOLOGIES
 from ripples.protocols.registry import PROTOCOLS
@@ -28,6 +28,19 @@ class Variant:
     flags: tuple[str, ...]
     description: str
 
+
+def diloco_flags(settings: dict[str, object]) -> tuple[str, ...]:
+    """The `ripples run` flags of DiLoCo with torchft-diloco's knobs (sync_every, outer_lr,
+    outer_momentum; the others are ignored)."""
+    knobs = {**DILOCO_DEFAULTS, **{k: v for k, v in settings.items() if k in DILOCO_DEFAULTS}}
+    return ("--local-steps", str(knobs["sync_every"]), "--outer-optimizer", "nesterov",
+            "--outer-lr", f"{float(knobs['outer_lr']):g}",  # type: ignore[arg-type]
+            "--outer-momentum", f"{float(knobs['outer_momentum']):g}")  # type: ignore[arg-type]
+
+
+DILOCO_VARIANT = "allreduce-diloco"
+"""The variant that runs torchft-diloco's algorithm in Ripples: bench_run.run_command
+gives it the peer's H and outer step, --peer-setting overrides included."""
 
 VARIANTS: dict[str, Variant] = {
     "a2cid2-no-momentum": Variant(
@@ -46,6 +59,11 @@ VARIANTS: dict[str, Variant] = {
     "lpp-sgd-smart": Variant(
         protocol="lpp-sgd", flags=("--lpp-averaging", "ripples-smart"),
         description="LPP-SGD averaging in the smart Group Generator's groups (P-Reduce)"),
+    DILOCO_VARIANT: Variant(
+        protocol="allreduce", flags=diloco_flags(DILOCO_DEFAULTS),
+        description="DiLoCo: allreduce of the pseudo-gradients every H steps and an outer "
+                    "Nesterov step, with the H and outer step of the torchft-diloco peer "
+                    "(its --peer-setting overrides apply here too; docs/local-steps.md)"),
 }
 MATRIX_PROTOCOLS: tuple[str, ...] = (*PROTOCOLS, *VARIANTS)
 """What the matrix can run: every registered protocol, then the variants."""

@@ -62,7 +62,7 @@ def medians(records: list[RunRecord]) -> list[dict]:
                "preduce_seconds_per_iteration", "speedup_vs_allreduce",
                "consensus_distance_mean", "consensus_distance_final",
                "others_seconds_per_iteration", "samples_per_second",
-               "throughput_vs_allreduce"]
+               "throughput_vs_allreduce", "bytes_per_worker_step"]
     rows = []
     for scenario, protocol in keys:
         runs = [r for r in records if (r.scenario, r.protocol) == (scenario, protocol)]
@@ -93,13 +93,27 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def format_bytes(value: object) -> str:
+    """A byte count with its unit (kB = 1000 B), three significant digits; "-" for None
+    (a system whose bytes are not counted, or a record from before they were)."""
+    if value is None:
+        return "-"
+    size = float(value)  # type: ignore[arg-type]
+    for unit in ("B", "kB", "MB"):
+        if abs(size) < 999.5:
+            return f"{size:.3g} {unit}"
+        size /= 1000
+    return f"{size:.3g} GB"
+
+
 def format_table(rows: list[dict]) -> str:
     """The medians as the text table `ripples bench` prints.
 
     'vs homog': epoch time over the protocol's own homogeneous one; 'others': the same
     for the iteration time of the workers that the scenario does not slow in every
-    iteration; 'thruput': samples per second over allreduce's; a consensus-distance
-    column (mean of the run's estimates) when some protocol gossiped.
+    iteration; 'thruput': samples per second over allreduce's; 'bytes/step': what a
+    worker fed into its collectives per step; a consensus-distance column (mean of the
+    run's estimates) when some protocol gossiped.
 
     Args:
         rows: The medians (`medians`).
@@ -110,7 +124,8 @@ def format_table(rows: list[dict]) -> str:
     gossip = any(row.get("consensus_distance_mean") is not None for row in rows)
     lines = [f"{'scenario':<12} {'protocol':<18} {'to target':>10} {'speedup':>8} "
              f"{'s/epoch':>8} {'vs homog':>8} {'others':>7} {'iters':>7} {'s/iter':>7} "
-             f"{'compute':>8} {'wait':>6} {'preduce':>8} {'samples/s':>9} {'thruput':>7}"
+             f"{'compute':>8} {'wait':>6} {'preduce':>8} {'samples/s':>9} {'thruput':>7} "
+             f"{'bytes/step':>10}"
              + (f" {'consensus':>10}" if gossip else "")]
     for row in rows:
         lines.append(
@@ -126,7 +141,8 @@ def format_table(rows: list[dict]) -> str:
             f"{_fmt(row['wait_seconds_per_iteration'], '.3f'):>6} "
             f"{_fmt(row['preduce_seconds_per_iteration'], '.3f'):>8} "
             f"{_fmt(row.get('samples_per_second'), '.0f'):>9} "
-            f"{_ratio(row.get('throughput_vs_allreduce')):>7}"
+            f"{_ratio(row.get('throughput_vs_allreduce')):>7} "
+            f"{format_bytes(row.get('bytes_per_worker_step')):>10}"
             + (f" {_fmt(row.get('consensus_distance_mean'), '.3g'):>10}" if gossip else ""))
     return "\n".join(lines)
 
@@ -143,7 +159,8 @@ def format_markdown(rows: list[dict]) -> str:
     gossip = any(row.get("consensus_distance_mean") is not None for row in rows)
     head = ["scenario", "protocol", "to target", "iterations", "s/iter", "compute", "wait",
             "P-Reduce", "speedup vs allreduce", "epoch time vs own homogeneous",
-            "others' s/iter vs own homogeneous", "samples/s", "throughput vs allreduce"]
+            "others' s/iter vs own homogeneous", "samples/s", "throughput vs allreduce",
+            "bytes per worker per step"]
     head += ["consensus distance (mean)"] if gossip else []
     lines = ["| " + " | ".join(head) + " |",
              "|---|---|" + "---:|" * (len(head) - 2)]
@@ -161,7 +178,8 @@ def format_markdown(rows: list[dict]) -> str:
                  _ratio(row["epoch_time_vs_homogeneous"]),
                  _ratio(row.get("others_iteration_time_vs_homogeneous")),
                  _fmt(row.get("samples_per_second"), ".0f"),
-                 _ratio(row.get("throughput_vs_allreduce"))]
+                 _ratio(row.get("throughput_vs_allreduce")),
+                 format_bytes(row.get("bytes_per_worker_step"))]
         if gossip:
             cells.append(_fmt(row.get("consensus_distance_mean"), ".3g"))
         lines.append("| " + " | ".join(cells) + " |")

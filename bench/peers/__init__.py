@@ -1,4 +1,5 @@
-"""Peer systems in `ripples bench --peers`: hivemind and torchft on the bench's task.
+"""Peer systems in `ripples bench --peers`: hivemind and torchft (its DDP and its DiLoCo)
+on the bench's task.
 
 They are optional (`pip install 'ripples[peers]'`): a peer whose package is missing is
 skipped with a message naming the package. Each peer run is N worker processes of that
@@ -28,6 +29,12 @@ class PeerSpec:
     """The values `python -m ripples.bench.peers.sweep` tries, one knob at a time."""
 
 
+DILOCO_DEFAULTS: dict[str, Any] = {"sync_every": 8, "outer_lr": 0.7, "outer_momentum": 0.9}
+"""torchft-diloco's H and outer optimizer, and the `allreduce-diloco` variant's
+(bench/matrix.py): one source, so that the two rows run the same algorithm. DiLoCo's
+paper's outer step (lr 0.7, Nesterov momentum 0.9) and Ripples' own defaults for
+--outer-lr and --outer-momentum (docs/configuration.md)."""
+
 PEERS: dict[str, PeerSpec] = {p.name: p for p in (
     PeerSpec(
         name="hivemind-local", package="hivemind",
@@ -52,6 +59,16 @@ PEERS: dict[str, PeerSpec] = {p.name: p for p in (
                   "heartbeat_timeout_ms": 5000, "timeout_seconds": 10.0},
         sweep={"mode": ("ddp", "localsgd-4", "localsgd-16"),
                "join_timeout_ms": (100, 1000, 10000)}),
+    PeerSpec(
+        name="torchft-diloco", package="torchft",
+        description="torchft.local_sgd.DiLoCo under a Manager with a lighthouse: "
+                    "sync_every local steps of the task's optimizer, then a quorum, the "
+                    "pseudo-gradients (anchor - parameters) averaged, and an outer Nesterov "
+                    "SGD step on the anchor (Ripples' allreduce --local-steps H "
+                    "--outer-optimizer nesterov)",
+        defaults={**DILOCO_DEFAULTS, "join_timeout_ms": 10000, "quorum_tick_ms": 10,
+                  "heartbeat_timeout_ms": 5000, "timeout_seconds": 10.0},
+        sweep={"sync_every": (4, 8, 16), "outer_lr": (0.5, 0.7, 1.0)}),
 )}
 
 

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,11 @@ class PeerBackend(ABC):
     """The optimizer whose learning rate a schedule sets."""
     start_step = 0
     """The step a worker starts counting from (a replacement's is its peers')."""
+    sent_bytes: int | None = 0
+    """Bytes this worker fed into its peer system's collectives so far (the vectors it
+    handed to an all-reduce, as a Ripples worker's preduce_bytes; about 2(N-1)/N times
+    that goes on the wire). None: this system's are not counted. worker.py logs each
+    step's share (progress.py), launch.py sums them into summary.json."""
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -72,15 +78,20 @@ class PeerBackend(ABC):
 def make_backend(cfg: PeerWorkerConfig, work: PeerWorkload, files: PeerRunFiles) -> PeerBackend:
     if cfg.peer in ("hivemind-local", "hivemind-sync"):
         return HivemindBackend(cfg, work, files, local_updates=cfg.peer == "hivemind-local")
-    if cfg.peer == "torchft":
+    if cfg.peer in ("torchft", "torchft-diloco"):
         return TorchftBackend(cfg, work)
     raise ValueError(f"no backend for peer {cfg.peer!r}")
+
+
+def tensor_bytes(tensors: Iterable[Tensor]) -> int:
+    """What the tensors hold, in bytes."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def start_service(peer: str, files: PeerRunFiles, settings: dict[str, Any]
                   ) -> tuple[subprocess.Popen[bytes] | None, dict[str, str]]:
     """The peer system's own service, if it has one, and how workers reach it."""
-    if peer != "torchft":
+    if peer not in ("torchft", "torchft-diloco"):
         return None, {}
     port = free_port()
     log = (files.directory / "lighthouse.log").open("wb")
@@ -217,6 +228,12 @@ class HivemindBackend(PeerBackend):
             shutdown_timeout=5.0, verbose=False, **gradients)
         self.model = model
         self.optimizer = self.hivemind_optimizer.state_averager.optimizer
+        # What one averaging round feeds in: the state averager's parameters and extra
+        # tensors (BatchNorm statistics; no optimizer statistics are averaged), and in
+        # sync mode the gradient averager's accumulated gradients too.
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        self._state_bytes = tensor_bytes([*parameters, *_floating_buffers(model)])
+        self._gradient_bytes = 0 if local_updates else tensor_bytes(parameters)
         phase.done("built hivemind.Optimizer")
         if cfg.incarnation > 0:  # a replacement: the collaboration's state first
             self.hivemind_optimizer.load_state_from_peers()
@@ -226,7 +243,16 @@ class HivemindBackend(PeerBackend):
         self.hivemind_optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> None:
-        self.hivemind_optimizer.step()
+        optimizer = self.hivemind_optimizer
+        epoch, peers = optimizer.local_epoch, optimizer.tracker.global_progress.num_peers
+        optimizer.step()
+        if optimizer.local_epoch == epoch + 1 and self.sent_bytes is not None:
+            # This step ended a hivemind epoch: sync mode averaged the gradients, and the
+            # state is averaged when the swarm had another peer (hivemind's own test,
+            # average_state_every 1). Nominal: a round that found no group or timed out
+            # counts too; an epoch skipped by catching up (load_state_from_peers, the
+            # epoch jumps) sent nothing and counts nothing.
+            self.sent_bytes += self._gradient_bytes + (self._state_bytes if peers > 1 else 0)
 
     def model_state(self) -> dict[str, Tensor]:
         return self.model.state_dict()
@@ -245,10 +271,26 @@ class TorchftBackend(PeerBackend):
     """torchft: one replica group per worker (world size 1 inside it), a Manager talking
     to the run's lighthouse, gloo between the groups.
 
-    mode "ddp": torchft.DistributedDataParallel and torchft.Optimizer: every step a quorum
-    (started asynchronously at zero_grad), the gradients all-reduced among its members,
-    and the step committed only if every member succeeded. mode "localsgd-K":
-    torchft.local_sgd.LocalSGD: K local steps, then a quorum and the parameters averaged."""
+    Peer torchft, mode "ddp": torchft.DistributedDataParallel and torchft.Optimizer: every
+    step a quorum (started asynchronously at zero_grad), the gradients all-reduced among
+    its members, and the step committed only if every member succeeded. mode
+    "localsgd-K": torchft.local_sgd.LocalSGD: K local steps, then a quorum and the
+    parameters averaged.
+
+    Peer torchft-diloco: torchft.local_sgd.DiLoCo around the task's optimizer (the inner
+    one, its state local): `sync_every` (H) local steps, then a synchronous quorum, the
+    pseudo-gradients (the anchor, i.e. the parameters at the last synchronisation, minus
+    the parameters) averaged in one bucketised all-reduce, and an outer
+    SGD(outer_lr, outer_momentum, nesterov) step on the anchor, which every replica then
+    trains from; a failed quorum or all-reduce discards the round (back to the anchor).
+    The outer step runs in the inner optimizer's post-step hook, so the worker's step loop
+    is unchanged. Parameters only: torchft averages no buffers (BatchNorm's statistics
+    stay each replica's own).
+
+    Bytes: the Manager counts every tensor it is handed to all-reduce (DDP's gradient
+    buckets, 4P per step for P fp32 parameters; DiLoCo's pseudo-gradient bucket, 4P per
+    H steps; LocalSGD's parameters, 4P per K steps), except once it has errored
+    (torchft's all-reduce is then a no-op)."""
 
     def __init__(self, cfg: PeerWorkerConfig, work: PeerWorkload) -> None:
         import torch.distributed as dist
@@ -256,10 +298,21 @@ class TorchftBackend(PeerBackend):
         from torchft import Optimizer as FtOptimizer
 
         settings = cfg.settings
-        mode = str(settings["mode"])
-        self.sync_every = int(mode.removeprefix("localsgd-")) if mode.startswith("localsgd-") else 0
-        if mode != "ddp" and self.sync_every < 1:
-            raise ValueError(f"torchft mode {mode!r}: write ddp or localsgd-K (K >= 1)")
+        diloco = cfg.peer == "torchft-diloco"
+        if diloco:
+            self.sync_every = int(settings["sync_every"])
+            outer_lr, outer_momentum = (float(settings["outer_lr"]),
+                                        float(settings["outer_momentum"]))
+            if self.sync_every < 1 or not outer_lr > 0 or not 0 <= outer_momentum < 1:
+                raise ValueError(f"torchft-diloco needs sync_every >= 1, outer_lr > 0 and "
+                                 f"0 <= outer_momentum < 1, got {self.sync_every}, "
+                                 f"{outer_lr:g}, {outer_momentum:g}")
+        else:
+            mode = str(settings["mode"])
+            self.sync_every = (int(mode.removeprefix("localsgd-"))
+                               if mode.startswith("localsgd-") else 0)
+            if mode != "ddp" and self.sync_every < 1:
+                raise ValueError(f"torchft mode {mode!r}: write ddp or localsgd-K (K >= 1)")
         model, inner = work.model, work.make_optimizer(work.params(work.model))
         self.plain_model, self.optimizer = model, inner
         # The replica group's store: one process per group, so this process hosts it,
@@ -281,24 +334,52 @@ class TorchftBackend(PeerBackend):
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["optimizer"])
 
-        self.manager = Manager(
+        backend = self
+
+        class CountingManager(Manager):  # type: ignore[misc]
+            """torchft's Manager, counting the bytes handed to its all-reduce."""
+
+            def allreduce(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+                if not self.errored():
+                    backend.sent_bytes = (backend.sent_bytes or 0) + tensor_bytes([tensor])
+                return super().allreduce(tensor, *args, **kwargs)
+
+        self.manager = CountingManager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
             state_dict=state_dict, min_replica_size=1, use_async_quorum=self.sync_every == 0,
             timeout=timeout, quorum_timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_SECONDS),
             connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
             store_port=store_port, lighthouse_addr=cfg.rendezvous["lighthouse"],
-            replica_id=f"rank{cfg.rank}", hostname="127.0.0.1")
+            replica_id=f"rank{cfg.rank}", hostname="127.0.0.1",
+            # DiLoCo: no sync at step 0, as torchft says for replicas seeded alike (they
+            # are: the task's seeded model). With it, the first quorum, at the end of the
+            # first round, heals every replica but one from that one, discarding their
+            # first H steps (measured: replica 1 took replica 0's model and inner state).
+            # A replacement still heals (its step is behind).
+            init_sync=not diloco)
         self._local_sgd: Any = None
-        if self.sync_every:
-            from torchft.local_sgd import LocalSGD
+        if diloco:
+            from torchft.local_sgd import DiLoCo
 
             self.model = model
             self.ft_optimizer: torch.optim.Optimizer = inner
+            outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum,
+                                    nesterov=True)
+            # One fragment (the whole model), all-reduced in 32 MiB buckets (one for the
+            # bench's models); DiLoCo registers its anchor and outer state with the
+            # Manager, so a healing replica gets them with the model.
+            self._local_sgd = DiLoCo(self.manager, [model], inner, outer,
+                                     sync_every=self.sync_every, use_bucketization=True,
+                                     bucket_cap_mb=32)
+            self._local_sgd.__enter__()
+        elif self.sync_every:
+            from torchft.local_sgd import LocalSGD
+
+            self.model = model
+            self.ft_optimizer = inner
             self._local_sgd = LocalSGD(self.manager, model, inner, sync_every=self.sync_every)
             self._local_sgd.__enter__()
         else:
-            backend = self
-
             def timed_hook(state: Any, bucket: Any) -> Any:
                 """torchft's DDP communication hook (ddp.py's _comm_hook), timed: it waits
                 for the step's quorum and all-reduce inside backward (a slower device would
@@ -339,13 +420,15 @@ class TorchftBackend(PeerBackend):
         self.ft_optimizer.zero_grad(set_to_none=True)  # ddp: starts the step's quorum
 
     def step(self) -> None:
-        self.ft_optimizer.step()  # ddp: commits; local SGD: its hook averages every K
+        # ddp: commits; local SGD and DiLoCo: their post-step hook synchronises every K (H)
+        self.ft_optimizer.step()
 
     def last_step(self, step: int) -> int:
         """Replicas stop together, at a step none of them has begun (a replica gone
         mid-step costs the others a timed-out collective): they step in lock-step, so each
-        sees the stop file in the same step or the next; two steps on (local SGD: its next
-        averaging after that) is then a step they all still do."""
+        sees the stop file in the same step or the next; two steps on (local SGD and
+        DiLoCo: their next synchronisation after that, a multiple of K or H) is then a step
+        they all still do."""
         period = max(1, self.sync_every)
         return math.ceil((step + 2) / period) * period
 

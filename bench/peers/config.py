@@ -16,7 +16,7 @@ class PeerWorkerConfig:
     """One worker's orders (the launcher writes them as JSON; the rank is its argument)."""
 
     peer: str
-    """A name of PEERS (hivemind-local, hivemind-sync, torchft)."""
+    """A name of PEERS (hivemind-local, hivemind-sync, torchft, torchft-diloco)."""
     settings: dict[str, Any]
     """The peer's knobs (PEERS[peer].defaults with the run's overrides)."""
     workload: str

@@ -30,9 +30,11 @@ from ripples.bench.peers.progress import (
     Replay,
     StepLogTail,
     StepRecord,
+    bytes_per_step,
     fault_times,
     read_step_logs,
     replay,
+    sent_bytes,
 )
 from ripples.bench.peers.workloads import build_workload
 from ripples.consensus import average_state_dicts
@@ -252,7 +254,8 @@ class PeerRun:
         epochs = samples / work.train_samples if work.train_samples else None
         workers = [{"rank": r.rank, "iterations": r.iteration,
                     "compute_seconds": r.compute_seconds, "wait_seconds": 0.0,
-                    "preduce_seconds": r.sync_seconds}
+                    "preduce_seconds": r.sync_seconds,
+                    "preduce_bytes": sent_bytes([s for s in records if s.rank == r.rank])}
                    for r in sorted(progress.last.values(), key=lambda r: r.rank)]
         summary: dict[str, object] = {
             "protocol": cfg.peer, "peer_settings": {**PEERS[cfg.peer].defaults,
@@ -268,6 +271,8 @@ class PeerRun:
             "seconds_per_epoch": wall / epochs if epochs else None,
             "loss_curve": [[t, loss] for t, loss, _ in progress.loss_curve],
             "loss_curve_iterations": [it for _, _, it in progress.loss_curve],
+            # What a worker fed into its collectives per step (progress.bytes_per_step).
+            "bytes_per_worker_step": bytes_per_step(records),
             "consensus_distance_final": distance,
             "consensus_distance_mean": None,
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},

@@ -39,17 +39,49 @@ class StepRecord:
     sync_seconds: float
     """Cumulative seconds inside the peer system's calls (its averaging, all-reduce,
     quorum and the waits in them)."""
+    sent_bytes: int | None = None
+    """Bytes this step fed into the peer system's collectives (backends.PeerBackend's
+    sent_bytes; None: not counted, or a log from before they were)."""
 
     def line(self) -> str:
-        return json.dumps({"t": self.time, "i": self.iteration, "loss": self.loss,
-                           "n": self.samples, "c": round(self.compute_seconds, 6),
-                           "s": round(self.sync_seconds, 6)})
+        d = {"t": self.time, "i": self.iteration, "loss": self.loss, "n": self.samples,
+             "c": round(self.compute_seconds, 6), "s": round(self.sync_seconds, 6)}
+        if self.sent_bytes is not None:
+            d["b"] = self.sent_bytes
+        return json.dumps(d)
 
     @classmethod
     def parse(cls, rank: int, line: str) -> StepRecord:
         d = json.loads(line)
         return cls(rank=rank, time=d["t"], iteration=d["i"], loss=d["loss"], samples=d["n"],
-                   compute_seconds=d["c"], sync_seconds=d["s"])
+                   compute_seconds=d["c"], sync_seconds=d["s"], sent_bytes=d.get("b"))
+
+
+def sent_bytes(records: list[StepRecord]) -> int | None:
+    """The bytes the records' steps fed into collectives (None when one step's are not
+    counted)."""
+    if any(r.sent_bytes is None for r in records):
+        return None
+    return sum(r.sent_bytes or 0 for r in records)
+
+
+def bytes_per_step(records: list[StepRecord]) -> float | None:
+    """Bytes a worker fed into its peer system's collectives per optimizer step: every
+    step's bytes over the steps, all workers' and incarnations' together, as a Ripples
+    run's summary computes its own (cli/local_cluster.py); None before any step, or when
+    a step's bytes are not counted.
+
+    What a step counts is its backend's (backends.py): torchft's DDP hands its Manager
+    4P bytes of gradient buckets every step (P fp32 parameters), torchft-diloco 4P of
+    pseudo-gradients every H steps, so 4P/H, LocalSGD 4P of parameters every K; hivemind
+    counts, at each step that ends one of its epochs, 4(P + B) of averaged state
+    (parameters and B BatchNorm values; hivemind-local, and hivemind-sync when the swarm
+    had another peer) plus, in sync mode, 4P of gradients: 4(P + B) x rounds / steps and
+    4(2P + B) x global steps / local steps."""
+    if not records:
+        return None
+    total = sent_bytes(records)
+    return total / len(records) if total is not None else None
 
 
 def step_log_path(directory: Path, rank: int) -> Path:

@@ -5,9 +5,10 @@ The loop is the Ripples runner's (worker/runner.py): its own data shard, forward
 backward, clipping, then the straggler's injected sleep ((factor - 1) x the step's
 compute, seeded per rank as a Ripples worker seeds it), then the optimizer step, which is
 where each peer system synchronises. Every step appends a line to the worker's step log
-(progress.py). Before the first step every worker waits until all are ready (their
-peer system joined), as a Ripples run starts when all its workers are; it stops at its
-step cap or when the launcher writes the stop file (the target was reached).
+(progress.py), with the bytes the step fed into the peer system's collectives. Before
+the first step every worker waits until all are ready (their peer system joined), as a
+Ripples run starts when all its workers are; it stops at its step cap or when the
+launcher writes the stop file (the target was reached).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def train(cfg: PeerWorkerConfig) -> int:
                 if step >= last:
                     break
             began = time.perf_counter()
+            sent_before = backend.sent_bytes
             inputs, targets = next(work.batches)
             synced = time.perf_counter()
             backend.zero_grad()
@@ -102,10 +104,12 @@ def train(cfg: PeerWorkerConfig) -> int:
             compute_total += compute
             sync_total += sync
             recent.append(float(loss.detach()))
+            sent = (backend.sent_bytes - sent_before
+                    if backend.sent_bytes is not None and sent_before is not None else None)
             log.write(StepRecord(rank=cfg.rank, time=time.time(), iteration=step,
                                  loss=sum(recent) / len(recent), samples=samples,
                                  compute_seconds=compute_total,
-                                 sync_seconds=sync_total).line() + "\n")
+                                 sync_seconds=sync_total, sent_bytes=sent).line() + "\n")
         torch.save({k: v.detach().clone() for k, v in backend.model_state().items()},
                    files.model(cfg.rank))
     finally:

@@ -61,6 +61,18 @@ def test_a_peer_trains_the_bench_task_and_is_summarised_like_a_ripples_run(
     # has the model's keys, every tensor finite.
     model = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
+    # What a worker fed into collectives per step, against what each system all-reduces:
+    # DDP 4P every step, DiLoCo 4P every H steps (at most: the last round may be cut by
+    # the step cap), hivemind at most 4P of gradients and 4P of parameters per step.
+    four_p = 4 * sum(v.numel() for v in model.values())  # digits' MLP: no buffers
+    per_step = summary["bytes_per_worker_step"]
+    if peer == "torchft":
+        assert per_step == four_p
+    elif peer == "torchft-diloco":
+        assert 0 < per_step <= four_p / PEERS[peer].defaults["sync_every"]
+    else:
+        assert 0 <= per_step <= 2 * four_p
+    assert sum(w["preduce_bytes"] for w in workers) == pytest.approx(per_step * len(steps))
     # Where the steps went: every step of both workers, split into compute and sync.
     where = steps_report.report(tmp_path)
     assert where["protocol"] == peer and where["steps"] == len(steps)

@@ -75,6 +75,14 @@ def test_matrix_entries_become_run_commands(tmp_path: Path) -> None:
                                  "--backup-workers", "1", "--max-jump", "4",
                                  "--topology", "ring"]
     assert flags("lpp-sgd-smart") == ["--protocol", "lpp-sgd", "--lpp-averaging", "ripples-smart"]
+    # DiLoCo in Ripples runs the torchft-diloco peer's H and outer step, its overrides too.
+    assert flags("allreduce-diloco") == ["--protocol", "allreduce", "--local-steps", "8",
+                                         "--outer-optimizer", "nesterov", "--outer-lr", "0.7",
+                                         "--outer-momentum", "0.9"]
+    cfg.peer_settings = {"torchft-diloco": {"sync_every": 4, "outer_lr": 1.0}}
+    assert flags("allreduce-diloco") == ["--protocol", "allreduce", "--local-steps", "4",
+                                         "--outer-optimizer", "nesterov", "--outer-lr", "1",
+                                         "--outer-momentum", "0.9"]
 
 
 def test_the_others_iteration_time_leaves_out_the_deterministic_straggler() -> None:
@@ -146,7 +154,7 @@ def test_markdown_table_has_a_row_per_median_and_marks_missed_targets() -> None:
     lines = harness.format_markdown([row]).splitlines()
     assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "| slow-10x | a2cid2 | not reached (0/2) | - |" in lines[2]
-    assert "| 1.04x | - | - | - | 0.5 |" in lines[2]
+    assert "| 1.04x | - | - | - | - | 0.5 |" in lines[2]  # ... bytes per step, consensus
 
 
 def test_a_script_workload_runs_the_script_after_the_run_options(tmp_path: Path) -> None:
