@@ -122,7 +122,7 @@ def run_peer_fault(cfg: FaultConfig, peer: str, repeat: int, out: Path) -> Fault
     detect = cfg.detect_seconds
     settings: dict[str, object] = (
         {"timeout_seconds": detect, "heartbeat_timeout_ms": int(detect * 1000)}
-        if peer == "torchft" else {"averaging_timeout": detect})
+        if PEERS[peer].package == "torchft" else {"averaging_timeout": detect})
     try:
         summary = run_peer(PeerRunConfig(
             peer=peer, workload=cfg.task, num_workers=cfg.workers, seed=cfg.seed + repeat,
