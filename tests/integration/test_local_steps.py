@@ -253,3 +253,27 @@ def test_a_joiner_of_a_local_step_run_heals_its_anchor_and_averages(tmp_path: Pa
         assert any(joiner.worker_id in g.members and g.heal_donor is None
                    for g in core.recent_groups), "the joiner averaged in no group"
         assert "healed from worker" in outputs[3], outputs[3][-3000:]
+
+
+@pytest.mark.slow
+def test_adpsgd_takes_local_steps_and_the_outer_step_in_its_exchanges(tmp_path: Path) -> None:
+    """adpsgd, H = 4: exchanges are owed once per round (rate_com per round), each the
+    outer form's (the anchor, momentum and buffers of each side); the run ends at its
+    budget with finite models."""
+    steps = 40
+    proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
+                       "adpsgd", "--iterations", str(steps), "--local-steps", str(H),
+                       "--outer-optimizer", "nesterov", "--seed", "1", "--output",
+                       str(tmp_path), "--", "python", str(SCRIPT), "--batchnorm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
+    model = _script().build_model(batchnorm=True)
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    per_exchange = 4 * (2 * params + buffers)
+    sent = [w["preduce_bytes"] for w in summary["workers"]]
+    assert all(s % per_exchange == 0 for s in sent) and sum(sent) > 0, (sent, per_exchange)
+    for rank in range(4):
+        state = torch.load(tmp_path / "workers" / f"rank{rank}.pt")
+        assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
