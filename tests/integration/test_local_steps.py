@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import math
 from pathlib import Path
 from types import ModuleType
 
@@ -277,3 +278,26 @@ def test_adpsgd_takes_local_steps_and_the_outer_step_in_its_exchanges(tmp_path: 
     for rank in range(4):
         state = torch.load(tmp_path / "workers" / f"rank{rank}.pt")
         assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+@pytest.mark.slow
+def test_the_readmes_local_steps_command_trains_the_language_model(tmp_path: Path) -> None:
+    """README: `ripples run --workers 4 --protocol ripples-smart --local-steps 8
+    --outer-optimizer nesterov -- python examples/transformer_lm.py`, with a smaller
+    model and fewer steps (AdamW, the scheduler on the global step, GradScaler and the
+    Checkpointer's hooks all in the loop)."""
+    readme = (REPO / "README.md").read_text()
+    command = ("ripples run --workers 4 --protocol ripples-smart --local-steps 8 "
+               "--outer-optimizer nesterov -- python examples/transformer_lm.py")
+    assert command in readme
+    small = ["--steps", "40", "--d-model", "32", "--layers", "1", "--heads", "2",
+             "--block-size", "32", "--batch-size", "8", "--warmup", "5",
+             "--log-every", "1000"]
+    proc = ripples_cli(*command.split()[1:command.split().index("--")],
+                       "--output", str(tmp_path), "--quiet", "--", "python",
+                       str(REPO / "examples" / "transformer_lm.py"), *small, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
+    assert summary["final_train_loss"] < math.log(256)  # below a uniform guess
+    assert 0 < summary["bytes_per_worker_step"]
