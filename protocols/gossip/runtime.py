@@ -15,6 +15,10 @@ thread owns every collective and every coordinator request of the protocol:
   A2CiD2's continuous mixing with its momentum copy (state.py).
 
 What differs between the two is their `GossipVariant` (spec.py).
+
+adpsgd with local steps (`--local-steps H`) owes `--rate-com` exchanges per round of H
+steps; with `--outer-optimizer nesterov` an exchange is the outer form of the pair on
+the exchanged snapshot (OuterState.exchange; docs/local-steps.md, "Gossip").
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ripples.protocols.gossip.state import (
 from ripples.protocols.gossip.variants import VARIANTS
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
+from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.dataplane.preduce import copy_from_donor, copy_model
 from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocol import (
@@ -88,6 +93,14 @@ class GossipProtocol(Protocol):
             if variant.momentum and settings.momentum else MomentumParameters()
         self.passive = constants.passive
         self.timeout = cfg.collective_timeout_seconds
+        self.local_steps = max(1, cfg.local_steps)
+        """adpsgd with local steps: a round is this many steps, and --rate-com counts the
+        exchanges owed per round."""
+        if cfg.outer_optimizer == "nesterov":
+            self.outer = OuterState(ctx.state, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        self._spent_at = 0
+        """The communication thread's: the step whose progress its last spent exchange
+        took (outer optimizer)."""
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
         if ctx.membership.replacement:  # copy a live peer's model before anything starts
             heal_from_peer(ctx, self.stream, self._heal, max_peer_wait_seconds(cfg))
@@ -139,7 +152,8 @@ class GossipProtocol(Protocol):
             self.state.mix(elapsed / self.step_seconds)
         self.state.apply_and_publish()
         self._bound_outage()
-        owed = 0 if self.passive else self.credit.next_step()
+        round_ends = completed % self.local_steps == 0
+        owed = 0 if self.passive or not round_ends else self.credit.next_step()
         with self._cond:
             self._iteration = completed
             total = self._owed + owed
@@ -157,7 +171,15 @@ class GossipProtocol(Protocol):
             num_failed_groups=failed,
             group_sizes=(2,) * len(finished),
             preduce_durations=tuple(finished),
-            preduce_bytes=len(finished) * self.ctx.state.size_bytes)
+            preduce_bytes=len(finished) * self._exchange_bytes())
+
+    def _exchange_bytes(self) -> int:
+        """What this worker feeds into one exchange: its model, or with the outer
+        optimizer its anchor and momentum and the buffers."""
+        state = self.ctx.state
+        if self.outer is None:
+            return state.size_bytes
+        return (state.flat.numel() + self.outer.numel) * state.flat.element_size()
 
     def _bound_outage(self) -> None:
         """While the coordinator is unreachable, train on alone for up to the run's
@@ -266,9 +288,13 @@ class GossipProtocol(Protocol):
     def _heal(self, group: pb.Group) -> tuple[float, bool]:
         """A replacement's heal group, before the exchanges start: take the donor's model."""
         donor = list(group.members).index(group.heal_donor)
+        outer, state = self.outer, self.ctx.state
+        if outer is not None:  # the donor's anchor and momentum; the model at its anchor
+            return run_group_collective(
+                self.ctx, self.stream, group, self._key(group.comm_id),
+                lambda comm: outer.heal(comm, donor, state.model_numel, self.timeout))
         return run_group_collective(self.ctx, self.stream, group, self._key(group.comm_id),
-                                    lambda comm: copy_model(self.ctx.state, comm, donor,
-                                                            self.timeout))
+                                    lambda comm: copy_model(state, comm, donor, self.timeout))
 
     def _exchange(self, group: pb.Group) -> None:
         """Average with the partner; the result reaches the model at the next boundary.
@@ -287,13 +313,21 @@ class GossipProtocol(Protocol):
 
         def donate(comm: Communicator) -> None:
             self.state.current(out=self._mine)  # what partners see: snapshot + deltas
+            if self.outer is not None:
+                self.outer.heal(comm, donor, self.ctx.state.model_numel, self.timeout,
+                                seen=self._mine)
+                return
             copy_from_donor(self._mine, comm, donor, self.timeout)
         return donate
 
-    def _average_with(self, comm: Communicator) -> float:
-        """One exchange on `comm`: hands the delta to the state, returns ||w_i - w_j||^2."""
+    def _average_with(self, comm: Communicator) -> float | None:
+        """One exchange on `comm`: hands the delta to the state, returns ||w_i - w_j||^2
+        (None with the outer optimizer, whose partner's model is not seen)."""
         mine = self._mine
         self.state.current(out=mine)
+        if self.outer is not None:
+            self._outer_exchange(mine, comm)
+            return None
         # A fresh buffer per exchange: a failed collective may still write into its
         # buffer later (docs/data-plane.md rule 4).
         pair = torch.mul(mine, 1.0 / comm.size)
@@ -301,3 +335,17 @@ class GossipProtocol(Protocol):
         distance = exchange_delta(mine, pair)
         self.state.add_delta(pair)
         return distance
+
+    def _outer_exchange(self, mine: torch.Tensor, comm: Communicator) -> None:
+        """An exchange with the outer optimizer (docs/local-steps.md): this worker spends
+        its progress when the exchange is its own (it owes one: the end of a round) and
+        it stepped since its last spent exchange; as the partner picked mid-round, or
+        with nothing new, it contributes its anchor and momentum and keeps its progress."""
+        assert self.outer is not None
+        with self._cond:
+            iteration, own = self._iteration, self._owed > 0
+        spend = own and iteration > self._spent_at
+        delta = self.outer.exchange(mine, comm, self.timeout, spend=spend)
+        if spend:
+            self._spent_at = iteration
+        self.state.add_delta(delta)

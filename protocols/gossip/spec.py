@@ -44,7 +44,8 @@ ADPSGD = ProtocolSpec(
     name="adpsgd", summary="AD-PSGD: wait-free pairwise averaging",
     role=Role(coordination=Coordination.GOSSIP, label="adpsgd", group_policy=_random_pairs,
               listening=ADPSGD_VARIANT.listens, graph_extras=adpsgd_extras),
-    settings=(GossipSettings,), runtime=_runtime, simulation=_simulation)
+    settings=(GossipSettings,), runtime=_runtime, simulation=_simulation,
+    no_local_steps="")
 A2CID2 = ProtocolSpec(
     name="a2cid2", summary="A2CiD2: pairwise gossip with continuous momentum",
     role=Role(coordination=Coordination.GOSSIP, label="a2cid2", pairing=FifoPairing,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import math
 from pathlib import Path
 from types import ModuleType
 
@@ -253,3 +254,50 @@ def test_a_joiner_of_a_local_step_run_heals_its_anchor_and_averages(tmp_path: Pa
         assert any(joiner.worker_id in g.members and g.heal_donor is None
                    for g in core.recent_groups), "the joiner averaged in no group"
         assert "healed from worker" in outputs[3], outputs[3][-3000:]
+
+
+@pytest.mark.slow
+def test_adpsgd_takes_local_steps_and_the_outer_step_in_its_exchanges(tmp_path: Path) -> None:
+    """adpsgd, H = 4: exchanges are owed once per round (rate_com per round), each the
+    outer form's (the anchor, momentum and buffers of each side); the run ends at its
+    budget with finite models."""
+    steps = 40
+    proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
+                       "adpsgd", "--iterations", str(steps), "--local-steps", str(H),
+                       "--outer-optimizer", "nesterov", "--seed", "1", "--output",
+                       str(tmp_path), "--", "python", str(SCRIPT), "--batchnorm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
+    model = _script().build_model(batchnorm=True)
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    per_exchange = 4 * (2 * params + buffers)
+    sent = [w["preduce_bytes"] for w in summary["workers"]]
+    assert all(s % per_exchange == 0 for s in sent) and sum(sent) > 0, (sent, per_exchange)
+    for rank in range(4):
+        state = torch.load(tmp_path / "workers" / f"rank{rank}.pt")
+        assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+@pytest.mark.slow
+def test_the_readmes_local_steps_command_trains_the_language_model(tmp_path: Path) -> None:
+    """README: `ripples run --workers 4 --protocol ripples-smart --local-steps 8
+    --outer-optimizer nesterov -- python examples/transformer_lm.py`, with a smaller
+    model and fewer steps (AdamW, the scheduler on the global step, GradScaler and the
+    Checkpointer's hooks all in the loop)."""
+    readme = (REPO / "README.md").read_text()
+    command = ("ripples run --workers 4 --protocol ripples-smart --local-steps 8 "
+               "--outer-optimizer nesterov -- python examples/transformer_lm.py")
+    assert command in readme
+    small = ["--steps", "40", "--d-model", "32", "--layers", "1", "--heads", "2",
+             "--block-size", "32", "--batch-size", "8", "--warmup", "5",
+             "--log-every", "1000"]
+    proc = ripples_cli(*command.split()[1:command.split().index("--")],
+                       "--output", str(tmp_path), "--quiet", "--", "python",
+                       str(REPO / "examples" / "transformer_lm.py"), *small, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
+    assert summary["final_train_loss"] < math.log(256)  # below a uniform guess
+    assert 0 < summary["bytes_per_worker_step"]

@@ -282,3 +282,35 @@ def test_a_joiner_heals_to_the_donors_anchor_and_momentum_not_its_model_mid_roun
 
 def outer_numel(outer: OuterState) -> int:
     return outer.numel
+
+
+def test_a_gossip_exchange_spends_the_active_sides_progress_and_keeps_the_partners() -> None:
+    """On snapshots (the gossip thread never writes the model): the side that owes the
+    exchange takes its provisional step; the partner picked mid-round contributes its
+    anchor and momentum unchanged and keeps its progress (its model moves with the
+    anchor). Both leave with one anchor and momentum; the deltas are what the models
+    take at their next step boundary."""
+    workers = [_synced_once(seed) for seed in range(2)]
+    for rank, (model, _, outer) in enumerate(workers):
+        _local_steps(model, outer, 2 + rank, seed=30 + rank)
+    seen = [state.flat.clone() for _, state, _ in workers]
+    before = [(outer.anchor.clone(), outer.momentum.clone()) for _, _, outer in workers]
+    n = workers[0][2].numel
+    anchor0, momentum0 = before[0]
+    delta0 = anchor0 - seen[0][:n]
+    m_hat = MU * momentum0 + delta0
+    expected_anchor = (anchor0 - LR * (delta0 + MU * m_hat) + before[1][0]) / 2
+    expected_momentum = (m_hat + before[1][1]) / 2
+    deltas = _in_group(2, lambda rank, comm: workers[rank][2].exchange(
+        seen[rank], comm, TIMEOUT, spend=rank == 0))
+    for *_, outer in workers:
+        torch.testing.assert_close(outer.anchor, expected_anchor)
+        torch.testing.assert_close(outer.momentum, expected_momentum)
+    assert torch.equal(workers[0][2].anchor, workers[1][2].anchor)
+    # The spender's model becomes the new anchor; the partner's moves with its anchor.
+    torch.testing.assert_close(seen[0][:n] + deltas[0][:n], expected_anchor)
+    torch.testing.assert_close(deltas[1][:n], expected_anchor - before[1][0])
+    buffers = (seen[0][n:] + seen[1][n:]) / 2
+    for rank in range(2):
+        torch.testing.assert_close(seen[rank][n:] + deltas[rank][n:], buffers)
+        assert torch.equal(workers[rank][1].flat, seen[rank])  # the model is not written

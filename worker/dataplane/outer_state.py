@@ -49,6 +49,7 @@ abandoned and the model, anchor and momentum keep their values.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -91,16 +92,24 @@ class OuterState:
         """Local steps since the last synchronisation (0: nothing to contribute)."""
         self._staging: torch.Tensor | None = None
         self._same_anchor = False
+        self._lock = threading.Lock()
+        """Held while the anchor and momentum change or are read whole: a gossip
+        protocol's communication thread exchanges them (`exchange`) while the training
+        thread may anchor or checkpoint."""
 
-    def take_anchor(self) -> None:
-        """Before a local step: anchor at the parameters as they are, unless the anchor
-        was already taken, restored or healed."""
+    def take_anchor(self, seen: torch.Tensor | None = None) -> None:
+        """Before a local step: anchor at the parameters as they are (or as `seen`, a
+        snapshot of the flat buffer, holds them), unless the anchor was already taken,
+        restored or healed."""
         if self.anchored:
             return
-        with torch.no_grad():
-            self.anchor.copy_(self.state.flat[: self.numel])
-        self.anchored = True
-        self.in_agreement = False
+        with torch.no_grad(), self._lock:
+            if self.anchored:
+                return
+            source = self.state.flat if seen is None else seen
+            self.anchor.copy_(source[: self.numel])
+            self.anchored = True
+            self.in_agreement = False
 
     def record_step(self) -> None:
         """Count one local step (the caller's optimizer stepped)."""
@@ -132,7 +141,7 @@ class OuterState:
             torch.sub(self.anchor, flat[:n], out=head)  # Δ
             if not same_anchor:
                 moment = staged[n : 2 * n]
-                self._provisional_step(head, moment)
+                self._provisional_step(head, moment, spend=self.steps_since_sync > 0)
             staged[size - rest :].copy_(flat[n:])
             staged.mul_(scale)
         self._same_anchor = same_anchor
@@ -143,11 +152,13 @@ class OuterState:
         """The bytes the last `stage` handed to the collective."""
         return 0 if self._staging is None else self._staging.numel() * self._staging.element_size()
 
-    def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor) -> None:
-        """In place: Δ becomes φ̂ = φ − η (Δ + μ m̂), and `moment` gets m̂ = μ m + Δ (the
-        identity step, φ̂ = φ and m̂ = m, for a member with no local step since its last
-        synchronisation). The operations are torch's SGD(nesterov=True), in its order."""
-        if not self.steps_since_sync:
+    def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
+                          spend: bool) -> None:
+        """In place: Δ becomes φ̂ = φ − η (Δ + μ m̂), and `moment` gets m̂ = μ m + Δ; or,
+        not `spend`ing (no local step since the last synchronisation, or progress kept for
+        a later one), the identity step φ̂ = φ, m̂ = m. The operations are torch's
+        SGD(nesterov=True), in its order."""
+        if not spend:
             delta_then_anchor.copy_(self.anchor)
             moment.copy_(self.momentum)
             return
@@ -183,18 +194,60 @@ class OuterState:
         """Forget the staging buffer after a failed collective; nothing else changed."""
         self._staging = None
 
+    # ------------------------------------------------------------------ gossip
+    def exchange(self, seen: torch.Tensor, comm: Communicator, timeout_seconds: float, *,
+                 spend: bool) -> torch.Tensor:
+        """One synchronisation on a snapshot `seen` of the flat buffer (the model as the
+        partners see it), for a gossip protocol's communication thread, which never writes
+        the model (docs/data-plane.md rule 6): the anchor and momentum become the group's
+        and the return value is the delta the model takes at its next step boundary.
+
+        `spend`: this member's progress since its last synchronisation goes into the
+        group's outer step (its provisional step; the model becomes the new anchor plus
+        the steps taken since `seen`). Otherwise (a partner mid-round) it contributes its
+        anchor and momentum unchanged and keeps its progress: the model moves with the
+        anchor (by φ' − φ), so the progress counts in its own next spent step, once, and
+        its momentum is applied once per round of its own. The staging buffer is fresh
+        each time (a failed collective may write into it later: rule 4); on failure the
+        anchor and momentum keep their values."""
+        self.take_anchor(seen)
+        n = self.numel
+        with torch.no_grad():
+            staged = torch.empty(2 * n + seen.numel() - n, dtype=seen.dtype,
+                                 device=seen.device)
+            with self._lock:
+                torch.sub(self.anchor, seen[:n], out=staged[:n])
+                self._provisional_step(staged[:n], staged[n : 2 * n], spend=spend)
+                old_anchor = None if spend else self.anchor.clone()
+            staged[2 * n :].copy_(seen[n:])
+            staged.mul_(1.0 / comm.size)
+        comm.allreduce_sum_(staged, timeout_seconds)
+        with torch.no_grad():
+            delta = torch.empty_like(seen)
+            with self._lock:
+                self.anchor.copy_(staged[:n])
+                self.momentum.copy_(staged[n : 2 * n])
+                self.in_agreement = False
+            base = seen[:n] if old_anchor is None else old_anchor
+            torch.sub(staged[:n], base, out=delta[:n])
+            torch.sub(staged[2 * n :], seen[n:], out=delta[n:])
+        self._staging = staged  # for staged_bytes
+        return delta
+
     # ------------------------------------------------------------------ healing
     def heal(self, comm: Communicator, donor: int, model_numel: int,
-             timeout_seconds: float) -> None:
+             timeout_seconds: float, *, seen: torch.Tensor | None = None) -> None:
         """A heal group (an elastic join): the joiner takes the donor's anchor, momentum
         and model buffers, and its parameters become the donor's *anchor*, its last
         synchronised point, not its model mid-round: the donor's progress since then is
         in the donor's next pseudo-gradient, and copying it would count it twice. The
-        donor keeps its own; the joiner's inner optimizer state starts anew."""
+        donor keeps its own; the joiner's inner optimizer state starts anew. `seen`: a
+        donor's snapshot of its flat buffer, where another thread trains the model."""
         n, flat = self.numel, self.state.flat
-        self.take_anchor()  # a donor that has not stepped yet: its model is its anchor
-        with torch.no_grad():
-            payload = torch.cat([self.anchor, self.momentum, flat[n:model_numel]])
+        source = flat if seen is None else seen
+        self.take_anchor(seen)  # a donor that has not stepped yet: its model is its anchor
+        with torch.no_grad(), self._lock:
+            payload = torch.cat([self.anchor, self.momentum, source[n:model_numel]])
         copied = copy_from_donor(payload, comm, donor, timeout_seconds)
         if copied is None:  # the donor
             return
@@ -227,10 +280,11 @@ class OuterState:
         """CPU copies of the anchor and momentum, the step count and the outer step's
         hyper-parameters."""
         self.take_anchor()
-        return {"anchor": self.anchor.detach().to("cpu", copy=True),
-                "momentum": self.momentum.detach().to("cpu", copy=True),
-                "steps_since_sync": self.steps_since_sync, "lr": self.lr,
-                "momentum_factor": self.momentum_factor}
+        with self._lock:
+            return {"anchor": self.anchor.detach().to("cpu", copy=True),
+                    "momentum": self.momentum.detach().to("cpu", copy=True),
+                    "steps_since_sync": self.steps_since_sync, "lr": self.lr,
+                    "momentum_factor": self.momentum_factor}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore a `state_dict`; ValueError if it was saved for another model. A
@@ -247,11 +301,11 @@ class OuterState:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
                 raise ValueError(f"the checkpoint's outer {key} has shape {shape}, this "
                                  f"model's parameters {self.numel} values: not this model")
-        with torch.no_grad():
+        with torch.no_grad(), self._lock:
             self.anchor.copy_(saved["anchor"])
             self.momentum.copy_(saved["momentum"])
-        self.steps_since_sync = int(saved["steps_since_sync"])
-        self.anchored, self.in_agreement = True, False
+            self.steps_since_sync = int(saved["steps_since_sync"])
+            self.anchored, self.in_agreement = True, False
 
 
 def outer_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float, *,
