@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ripples.bench.matrix import (
-    DILOCO_VARIANT,
+    OUTER_VARIANTS,
     SCRIPT_WORKLOADS,
     VARIANTS,
     HarnessConfig,
@@ -85,7 +85,7 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
         The argv, a script workload's (SCRIPT_WORKLOADS) after `--`.
     """
     extra = list(VARIANTS[protocol].flags) if protocol in VARIANTS else []
-    if protocol == DILOCO_VARIANT:  # the peer's H and outer step, overrides included
+    if protocol in OUTER_VARIANTS:  # the peer's H and outer step, overrides included
         extra = list(diloco_flags(cfg.peer_settings.get("torchft-diloco", {})))
     if takes_topology(protocol) and cfg.topology != "complete":
         extra += ["--topology", cfg.topology]

@@ -41,6 +41,13 @@ def diloco_flags(settings: dict[str, object]) -> tuple[str, ...]:
 DILOCO_VARIANT = "allreduce-diloco"
 """The variant that runs torchft-diloco's algorithm in Ripples: bench_run.run_command
 gives it the peer's H and outer step, --peer-setting overrides included."""
+OUTER_VARIANTS: dict[str, str] = {DILOCO_VARIANT: "allreduce",
+                                  "ripples-smart-outer": "ripples-smart",
+                                  "ripples-random-outer": "ripples-random",
+                                  "adpsgd-outer": "adpsgd"}
+"""Variants with local steps and the outer Nesterov step (docs/local-steps.md), each on
+its protocol, all with the torchft-diloco peer's H and outer step (its --peer-setting
+overrides included), so that every such row runs the same H, outer lr and momentum."""
 
 VARIANTS: dict[str, Variant] = {
     "a2cid2-no-momentum": Variant(
@@ -64,6 +71,12 @@ VARIANTS: dict[str, Variant] = {
         description="DiLoCo: allreduce of the pseudo-gradients every H steps and an outer "
                     "Nesterov step, with the H and outer step of the torchft-diloco peer "
                     "(its --peer-setting overrides apply here too; docs/local-steps.md)"),
+    **{name: Variant(
+        protocol=protocol, flags=diloco_flags(DILOCO_DEFAULTS),
+        description=f"{protocol} with local steps and the outer Nesterov step in its "
+                    "groups (the torchft-diloco peer's H and outer step, its --peer-setting "
+                    "overrides too; docs/local-steps.md)")
+       for name, protocol in OUTER_VARIANTS.items() if name != DILOCO_VARIANT},
 }
 MATRIX_PROTOCOLS: tuple[str, ...] = (*PROTOCOLS, *VARIANTS)
 """What the matrix can run: every registered protocol, then the variants."""

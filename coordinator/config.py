@@ -70,8 +70,11 @@ TOPOLOGY_FILE_REFUSED = (
 OUTER_OPTIMIZERS = ("none", "nesterov")
 """What a synchronisation applies (RunSettings.outer_optimizer)."""
 OUTER_LR = 0.7
-OUTER_MOMENTUM = 0.9
-"""The outer Nesterov step's defaults: DiLoCo's (arXiv 2311.08105)."""
+OUTER_MOMENTUM = 0.5
+"""The outer Nesterov step's defaults: DiLoCo's learning rate (arXiv 2311.08105) and a
+momentum of 0.5, not DiLoCo's 0.9: on the Transformer LM (8 workers, H = 8, 400 steps)
+0.9 ended at loss 2.67 and 0.5 at 2.16 (docs/benchmarks.md, "Local steps on the
+Transformer LM"); DiLoCo's 0.9 was tuned for H = 500 over tens of thousands of steps."""
 
 LOCKSTEP_COLLECTIVE_TIMEOUT_SECONDS = 1800.0
 """Lock-step protocols' default collective timeout: torch's, so that a peer busy between
@@ -142,7 +145,8 @@ class RunSettings:
     """Outer optimizer nesterov: its learning rate (DiLoCo's 0.7; 1 with outer_momentum 0
     is plain model averaging)."""
     outer_momentum: float = OUTER_MOMENTUM
-    """Outer optimizer nesterov: its momentum, below 1 (DiLoCo's 0.9)."""
+    """Outer optimizer nesterov: its momentum, below 1 (0.5; DiLoCo's 0.9 suits long
+    runs with large H: docs/local-steps.md)."""
     collective_timeout_seconds: float = 0.0
     """Bound on one collective: a peer that has not reached it by then fails it. 0: 1800 s
     (torch's default) for lock-step protocols (allreduce, ripples-static), where every

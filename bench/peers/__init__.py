@@ -14,6 +14,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
+from ripples.coordinator.config import OUTER_LR, OUTER_MOMENTUM
+
 
 @dataclass(frozen=True, kw_only=True)
 class PeerSpec:
@@ -29,11 +31,12 @@ class PeerSpec:
     """The values `python -m ripples.bench.peers.sweep` tries, one knob at a time."""
 
 
-DILOCO_DEFAULTS: dict[str, Any] = {"sync_every": 8, "outer_lr": 0.7, "outer_momentum": 0.9}
+DILOCO_DEFAULTS: dict[str, Any] = {"sync_every": 8, "outer_lr": OUTER_LR,
+                                   "outer_momentum": OUTER_MOMENTUM}
 """torchft-diloco's H and outer optimizer, and the `allreduce-diloco` variant's
-(bench/matrix.py): one source, so that the two rows run the same algorithm. DiLoCo's
-paper's outer step (lr 0.7, Nesterov momentum 0.9) and Ripples' own defaults for
---outer-lr and --outer-momentum (docs/configuration.md)."""
+(bench/matrix.py): one source, so that the two rows run the same algorithm: Ripples'
+own defaults for --outer-lr and --outer-momentum (coordinator/config.py says why its
+momentum is 0.5, not DiLoCo's 0.9)."""
 
 PEERS: dict[str, PeerSpec] = {p.name: p for p in (
     PeerSpec(
@@ -68,7 +71,8 @@ PEERS: dict[str, PeerSpec] = {p.name: p for p in (
                     "--outer-optimizer nesterov)",
         defaults={**DILOCO_DEFAULTS, "join_timeout_ms": 10000, "quorum_tick_ms": 10,
                   "heartbeat_timeout_ms": 5000, "timeout_seconds": 10.0},
-        sweep={"sync_every": (4, 8, 16), "outer_lr": (0.5, 0.7, 1.0)}),
+        sweep={"sync_every": (4, 8, 16), "outer_lr": (0.5, 0.7, 1.0),
+               "outer_momentum": (0.5, 0.9)}),
 )}
 
 

@@ -25,7 +25,7 @@ from ripples.static_schedule import static_group_of
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "local_steps_train.py"
 WORKERS, H, STEPS = 2, 4, 10  # the stop (10) is no multiple of H: one more sync there
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.5  # the run options' defaults
 
 
 def _script() -> ModuleType:

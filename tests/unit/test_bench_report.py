@@ -78,11 +78,17 @@ def test_matrix_entries_become_run_commands(tmp_path: Path) -> None:
     # DiLoCo in Ripples runs the torchft-diloco peer's H and outer step, its overrides too.
     assert flags("allreduce-diloco") == ["--protocol", "allreduce", "--local-steps", "8",
                                          "--outer-optimizer", "nesterov", "--outer-lr", "0.7",
-                                         "--outer-momentum", "0.9"]
+                                         "--outer-momentum", "0.5"]
     cfg.peer_settings = {"torchft-diloco": {"sync_every": 4, "outer_lr": 1.0}}
     assert flags("allreduce-diloco") == ["--protocol", "allreduce", "--local-steps", "4",
                                          "--outer-optimizer", "nesterov", "--outer-lr", "1",
-                                         "--outer-momentum", "0.9"]
+                                         "--outer-momentum", "0.5"]
+    # So do the group forms: the same H and outer step on every such row.
+    assert flags("ripples-smart-outer") == ["--protocol", "ripples-smart", "--local-steps",
+                                            "4", "--outer-optimizer", "nesterov",
+                                            "--outer-lr", "1", "--outer-momentum", "0.5",
+                                            "--topology", "ring"]
+    assert flags("adpsgd-outer")[:4] == ["--protocol", "adpsgd", "--local-steps", "4"]
 
 
 def test_the_others_iteration_time_leaves_out_the_deterministic_straggler() -> None:

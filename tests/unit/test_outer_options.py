@@ -16,7 +16,7 @@ def test_the_defaults_are_todays_run_and_travel_to_the_workers() -> None:
     assert (settings.local_steps, settings.outer_optimizer) == (1, "none")
     config = settings.to_proto()
     assert (config.local_steps, config.outer_optimizer) == (1, "none")
-    assert (config.outer_lr, config.outer_momentum) == pytest.approx((0.7, 0.9))
+    assert (config.outer_lr, config.outer_momentum) == pytest.approx((0.7, 0.5))
     for name in PROTOCOLS:  # every protocol runs with them as they are
         RunSettings.build(protocol=name, task="digits", num_workers=4)
 
