@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ripples.coordinator.config import RunSettings
+from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,6 +62,18 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = 90.0) 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.05)
+
+
+def start_three_then_a_fourth(address: str, core: CoordinatorCore,
+                              workers: list[subprocess.Popen[str]], *, trained: int) -> None:
+    """Start three workers (hosts node0-2) of a run whose max_workers is 4; once it has
+    trained `trained` mean iterations, a fourth (node3), which joins the running run.
+    Each process is appended to `workers` as soon as it starts (the caller kills them)."""
+    for r in range(3):
+        workers.append(start_worker(address, "--host", f"node{r}", "--metrics-port", "-1"))
+    wait_for(lambda: core.started_at is not None and core.mean_iterations() > trained,
+             "the run to train")
+    workers.append(start_worker(address, "--host", "node3", "--metrics-port", "-1"))
 
 
 def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:

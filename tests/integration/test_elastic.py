@@ -6,12 +6,19 @@ and the run completes its budget."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import pytest
 import torch
 
-from tests.integration.helpers import finish, running_coordinator, start_worker, wait_for
+from tests.integration.helpers import (
+    finish,
+    running_coordinator,
+    start_three_then_a_fourth,
+    start_worker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -94,13 +101,9 @@ def test_a_run_grows_beyond_its_workers_up_to_max_workers(tmp_path) -> None:  # 
                              task="digits", iterations=1500, lease_seconds=4.0,
                              seed=1) as server:
         core = server.service.core  # type: ignore[union-attr]
-        workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1")
-                   for r in range(3)]
+        workers: list[subprocess.Popen[str]] = []
         try:
-            wait_for(lambda: core.started_at is not None and core.mean_iterations() > 100,
-                      "the run to train")
-            workers.append(start_worker(server.address, "--host", "node3",
-                                        "--metrics-port", "-1"))
+            start_three_then_a_fourth(server.address, core, workers, trained=100)
             wait_for(lambda: any(w.host == "node3" and w.healed
                                   for w in core.workers.values()), "the joiner to heal")
             joiner = next(w for w in core.workers.values() if w.host == "node3")

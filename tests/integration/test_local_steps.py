@@ -12,12 +12,21 @@ import copy
 import importlib.util
 import json
 import math
+import subprocess
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
-from helpers import REPO, finish, ripples_cli, running_coordinator, start_worker, wait_for
+from helpers import (
+    REPO,
+    finish,
+    ripples_cli,
+    running_coordinator,
+    start_three_then_a_fourth,
+    wait_for,
+)
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -51,11 +60,7 @@ def _diloco(script: ModuleType, nesterov: bool, *, batchnorm: bool = False,
     copies = [copy.deepcopy(anchor) for _ in range(WORKERS)]
     inner = [torch.optim.AdamW(m.parameters(), lr=script.LR) for m in copies]
     for step in range(1, steps + 1):
-        for rank, (model, opt) in enumerate(zip(copies, inner, strict=True)):
-            x, y = script.batch(rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        _inner_steps(script, copies, inner, step)
         if step % H == 0:
             with torch.no_grad():
                 for p, *local in zip(anchor.parameters(), *(m.parameters() for m in copies),
@@ -75,6 +80,16 @@ def _diloco(script: ModuleType, nesterov: bool, *, batchnorm: bool = False,
             for model in copies:
                 model.load_state_dict(mean.state_dict())
     return copies[0].state_dict()
+
+
+def _inner_steps(script: ModuleType, models: list[nn.Module],
+                 inner: list[torch.optim.Optimizer], step: int) -> None:
+    """Every worker's local step `step` on its own batch (rank = index)."""
+    for rank, (model, opt) in enumerate(zip(models, inner, strict=True)):
+        x, y = script.batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
 
 
 def _average_buffers(into: nn.Module, copies: list[nn.Module]) -> None:
@@ -150,11 +165,7 @@ def _static_reference(script: ModuleType, workers: int, per_node: int,
     anchors = [parameters_to_vector(m.parameters()).detach().clone() for m in models]
     momenta = [torch.zeros_like(a) for a in anchors]
     for step in range(1, steps + 1):
-        for rank, (model, opt) in enumerate(zip(models, inner, strict=True)):
-            x, y = script.batch(rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        _inner_steps(script, models, inner, step)
         if step % H:
             continue
         groups = {static_group_of(step // H - 1, rank, workers // per_node, per_node)
@@ -194,6 +205,23 @@ def test_ripples_static_with_local_steps_averages_its_groups_outer_steps(
                                    expected[rank], rtol=1e-5, atol=1e-5)
 
 
+def _four_workers_with_outer_steps(protocol: str, out: Path) -> tuple[dict[str, Any], int]:
+    """A 4-worker run of the test script (BatchNorm model) with H = 4 and the outer step,
+    40 steps; its summary (the run ended at its budget) and the bytes of one outer-form
+    synchronisation (anchor, momentum and buffers, fp32)."""
+    proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
+                       protocol, "--iterations", "40", "--local-steps", str(H),
+                       "--outer-optimizer", "nesterov", "--seed", "1", "--output",
+                       str(out), "--", "python", str(SCRIPT), "--batchnorm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
+    model = _script().build_model(batchnorm=True)
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    return summary, 4 * (2 * params + buffers)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["ripples-smart", "ripples-random"])
 def test_group_generator_protocols_take_local_steps_and_the_outer_step(
@@ -201,18 +229,7 @@ def test_group_generator_protocols_take_local_steps_and_the_outer_step(
     """Four workers, H = 4, the outer Nesterov step in the Group Generator's groups: the
     run ends at its budget, every worker asks for groups once per round of H steps, and
     its groups' bytes are the outer form's (2P plus the buffers)."""
-    steps = 40
-    proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
-                       protocol, "--iterations", str(steps), "--local-steps", str(H),
-                       "--outer-optimizer", "nesterov", "--seed", "1", "--output",
-                       str(tmp_path), "--", "python", str(SCRIPT), "--batchnorm")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
-    model = _script().build_model(batchnorm=True)
-    params = sum(p.numel() for p in model.parameters())
-    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    per_group = 4 * (2 * params + buffers)
+    summary, per_group = _four_workers_with_outer_steps(protocol, tmp_path)
     for worker in summary["workers"]:
         # A worker asks for groups once per round of H steps, and is in at most one
         # group per request of any worker (random groups: its own and those others'
@@ -235,13 +252,9 @@ def test_a_joiner_of_a_local_step_run_heals_its_anchor_and_averages(tmp_path: Pa
                              task="digits", iterations=10_000_000, lease_seconds=4.0,
                              seed=1, local_steps=H, outer_optimizer="nesterov") as server:
         core = server.service.core  # type: ignore[union-attr]
-        workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1")
-                   for r in range(3)]
+        workers: list[subprocess.Popen[str]] = []
         try:
-            wait_for(lambda: core.started_at is not None and core.mean_iterations() > 40,
-                     "the run to train")
-            workers.append(start_worker(server.address, "--host", "node3",
-                                        "--metrics-port", "-1"))
+            start_three_then_a_fourth(server.address, core, workers, trained=40)
 
             def joiner() -> WorkerRecord | None:
                 return next((w for w in core.workers.values() if w.host == "node3"), None)
@@ -270,18 +283,7 @@ def test_adpsgd_takes_local_steps_and_the_outer_step_in_its_exchanges(tmp_path: 
     """adpsgd, H = 4: exchanges are owed once per round (rate_com per round), each the
     outer form's (the anchor, momentum and buffers of each side); the run ends at its
     budget with finite models."""
-    steps = 40
-    proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
-                       "adpsgd", "--iterations", str(steps), "--local-steps", str(H),
-                       "--outer-optimizer", "nesterov", "--seed", "1", "--output",
-                       str(tmp_path), "--", "python", str(SCRIPT), "--batchnorm")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
-    model = _script().build_model(batchnorm=True)
-    params = sum(p.numel() for p in model.parameters())
-    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    per_exchange = 4 * (2 * params + buffers)
+    summary, per_exchange = _four_workers_with_outer_steps("adpsgd", tmp_path)
     sent = [w["preduce_bytes"] for w in summary["workers"]]
     assert all(s % per_exchange == 0 for s in sent) and sum(sent) > 0, (sent, per_exchange)
     for rank in range(4):
