@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from ripples.worker.client import CoordinatorCallError
 from ripples.worker.collective_watch import COLLECTIVES, describe_peers, explain_failure
+from ripples.worker.dataplane.outer_state import local_steps, next_multiple
 from ripples.worker.protocol import ProtocolContext, SyncResult
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class LockstepStop:
     def __init__(self, ctx: ProtocolContext) -> None:
         self.ctx = ctx
         self.interval = max(1, ctx.config.checkpoint_interval)
-        self.round_steps = max(1, ctx.config.local_steps)
+        self.round_steps = local_steps(ctx.config)
         self.stop_at = 0
         self.reason = ""
         self.state_ready = False
@@ -82,8 +83,8 @@ class LockstepStop:
             if reply.consensus_id and reply.consensus_at_iteration:
                 # With local steps, the models are equal only at a synchronisation: the
                 # next multiple of H (every worker rounds the same way).
-                at, h = reply.consensus_at_iteration, self.round_steps
-                self.consensus = (reply.consensus_id, -(-at // h) * h)
+                self.consensus = (reply.consensus_id,
+                                  next_multiple(reply.consensus_at_iteration, self.round_steps))
             elif not reply.consensus_id:  # the request is over: a late model would leak
                 self.consensus = (0, 0)
             if reply.stop_at_iteration:

@@ -63,6 +63,7 @@ from ripples.worker.checkpoint_content import (
     set_rng_state,
 )
 from ripples.worker.checkpoint_store import NumberedFiles, StoreExchange, agree_on_step
+from ripples.worker.dataplane.outer_state import local_steps, next_multiple
 from ripples.worker.launch_env import CheckpointInterval
 from ripples.worker.optimizer import Optimizer
 from ripples.worker.sampler import DistributedSampler
@@ -179,13 +180,13 @@ class Checkpointer:
                 f"same steps, which an interval of {self.interval.seconds:g} s cannot "
                 "promise; give a step count (--checkpoint-every 500)")
         session = optimizer.worker._session
-        self.round_steps = max(1, session.config.local_steps) if session is not None else 1
+        self.round_steps = local_steps(session.config) if session is not None else 1
         """Local-step training (--local-steps H): periodic checkpoints fall on multiples
         of H only, right after a synchronisation, where every worker's model is its
         anchor (a lock-step run's ranks hold equal models there; a restart round's copy
         of another rank's file then carries no partial round that would count twice)."""
         if self.interval.steps % self.round_steps:
-            rounded = -(-self.interval.steps // self.round_steps) * self.round_steps
+            rounded = next_multiple(self.interval.steps, self.round_steps)
             logger.info("checkpoints every %d steps, not %d: a multiple of the run's local "
                         "steps (%d), where models are synchronised", rounded,
                         self.interval.steps, self.round_steps)

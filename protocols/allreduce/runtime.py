@@ -50,7 +50,8 @@ from ripples.protocols.lockstep import (
     explained_collective,
 )
 from ripples.worker.collective_watch import COLLECTIVES
-from ripples.worker.dataplane.outer_state import OuterState
+from ripples.worker.dataplane.outer_state import OuterState, local_steps
+from ripples.worker.dataplane.preduce import reduce_staged
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 
@@ -77,9 +78,9 @@ class AllReduceProtocol(Protocol):
         )
         self._window: list[float] = []
         self.stopper = LockstepStop(ctx)
-        self.local_steps = max(1, ctx.config.local_steps)
-        self.outer: OuterState | None = None  # set by _start_local for nesterov
-        self.local = self.local_steps > 1 or ctx.config.outer_optimizer == "nesterov"
+        self.local_steps = local_steps(ctx.config)
+        self.outer = OuterState.of_config(ctx.state, ctx.config)
+        self.local = self.local_steps > 1 or self.outer is not None
         """DiLoCo's form (no DDP; a synchronisation every local_steps steps)."""
         self.synced_at = 0
         """The last step this worker synchronised at (DiLoCo's form)."""
@@ -112,9 +113,6 @@ class AllReduceProtocol(Protocol):
         with torch.no_grad(), explained_collective(ctx, "the broadcast of rank 0's model "
                                                         "at the start"):
             dist.broadcast(state.flat[: state.model_numel], src=0)
-        if ctx.config.outer_optimizer == "nesterov":
-            self.outer = OuterState(state, lr=ctx.config.outer_lr,
-                                    momentum=ctx.config.outer_momentum)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         if self.local:  # nothing synchronises in backward
@@ -188,13 +186,12 @@ class AllReduceProtocol(Protocol):
         same = outer is not None and outer.in_agreement
         staged = (outer.stage(1.0 / n, same_anchor=same) if outer is not None
                   else self.ctx.state.stage(1.0 / n))
-        try:
+
+        def all_reduce(buffer: torch.Tensor) -> None:
             with torch.no_grad(), explained_collective(self.ctx, what):
-                dist.all_reduce(staged)
-        except BaseException:
-            averaged.abandon()
-            raise
-        averaged.commit()
+                dist.all_reduce(buffer)
+
+        reduce_staged(averaged, staged, all_reduce)
         if outer is not None:
             outer.in_agreement = True
         self.synced_at = completed

@@ -41,8 +41,13 @@ from ripples.protocols.gossip.state import (
 from ripples.protocols.gossip.variants import VARIANTS
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.outer_state import OuterState
-from ripples.worker.dataplane.preduce import copy_from_donor, copy_model
+from ripples.worker.dataplane.outer_state import (
+    OuterState,
+    group_bytes,
+    heal_in_group,
+    local_steps,
+)
+from ripples.worker.dataplane.preduce import copy_from_donor
 from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocol import (
     COORDINATOR_RETRY_SECONDS,
@@ -93,11 +98,10 @@ class GossipProtocol(Protocol):
             if variant.momentum and settings.momentum else MomentumParameters()
         self.passive = constants.passive
         self.timeout = cfg.collective_timeout_seconds
-        self.local_steps = max(1, cfg.local_steps)
+        self.local_steps = local_steps(cfg)
         """adpsgd with local steps: a round is this many steps, and --rate-com counts the
         exchanges owed per round."""
-        if cfg.outer_optimizer == "nesterov":
-            self.outer = OuterState(ctx.state, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        self.outer = OuterState.of_config(ctx.state, cfg)
         self._spent_at = 0
         """The communication thread's: the step whose progress its last spent exchange
         took (outer optimizer)."""
@@ -171,15 +175,7 @@ class GossipProtocol(Protocol):
             num_failed_groups=failed,
             group_sizes=(2,) * len(finished),
             preduce_durations=tuple(finished),
-            preduce_bytes=len(finished) * self._exchange_bytes())
-
-    def _exchange_bytes(self) -> int:
-        """What this worker feeds into one exchange: its model, or with the outer
-        optimizer its anchor and momentum and the buffers."""
-        state = self.ctx.state
-        if self.outer is None:
-            return state.size_bytes
-        return (state.flat.numel() + self.outer.numel) * state.flat.element_size()
+            preduce_bytes=len(finished) * group_bytes(self.ctx.state, self.outer))
 
     def _bound_outage(self) -> None:
         """While the coordinator is unreachable, train on alone for up to the run's
@@ -288,13 +284,9 @@ class GossipProtocol(Protocol):
     def _heal(self, group: pb.Group) -> tuple[float, bool]:
         """A replacement's heal group, before the exchanges start: take the donor's model."""
         donor = list(group.members).index(group.heal_donor)
-        outer, state = self.outer, self.ctx.state
-        if outer is not None:  # the donor's anchor and momentum; the model at its anchor
-            return run_group_collective(
-                self.ctx, self.stream, group, self._key(group.comm_id),
-                lambda comm: outer.heal(comm, donor, state.model_numel, self.timeout))
         return run_group_collective(self.ctx, self.stream, group, self._key(group.comm_id),
-                                    lambda comm: copy_model(state, comm, donor, self.timeout))
+                                    lambda comm: heal_in_group(self.ctx.state, self.outer, comm,
+                                                               donor, self.timeout))
 
     def _exchange(self, group: pb.Group) -> None:
         """Average with the partner; the result reaches the model at the next boundary.

@@ -16,8 +16,13 @@ import time
 from ripples.rpc import ID_SPACE_BITS, CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.outer_state import OuterState, outer_preduce
-from ripples.worker.dataplane.preduce import copy_model, preduce
+from ripples.worker.dataplane.outer_state import (
+    OuterState,
+    average_in_group,
+    group_bytes,
+    heal_in_group,
+    local_steps,
+)
 from ripples.worker.protocol import (
     COORDINATOR_RETRY_SECONDS,
     Protocol,
@@ -65,10 +70,8 @@ class GroupGeneratorProtocol(Protocol):
         self.retry_ends_round = False
         """A wait that ran out (RETRY) ends the round with no group, rather than asking
         again: a head's rounds at the root, which never hold its shard up for long."""
-        self.local_steps = max(1, ctx.config.local_steps)
-        if ctx.config.outer_optimizer == "nesterov":
-            self.outer = OuterState(ctx.state, lr=ctx.config.outer_lr,
-                                    momentum=ctx.config.outer_momentum)
+        self.local_steps = local_steps(ctx.config)
+        self.outer = OuterState.of_config(ctx.state, ctx.config)
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
@@ -232,24 +235,13 @@ class GroupGeneratorProtocol(Protocol):
         if group.heal:
             donor = list(group.members).index(group.heal_donor)
             return run_group_collective(self.ctx, self.stream, group, key, lambda comm: (
-                self.copy_from(comm, donor)))
+                heal_in_group(self.ctx.state, self.outer, comm, donor, self.timeout)))
         return run_group_collective(self.ctx, self.stream, group, key, self.average)
-
-    def copy_from(self, comm: Communicator, donor: int) -> None:
-        """A heal group: the joiner copies the donor's model (with an outer optimizer, its
-        anchor and momentum, and the model becomes the donor's anchor)."""
-        if self.outer is not None:
-            self.outer.heal(comm, donor, self.ctx.state.model_numel, self.timeout)
-        else:
-            copy_model(self.ctx.state, comm, donor, self.timeout)
 
     def average(self, comm: Communicator) -> None:
         """Average the model over the group, or with an outer optimizer the members' outer
         steps (LPP-SGD's averaging process overrides it)."""
-        if self.outer is not None:
-            outer_preduce(self.outer, comm, self.timeout)
-        else:
-            preduce(self.ctx.state, comm, self.timeout)
+        average_in_group(self.ctx.state, self.outer, comm, self.timeout)
 
     def _bytes_sent(self, group: pb.Group) -> int:
         """The bytes this worker fed into the group's collective."""
@@ -257,7 +249,7 @@ class GroupGeneratorProtocol(Protocol):
         if group.heal:
             numel = state.model_numel + (outer.numel if outer is not None else 0)
             return numel * state.flat.element_size()
-        return outer.staged_bytes if outer is not None else state.size_bytes
+        return group_bytes(state, outer)
 
     def close(self) -> None:
         if self._root is not None:

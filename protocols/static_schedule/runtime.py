@@ -11,8 +11,12 @@ import time
 
 from ripples.protocols.lockstep import LockstepStop, explained_collective
 from ripples.static_schedule import static_group_of
-from ripples.worker.dataplane.outer_state import OuterState, outer_preduce
-from ripples.worker.dataplane.preduce import preduce
+from ripples.worker.dataplane.outer_state import (
+    OuterState,
+    average_in_group,
+    group_bytes,
+    local_steps,
+)
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 
@@ -37,10 +41,8 @@ class StaticScheduleProtocol(Protocol):
         self.rank = params.rank
         self.run_id = params.run_id
         self.stopper = LockstepStop(ctx)
-        self.local_steps = max(1, ctx.config.local_steps)
-        if ctx.config.outer_optimizer == "nesterov":
-            self.outer = OuterState(ctx.state, lr=ctx.config.outer_lr,
-                                    momentum=ctx.config.outer_momentum)
+        self.local_steps = local_steps(ctx.config)
+        self.outer = OuterState.of_config(ctx.state, ctx.config)
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         return self.stopper.should_stop(completed, planned)
@@ -64,12 +66,8 @@ class StaticScheduleProtocol(Protocol):
         with explained_collective(self.ctx, f"the P-Reduce of step {completed} with "
                                             f"ranks {list(group)}"):
             comm = self.ctx.comms.get(key, group.index(self.rank), len(group), create=True)
-            timeout = self.ctx.config.collective_timeout_seconds
-            if self.outer is not None:
-                outer_preduce(self.outer, comm, timeout)
-            else:
-                preduce(state, comm, timeout)
+            average_in_group(state, self.outer, comm, self.ctx.config.collective_timeout_seconds)
         seconds = time.perf_counter() - t0
-        sent = self.outer.staged_bytes if self.outer is not None else state.size_bytes
         return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(len(group),),
-                          preduce_durations=(seconds,), preduce_bytes=sent)
+                          preduce_durations=(seconds,),
+                          preduce_bytes=group_bytes(state, self.outer))

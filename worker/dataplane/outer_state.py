@@ -54,9 +54,10 @@ from typing import Any
 
 import torch
 
+from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.preduce import copy_from_donor
+from ripples.worker.dataplane.preduce import copy_from_donor, copy_model, preduce, reduce_staged
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,14 @@ class OuterState:
         protocol's communication thread exchanges them (`exchange`) while the training
         thread may anchor or checkpoint."""
 
+    @classmethod
+    def of_config(cls, state: AveragedState, config: pb.RunConfig) -> OuterState | None:
+        """The outer state a run's protocol keeps over `state`: one with
+        --outer-optimizer nesterov, none otherwise (plain model averaging)."""
+        if config.outer_optimizer != "nesterov":
+            return None
+        return cls(state, lr=config.outer_lr, momentum=config.outer_momentum)
+
     def take_anchor(self, seen: torch.Tensor | None = None) -> None:
         """Before a local step: anchor at the parameters as they are (or as `seen`, a
         snapshot of the flat buffer, holds them), unless the anchor was already taken,
@@ -114,10 +123,6 @@ class OuterState:
     def record_step(self) -> None:
         """Count one local step (the caller's optimizer stepped)."""
         self.steps_since_sync += 1
-
-    def pseudo_gradient(self) -> torch.Tensor:
-        """Δ = φ − x: how far the parameters moved since the last synchronisation."""
-        return self.anchor - self.state.flat[: self.numel]
 
     # ------------------------------------------------------------------ collectives
     def stage(self, scale: float, *, same_anchor: bool = False) -> torch.Tensor:
@@ -148,9 +153,11 @@ class OuterState:
         return staged
 
     @property
-    def staged_bytes(self) -> int:
-        """The bytes the last `stage` handed to the collective."""
-        return 0 if self._staging is None else self._staging.numel() * self._staging.element_size()
+    def group_bytes(self) -> int:
+        """The bytes a member feeds into a synchronisation in the group form: its
+        provisional anchor and momentum, and the rest of the flat buffer."""
+        flat = self.state.flat
+        return (flat.numel() + self.numel) * flat.element_size()
 
     def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
                           spend: bool) -> None:
@@ -231,7 +238,6 @@ class OuterState:
             base = seen[:n] if old_anchor is None else old_anchor
             torch.sub(staged[:n], base, out=delta[:n])
             torch.sub(staged[2 * n :], seen[n:], out=delta[n:])
-        self._staging = staged  # for staged_bytes
         return delta
 
     # ------------------------------------------------------------------ healing
@@ -308,6 +314,17 @@ class OuterState:
             self.anchored, self.in_agreement = True, False
 
 
+def local_steps(config: pb.RunConfig) -> int:
+    """The run's H: a synchronisation every this many optimizer steps (a RunConfig built
+    by hand has 0: every step)."""
+    return max(1, config.local_steps)
+
+
+def next_multiple(step: int, every: int) -> int:
+    """The first multiple of `every` at or after `step` (a round's end, with every = H)."""
+    return -(-step // every) * every
+
+
 def outer_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float, *,
                   same_anchor: bool = False) -> None:
     """Synchronise local-step training over one group: every member takes its own outer
@@ -318,10 +335,30 @@ def outer_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float,
     One SUM collective on the outer state's staging buffer, pre-scaled by 1/|G| as in
     `preduce`; on any error the staging buffer is abandoned and the model, anchor and
     momentum keep their local values."""
-    staged = outer.stage(1.0 / comm.size, same_anchor=same_anchor)
-    try:
-        comm.allreduce_sum_(staged, timeout_seconds)
-    except BaseException:
-        outer.abandon()
-        raise
-    outer.commit()
+    reduce_staged(outer, outer.stage(1.0 / comm.size, same_anchor=same_anchor),
+                  lambda staged: comm.allreduce_sum_(staged, timeout_seconds))
+
+
+def average_in_group(state: AveragedState, outer: OuterState | None, comm: Communicator,
+                     timeout_seconds: float) -> None:
+    """A group's synchronisation: with an outer optimizer the members' outer steps
+    (`outer_preduce`), otherwise their models (P-Reduce)."""
+    if outer is None:
+        preduce(state, comm, timeout_seconds)
+    else:
+        outer_preduce(outer, comm, timeout_seconds)
+
+
+def group_bytes(state: AveragedState, outer: OuterState | None) -> int:
+    """What a member feeds into `average_in_group`'s collective."""
+    return state.size_bytes if outer is None else outer.group_bytes
+
+
+def heal_in_group(state: AveragedState, outer: OuterState | None, comm: Communicator,
+                  donor: int, timeout_seconds: float) -> None:
+    """A heal group: the joiner copies the donor's model; with an outer optimizer, its
+    anchor and momentum, and the model becomes the donor's anchor (`OuterState.heal`)."""
+    if outer is None:
+        copy_model(state, comm, donor, timeout_seconds)
+    else:
+        outer.heal(comm, donor, state.model_numel, timeout_seconds)

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
+
+
+class Staged(Protocol):
+    """What averages through a staging buffer (AveragedState, OuterState): `stage` filled
+    it, `commit` adopts the collective's result, `abandon` forgets it."""
+
+    def commit(self) -> None: ...
+    def abandon(self) -> None: ...
+
+
+def reduce_staged(averaged: Staged, staged: torch.Tensor,
+                  reduce: Callable[[torch.Tensor], object]) -> None:
+    """Run `reduce` (an in-place SUM collective) on the buffer `averaged` staged, then
+    commit its result. On any error the staging buffer is abandoned, and what `averaged`
+    holds keeps its local values (docs/data-plane.md rule 4)."""
+    try:
+        reduce(staged)
+    except BaseException:
+        averaged.abandon()
+        raise
+    averaged.commit()
 
 
 def preduce(params: AveragedState, comm: Communicator, timeout_seconds: float) -> None:
@@ -18,13 +40,8 @@ def preduce(params: AveragedState, comm: Communicator, timeout_seconds: float) -
     and the parameters keep their local values; the caller reports the group failed and
     drops the communicator.
     """
-    staged = params.stage(1.0 / comm.size)
-    try:
-        comm.allreduce_sum_(staged, timeout_seconds)
-    except BaseException:
-        params.abandon()
-        raise
-    params.commit()
+    reduce_staged(params, params.stage(1.0 / comm.size),
+                  lambda staged: comm.allreduce_sum_(staged, timeout_seconds))
 
 
 def copy_from_donor(values: torch.Tensor, comm: Communicator, donor: int,
