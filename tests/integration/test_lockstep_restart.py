@@ -211,7 +211,7 @@ def test_an_lpp_run_averaging_over_all_workers_restarts_from_its_round_checkpoin
     run completes its budget and no updater process outlives its worker."""
     every = 400
     with running_coordinator(protocol=protocol, num_workers=3, task="digits",
-                             iterations=6000, lease_seconds=2.0, seed=1, updaters=2,
+                             iterations=2000, lease_seconds=2.0, seed=1, updaters=2,
                              join_window_seconds=4.0) as server:
         core = server.service.core  # type: ignore[union-attr]
         workers = [start_worker(server.address, "--host", f"node{r}", "--metrics-port", "-1",
