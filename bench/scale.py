@@ -68,14 +68,6 @@ def run_one(run: ScaleRun, base: SimConfig) -> SimResult:
                             iterations=run.iterations, data_blocks=run.data_blocks))
 
 
-def mean_distance(r: SimResult) -> float:
-    """The consensus distance averaged over the run's second half: it swings within an
-    iteration (low after a round of groups, high after a round of steps), so the value
-    at the stop depends on the phase the run stopped in."""
-    half = [d for t, d in r.consensus_curve if t >= r.sim_seconds / 2]
-    return sum(half) / len(half) if half else r.consensus_distance
-
-
 def format_rows(results: list[SimResult], capacity: float, *, markdown: bool) -> str:
     header = ["workers", "coordinators", "s/epoch", "wait", "consensus distance (mean)",
               "decisions/s (core)", "busiest coordinator RPC/s", "x service capacity"]
@@ -83,7 +75,7 @@ def format_rows(results: list[SimResult], capacity: float, *, markdown: bool) ->
     for r in results:
         coordinators = "1 (flat)" if r.shards == 1 else f"{r.shards} shards + root"
         rows.append([f"{r.workers:,}", coordinators, f"{r.seconds_per_epoch:.1f}",
-                     f"{r.wait_fraction:.1%}", f"{mean_distance(r):.3g}",
+                     f"{r.wait_fraction:.1%}", f"{r.mean_consensus_distance:.3g}",
                      f"{r.decisions_per_second:,.0f}", f"{r.coordinator_rpcs_per_second:,.0f}",
                      f"{r.coordinator_rpcs_per_second / capacity:.2f}"])
     if markdown:

@@ -14,6 +14,9 @@ from ripples.coordinator.topology import read_edge_list
 from ripples.protocols.registry import DEFAULT_PROTOCOL, PROTOCOLS
 from ripples.sim.models import CommModel, ComputeModel, ConsensusModel
 
+SIMULATED_ROOT = "simulated-root:1"
+"""The root coordinator a simulated shard's settings name (no service is reached)."""
+
 
 def sim_protocols() -> list[str]:
     """Protocols the simulator runs: those whose spec has a model of their workers
@@ -114,14 +117,19 @@ class SimConfig:
             blocks[(r // self.workers_per_host) * count // hosts].append(r)
         return blocks
 
-    def settings(self, num_workers: int = 0, iterations: int = 0) -> RunSettings:
-        """The run's settings (of one shard's core, or the root's, with the arguments)."""
+    def settings(self, num_workers: int = 0, iterations: int = 0, *,
+                 root: bool = False) -> RunSettings:
+        """The run's settings (of one shard's core, or with `root` the root's, with the
+        arguments). A sharded run's shards name a root, as a real shard's settings do,
+        so that RunSettings refuses what a shard cannot take (local steps)."""
         options: dict[str, object] = {
             "protocol": self.protocol, "task": "simulated",
             "num_workers": num_workers or self.workers,
             "min_workers": 1, "workers_per_node": self.workers_per_host,
             "iterations": iterations or self.iterations, "seed": self.seed,
             **self.run_options}
+        if self.shards > 1 and not root:
+            options.update(root=SIMULATED_ROOT, inter_period=self.inter_period)
         if options.get("topology_file"):  # read here, as `ripples run` does
             options["topology_edges"] = read_edge_list(str(options.pop("topology_file")))
         settings = RunSettings.build(**options)
@@ -156,7 +164,12 @@ class SimResult:
     wait_seconds_per_iteration: float
     comm_seconds_per_iteration: float
     averagings_per_iteration: float
-    """Group memberships (a worker in a group or exchange) per iteration of a worker."""
+    """Group memberships (a worker in a group or exchange; allreduce: in a collective) per
+    iteration of a worker."""
+    bytes_per_worker_iteration: float
+    """Bytes a worker fed into its collectives per iteration (CommModel.model_bytes per
+    vector; the outer optimizer's group form feeds two: summary.json's
+    bytes_per_worker_step)."""
     conflict_fraction: float
     """Group requests that found their group not ready (another member was computing or
     busy in an earlier group)."""
@@ -181,6 +194,10 @@ class SimResult:
     (service_seconds x its RPCs / the run's time; 0 when service_seconds is 0)."""
     consensus_distance: float
     """mean_i ||x_i - mean(x)||^2 at the stop (the ConsensusModel)."""
+    mean_consensus_distance: float
+    """The consensus distance averaged over the curve's points in the run's second half:
+    it swings within a round (low after a synchronisation, high after the steps between),
+    so the value at the stop depends on the phase the run stopped in."""
     optimum_gap: float
     """||mean(x) - optimum||^2 at the stop."""
     consensus_curve: list[tuple[float, float]]

@@ -23,15 +23,14 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
-import numpy as np
-
 from ripples.coordinator import heap
 from ripples.coordinator.config import MAX_ITERATIONS
 from ripples.coordinator.core import CoordinatorCore, GroupDecision, Outcome, Progress
 from ripples.coordinator.groups import GroupRecord
 from ripples.protocols.registry import get_protocol
 from ripples.sim.config import SimConfig, SimResult
-from ripples.sim.models import ConsensusState, SharedCores
+from ripples.sim.models import ConsensusState, GroupSnapshot, SharedCores
+from ripples.sim.outer_step import OuterStep
 from ripples.sim.worker_model import SimulatedWorkers, SimWorker
 
 REAP_INTERVAL_SECONDS = 1.0
@@ -55,8 +54,11 @@ class Simulation:
         self.rng = random.Random(config.seed)
         self.compute_times = config.compute.sampler(config.workers, self.rng)
         self.comm = config.comm
+        self.outer = (OuterStep(lr=self.settings.outer_lr,
+                                momentum=self.settings.outer_momentum)
+                      if self.settings.outer_optimizer == "nesterov" else None)
         self.model = ConsensusState(config.consensus, config.workers, config.seed,
-                                    config.data_block_ranks())
+                                    config.data_block_ranks(), self.outer)
         self.shared = SharedCores(config.compute.cores) if config.compute.cores else None
         self._shared_token = 0
         self._comm_seq = 0
@@ -70,8 +72,9 @@ class Simulation:
         self.num_waits = 0
         # (group id, core index) -> member ranks, start; and the members' vectors then
         self.groups: dict[tuple[int, int], tuple[list[int], float]] = {}
-        self._snapshots: dict[tuple[int, int], np.ndarray] = {}
+        self._snapshots: dict[tuple[int, int], GroupSnapshot] = {}
         self.group_sizes: list[int] = []
+        self.bytes_sent = 0.0  # what the workers fed into their collectives, together
         self.curve: list[tuple[float, float]] = []
         self.events = 0
         self.core_bytes_per_worker = 0.0
@@ -89,12 +92,12 @@ class Simulation:
         """The model of this protocol's workers (its package's sim.py)."""
 
     # ------------------------------------------------------------------ set-up
-    def _build_core(self, num_workers: int, iterations: int, hosts: list[int]
-                    ) -> CoordinatorCore:
+    def _build_core(self, num_workers: int, iterations: int, hosts: list[int], *,
+                    root: bool = False) -> CoordinatorCore:
         """A core with its workers (on `hosts`, one per worker) registered and ready,
-        training started at 0."""
+        training started at 0; `root`: the root core of a sharded run."""
         cfg = self.config
-        core = CoordinatorCore(cfg.settings(num_workers, iterations), now=0.0)
+        core = CoordinatorCore(cfg.settings(num_workers, iterations, root=root), now=0.0)
         k = cfg.workers_per_host
         for i, host in enumerate(hosts):
             core.register(f"h{host}", i % k, "cpu", i + 1, 0.0)
@@ -121,7 +124,7 @@ class Simulation:
         if cfg.shards > 1:  # the root: a core of the shards' heads (their first workers)
             heads = [min(index.values(), key=lambda w: w.rank) for index in self.by_wid]
             root = self._build_core(len(heads), MAX_ITERATIONS,  # no budget of its own
-                                    list(range(len(heads))))
+                                    list(range(len(heads))), root=True)
             self.root = len(self.cores)
             index = {}
             for head, rec in zip(heads, sorted(root.live(), key=lambda x: x.rank), strict=True):
@@ -355,23 +358,32 @@ class Simulation:
         ranks = [index[m].rank for m in g.members]
         k = self.config.workers_per_host
         spans = len({r // k for r in ranks}) > 1
+        # The outer optimizer's group form carries [provisional anchor | momentum].
+        vectors = 1 if self.outer is None else 2
+        collective = self.comm.allreduce_seconds(len(ranks), spans_hosts=spans,
+                                                 vectors=vectors)
         seconds = (self.comm.rpc_seconds
-                   + (self.comm.setup_seconds if g.create_comm else 0.0)
-                   + self.comm.allreduce_seconds(len(ranks), spans_hosts=spans))
+                   + (self.comm.setup_seconds if g.create_comm else 0.0) + collective)
         self.groups[key] = (ranks, self.now)
-        self.group_sizes.append(len(ranks))
-        self._snapshots[key] = self.model.snapshot(ranks)
+        self.record_collective(len(ranks), vectors)
+        self._snapshots[key] = self.model.snapshot(
+            ranks, [self.protocol.spends(self.workers[r]) for r in ranks])
         if self.shared is None:
             self._push(seconds, _GROUP_END, g.group_id, at)
             return
         # Shared cores: the collective is len(ranks) threads of work; its latency (the
         # round trip, a new communicator) follows once the work is done.
-        collective = self.comm.allreduce_seconds(len(ranks), spans_hosts=spans)
         self._comm_seq += 1
         job = -self._comm_seq  # compute jobs are keyed by rank, collectives below 0
         self._comm_jobs[job] = (g.group_id, at, seconds - collective)
         self.shared.start(self.now, job, collective, weight=len(ranks))
         self._schedule_shared()
+
+    def record_collective(self, size: int, vectors: int) -> None:
+        """Count one collective of `size` members, each feeding `vectors` model-sized
+        vectors into it."""
+        self.group_sizes.append(size)
+        self.bytes_sent += size * vectors * self.comm.model_bytes
 
     # ------------------------------------------------------------------ events
     def _on_compute(self, rank: int, _: int) -> None:
@@ -468,6 +480,7 @@ class Simulation:
         group_core = self.core_seconds["group"]
         heartbeat_core = self.core_seconds["heartbeat"]
         self.curve.append((self.now, self.model.distance()))
+        half = [d for t, d in self.curve if t >= self.now / 2]
         return SimResult(
             protocol=cfg.protocol, workers=cfg.workers, scenario=cfg.compute.scenario,
             stop_reason=stop_reason, sim_seconds=self.now, iterations=total,
@@ -480,6 +493,7 @@ class Simulation:
             wait_seconds_per_iteration=wait / total if total else 0.0,
             comm_seconds_per_iteration=comm / total if total else 0.0,
             averagings_per_iteration=sum(self.group_sizes) / total if total else 0.0,
+            bytes_per_worker_iteration=self.bytes_sent / total if total else 0.0,
             conflict_fraction=self.num_waits / self.num_requests if self.num_requests else 0.0,
             group_requests=self.num_requests, groups=len(self.group_sizes),
             mean_group_size=(sum(self.group_sizes) / len(self.group_sizes)
@@ -492,7 +506,9 @@ class Simulation:
             shards=cfg.shards,
             coordinator_rpcs_per_second=max(self.rpcs, default=0) / self.now if self.now else 0.0,
             coordinator_utilization=self._utilization(),
-            consensus_distance=self.model.distance(), optimum_gap=self.model.gap(),
+            consensus_distance=self.model.distance(),
+            mean_consensus_distance=sum(half) / len(half),
+            optimum_gap=self.model.gap(),
             consensus_curve=self.curve, wall_seconds=time.perf_counter() - started,
             events=self.events)
 

@@ -8,8 +8,10 @@ Three models, each a small dataclass with a documented formula (docs/scale.md):
   one gossip exchange (a group of two), plus the coordinator round trip and the cost of
   building a new communicator;
 - `ConsensusModel`: each worker holds a vector; a local step pulls it towards its own
-  optimum (heterogeneous data) plus noise; a group sets its members to their average.
-  The spread of the vectors (consensus distance) is what averaging fights.
+  optimum (heterogeneous data) plus noise; a group sets its members to their average
+  (with an outer optimizer: each member's anchor and momentum too, by OuterState's rule,
+  sim/outer_step.py). The spread of the vectors (consensus distance) is what averaging
+  fights.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ripples.sim.outer_step import OuterStep
 from ripples.sim.scenarios import SCENARIOS
 
 SIM_SCENARIOS: tuple[str, ...] = (*SCENARIOS, "lognormal", "slow-fraction")
@@ -178,10 +181,13 @@ class CommModel:
 
     with the inter-host bandwidth when the group spans hosts, the intra-host one when
     it does not; plus `setup_seconds` when the group builds a new communicator and the
-    coordinator's round trip `rpc_seconds` before it starts."""
+    coordinator's round trip `rpc_seconds` before it starts. A collective that carries
+    `vectors` model-sized vectors (the outer optimizer's group form: the provisional
+    anchor and the momentum, 2) sends `vectors x model_bytes`."""
 
     model_bytes: float = 4 * 25_000_000
-    """Bytes averaged (parameters and, by default, the optimizer state): ResNet-50-like."""
+    """Bytes averaged (parameters and, by default, the optimizer state): ResNet-50-like.
+    The outer optimizer's group form sends twice this (anchor and momentum)."""
     inter_host_bandwidth: float = 1.25e9
     """Bytes per second between hosts (10 Gbit/s)."""
     intra_host_bandwidth: float = 50e9
@@ -201,11 +207,12 @@ class CommModel:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative")
 
-    def allreduce_seconds(self, g: int, *, spans_hosts: bool) -> float:
+    def allreduce_seconds(self, g: int, *, spans_hosts: bool, vectors: int = 1) -> float:
         if g < 2:
             return 0.0
         bandwidth = self.inter_host_bandwidth if spans_hosts else self.intra_host_bandwidth
-        return 2 * (g - 1) * self.alpha_seconds + 2 * (g - 1) / g * self.model_bytes / bandwidth
+        payload = vectors * self.model_bytes
+        return 2 * (g - 1) * self.alpha_seconds + 2 * (g - 1) / g * payload / bandwidth
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,13 +249,42 @@ class ConsensusModel:
             raise ValueError(f"data_skew must be in [0, 1], got {self.data_skew}")
 
 
+@dataclass(frozen=True)
+class GroupSnapshot:
+    """A group's members as its collective starts (what their collective carries)."""
+
+    x: np.ndarray
+    """Their vectors (one row per member)."""
+    steps: np.ndarray
+    """Their local steps so far (outer optimizer: whether each has progress to spend)."""
+    own: np.ndarray
+    """Whether the synchronisation is each member's own (it spends its progress), not a
+    partner's that picked it mid-round (gossip)."""
+
+
 class ConsensusState:
-    """The vectors of one simulated run (numpy, one row per rank)."""
+    """The vectors of one simulated run (numpy, one row per rank).
+
+    With an outer optimizer (`outer`: local-step training, docs/local-steps.md) each worker
+    also holds an anchor φ_i (its vector as it left its last synchronisation) and an
+    outer momentum m_i, both zero at the start as the vectors are, and a group applies
+    `OuterStep.group` (sim/outer_step.py; OuterState's rule) instead of the plain average:
+
+        spend_j = own_j and (steps taken since j's last spent synchronisation > 0)
+        Δ_j = φ_j − x_j,   m̂_j = μ m_j + Δ_j,   φ̂_j = φ_j − η (Δ_j + μ m̂_j)   (spend_j)
+        φ̂_j = φ_j,   m̂_j = m_j                                               (otherwise)
+        φ_j, m_j ← mean φ̂, mean m̂;   x_j += φ' − x_j^seen (spend_j) or φ' − φ_j^old
+
+    with x_j^seen the vector at the collective's start: a group protocol's member leaves
+    with x_j = φ'; a gossip worker keeps the steps it took during the exchange."""
 
     def __init__(self, model: ConsensusModel, num_workers: int, seed: int,
-                 blocks: list[list[int]] | None = None) -> None:
-        """`blocks`: the ranks of each block of hosts (for `data_skew`)."""
+                 blocks: list[list[int]] | None = None, outer: OuterStep | None = None
+                 ) -> None:
+        """`blocks`: the ranks of each block of hosts (for `data_skew`); `outer`: the run's
+        outer optimizer (None: plain averaging)."""
         self.model = model
+        self.outer = outer
         self.rng = np.random.default_rng(seed)
         self.x = np.zeros((num_workers, model.dim))
         self.optimum = self.rng.normal(0.0, model.heterogeneity, (num_workers, model.dim))
@@ -258,6 +294,12 @@ class ConsensusState:
             for b, ranks in enumerate(blocks):
                 self.optimum[ranks] += math.sqrt(model.data_skew) * shared[b]
         self.target = self.optimum.mean(axis=0)
+        self.anchor = self.x.copy()
+        self.momentum = np.zeros_like(self.x)
+        self.steps = np.zeros(num_workers, dtype=np.int64)
+        """Local steps of each rank so far."""
+        self.spent_at = np.zeros(num_workers, dtype=np.int64)
+        """Outer optimizer: each rank's step count at its last spent synchronisation."""
         self._noise = np.empty(0)
         self._noise_at = 0
 
@@ -267,6 +309,7 @@ class ConsensusState:
         row += m.lr * (self.optimum[rank] - row)
         if m.noise:
             row += m.noise * self._next_noise()
+        self.steps[rank] += 1
 
     def _next_noise(self) -> np.ndarray:
         # Drawn in blocks: one numpy call per step costs more than the step itself.
@@ -278,14 +321,30 @@ class ConsensusState:
         self._noise_at += dim
         return out
 
-    def snapshot(self, ranks: list[int]) -> np.ndarray:
-        return self.x[ranks].copy()
+    def snapshot(self, ranks: list[int], own: list[bool] | None = None) -> GroupSnapshot:
+        """The members as their collective starts; `own`: per member, whether the
+        synchronisation is its own (default: everyone's)."""
+        return GroupSnapshot(
+            x=self.x[ranks].copy(), steps=self.steps[ranks].copy(),
+            own=np.ones(len(ranks), dtype=bool) if own is None else np.array(own, dtype=bool))
 
-    def average(self, ranks: list[int], snapshot: np.ndarray) -> None:
-        """Each member moves by (mean of the snapshot - its own snapshot)."""
-        self.x[ranks] += snapshot.mean(axis=0) - snapshot
+    def average(self, ranks: list[int], snapshot: GroupSnapshot) -> None:
+        """The group's synchronisation, as a move of each member: plainly by (the mean of
+        the snapshot - its own snapshot); with the outer optimizer, its outer step."""
+        if self.outer is None:
+            self.x[ranks] += snapshot.x.mean(axis=0) - snapshot.x
+            return
+        spend = snapshot.own & (snapshot.steps > self.spent_at[ranks])
+        anchor, momentum, moves = self.outer.group(
+            self.anchor[ranks], self.momentum[ranks], snapshot.x, spend)
+        self.x[ranks] += moves
+        self.anchor[ranks] = anchor
+        self.momentum[ranks] = momentum
+        self.spent_at[ranks] = np.where(spend, snapshot.steps, self.spent_at[ranks])
 
     def set_all_to_mean(self) -> None:
+        """Every vector to the mean of all (the anchors and momenta stay: a stop inside a
+        round of local steps ends so, with no outer step on the partial round)."""
         self.x[:] = self.x.mean(axis=0)
 
     def distance(self) -> float:

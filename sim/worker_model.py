@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ripples.coordinator.decisions import GroupDecision
     from ripples.sim.config import SimConfig
     from ripples.sim.models import CommModel, ComputeSampler, ConsensusState
+    from ripples.sim.outer_step import OuterStep
 
 
 class SimWorker:
@@ -68,6 +69,8 @@ class SimHost(Protocol):
     compute_times: ComputeSampler
     comm: CommModel
     model: ConsensusState
+    outer: OuterStep | None
+    """The run's outer optimizer (None: a synchronisation averages the models)."""
     curve: list[tuple[float, float]]
     events: int
 
@@ -85,6 +88,10 @@ class SimHost(Protocol):
 
     def sample_interval(self) -> float:
         """The consensus curve's spacing in simulated seconds."""
+
+    def record_collective(self, size: int, vectors: int) -> None:
+        """Count a collective the protocol ran itself (lock-step): `size` members, each
+        feeding `vectors` model-sized vectors into it."""
 
 
 class SimulatedWorkers(abc.ABC):
@@ -127,3 +134,11 @@ class SimulatedWorkers(abc.ABC):
 
     def on_timer(self, w: SimWorker) -> None:  # noqa: B027 (optional hook)
         """A `later` the model asked for is due."""
+
+    def spends(self, w: SimWorker) -> bool:
+        """With the outer optimizer, as `w`'s group starts: whether the synchronisation
+        is its own, so that it spends its progress since its last spent one (its
+        provisional step); False: a partner picked mid-round, which keeps its progress.
+        A group protocol's members always spend (one with no step since contributes the
+        identity step all the same)."""
+        return True

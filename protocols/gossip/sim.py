@@ -1,7 +1,9 @@
 """adpsgd's and a2cid2's workers in the simulator, as their runtime loop (runtime.py):
 the compute loop never waits; each step owes averagings (StepCredit, capped backlog); a
 communication thread asks for a partner while it owes one, and otherwise listens in
-polls of LISTEN_POLL_SECONDS (if its variant listens) or waits for owed work."""
+polls of LISTEN_POLL_SECONDS (if its variant listens) or waits for owed work. With local
+steps (H) the averagings are owed per round of H steps, at its end; with the outer
+optimizer an exchange spends a worker's progress when it owes one (OuterState.exchange)."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class GossipWorkers(SimulatedWorkers):
         self.idle = [False] * n
         """Per rank: its communication thread waits for owed work."""
         self.credit: list[StepCredit | None] = [None] * n
+        self.local_steps = sim.settings.local_steps
 
     def start(self, w: SimWorker) -> None:
         self.credit[w.rank] = StepCredit(self.rate_com, torch.Generator().manual_seed(
@@ -47,7 +50,9 @@ class GossipWorkers(SimulatedWorkers):
     def on_compute(self, w: SimWorker) -> None:
         credit = self.credit[w.rank]
         assert credit is not None
-        owed = 0 if w.wid in self.sim.core.graph.passive else credit.next_step()
+        round_ends = w.iteration % self.local_steps == 0
+        passive = w.wid in self.sim.core.graph.passive
+        owed = 0 if passive or not round_ends else credit.next_step()
         self.owed[w.rank] = min(self.owed[w.rank] + owed, self.max_backlog)
         self.sim.start_iteration(w)
         if self.idle[w.rank] and self.owed[w.rank] > 0:
@@ -72,6 +77,10 @@ class GossipWorkers(SimulatedWorkers):
 
     def on_timer(self, w: SimWorker) -> None:
         self._comm_next(w)
+
+    def spends(self, w: SimWorker) -> bool:
+        """The exchange is its own while it owes one (the runtime's `_outer_exchange`)."""
+        return self.owed[w.rank] > 0
 
     def _settle(self, w: SimWorker) -> None:
         self.owed[w.rank] = max(0, self.owed[w.rank] - 1)

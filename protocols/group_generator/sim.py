@@ -2,7 +2,8 @@
 (runtime.py): compute an iteration, ask for a group, wait until it is delivered,
 P-Reduce, release it; `more` asks again at once; a server-side wait of
 GROUP_POLL_SECONDS ends in a retry. In a sharded run a shard's head takes its every
-inter_period-th group at the root coordinator instead."""
+inter_period-th group at the root coordinator instead. With local steps (H) a worker asks
+after every H-th step only, and trains on between."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from ripples.sim.worker_model import SimulatedWorkers, SimWorker
 class GroupWorkers(SimulatedWorkers):
     def on_compute(self, w: SimWorker) -> None:
         sim = self.sim
+        if w.iteration % sim.settings.local_steps:  # inside a round of local steps
+            sim.start_iteration(w)
+            return
         inter = w.root_wid >= 0 and w.iteration % sim.config.inter_period == 0
         w.core_at = sim.root if inter else w.shard
         sim.request(w)

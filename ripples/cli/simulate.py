@@ -4,6 +4,8 @@
     ripples simulate --workers 64,1000 --protocol allreduce,ripples-smart,adpsgd --json
     ripples simulate --workers 1000 --protocol ripples-smart,adpsgd --plot consensus.png
     ripples simulate --workers 10000 --shards 1,10 --service-seconds 0.0002  # flat vs sharded
+    ripples simulate --workers 1000 --protocol allreduce,ripples-smart \
+        --set local_steps=16 --set outer_optimizer=nesterov --set outer_lr=0.7   # DiLoCo's form
 
 Every (protocol, workers, shards) is one simulated run of the same scenario and seed.
 """
@@ -30,6 +32,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("conflict", "conflict_fraction", "{:.1%}"),
     ("group size", "mean_group_size", "{:.2f}"),
     ("consensus", "consensus_distance", "{:.3g}"),
+    ("consensus 2nd half", "mean_consensus_distance", "{:.3g}"),
+    ("sync B/iter", "bytes_per_worker_iteration", "{:.3g}"),
     ("decisions/s", "decisions_per_second", "{:,.0f}"),
     ("coord RPC/s", "coordinator_rpcs_per_second", "{:,.0f}"),
     ("coord busy", "coordinator_utilization", "{:.0%}"),
@@ -76,8 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="run_options", action="append", type=_run_option,
                         default=[], metavar="KEY=VALUE",
                         help="a run option as `ripples run` takes it (group_size=4, "
-                             "topology=ring, rate_com=2, heartbeat_interval_seconds=1); "
-                             "repeatable")
+                             "topology=ring, rate_com=2, heartbeat_interval_seconds=1, "
+                             "local_steps=16, outer_optimizer=nesterov, outer_lr=0.7, "
+                             "outer_momentum=0.5); repeatable")
     parser.add_argument("--shards", type=_int_list, default=[1],
                         help="1: one coordinator (flat); S: S shard coordinators and a root "
                              "one of their heads (docs/scale.md); comma-separated to compare "
