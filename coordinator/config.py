@@ -53,7 +53,7 @@ RUN_LIMITS: dict[str, tuple[float, float]] = {
     "seed": (0, 2**32 - 1),  # numpy's and torch's generators take it as it is
     "batch_size": (0, 2**24), "run_id": (0, 64),
     "local_steps": (1, 100_000), "outer_optimizer": (0, 16),
-    "outer_lr": (0.0, 10.0), "outer_momentum": (0.0, 1.0),
+    "outer_lr": (0.0, 10.0), "outer_momentum": (0.0, 1.0), "outer_compression": (0, 16),
 }
 """RunSettings' bounds where the defaults of protocols/settings.py `value_limits` (the
 proto field's range, a week for `*_seconds`, 1e9 for a float, 1024 characters) are too
@@ -69,6 +69,9 @@ TOPOLOGY_FILE_REFUSED = (
 
 OUTER_OPTIMIZERS = ("none", "nesterov")
 """What a synchronisation applies (RunSettings.outer_optimizer)."""
+OUTER_COMPRESSIONS = ("none", "bf16")
+"""How the gradient-like part of an outer synchronisation travels
+(RunSettings.outer_compression)."""
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.5
 """The outer Nesterov step's defaults: DiLoCo's learning rate (arXiv 2311.08105) and a
@@ -147,6 +150,10 @@ class RunSettings:
     outer_momentum: float = OUTER_MOMENTUM
     """Outer optimizer nesterov: its momentum, below 1 (0.5; DiLoCo's 0.9 suits long
     runs with large H: docs/local-steps.md)."""
+    outer_compression: str = "none"
+    """Outer optimizer nesterov: none, or bf16: the pseudo-gradients (allreduce) and the
+    outer momentum (the group form) travel in bfloat16, the pseudo-gradients with error
+    feedback; models and anchors stay float32 (docs/local-steps.md, "Compression")."""
     collective_timeout_seconds: float = 0.0
     """Bound on one collective: a peer that has not reached it by then fails it. 0: 1800 s
     (torch's default) for lock-step protocols (allreduce, ripples-static), where every
@@ -372,10 +379,16 @@ class RunSettings:
             if self.outer_momentum >= 1:
                 raise ValueError(f"outer_momentum must be below 1 (1 never forgets a step), "
                                  f"got {self.outer_momentum:g}")
-        elif (self.outer_lr, self.outer_momentum) != (OUTER_LR, OUTER_MOMENTUM):
-            raise ValueError("outer_lr and outer_momentum are for outer_optimizer nesterov; "
-                             "set it, or leave them out (outer_optimizer none averages the "
-                             "models)")
+        elif (self.outer_lr, self.outer_momentum, self.outer_compression) != (
+                OUTER_LR, OUTER_MOMENTUM, "none"):
+            raise ValueError("outer_lr, outer_momentum and outer_compression are for "
+                             "outer_optimizer nesterov; set it, or leave them out "
+                             "(outer_optimizer none averages the models, which would lose "
+                             "their low bits in bf16 at every synchronisation)")
+        if self.outer_compression not in OUTER_COMPRESSIONS:
+            raise ValueError(f"outer_compression must be one of "
+                             f"{', '.join(OUTER_COMPRESSIONS)}, got "
+                             f"{printable(self.outer_compression[:20])!r}")
         if (self.local_steps == 1 and self.outer_optimizer == "none") or not spec.no_local_steps:
             return
         takers = [s.name for s in PROTOCOLS.values() if not s.no_local_steps]
@@ -431,6 +444,7 @@ class RunSettings:
             outer_optimizer=self.outer_optimizer,
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
+            outer_compression=self.outer_compression,
         )
         for settings in self.protocol_settings.values():
             getattr(config, settings.proto_field).CopyFrom(settings.to_proto())

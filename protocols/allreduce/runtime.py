@@ -185,7 +185,7 @@ class AllReduceProtocol(Protocol):
         t0 = time.perf_counter()
         same = outer is not None and outer.in_agreement
         staged = (outer.stage(1.0 / n, same_anchor=same) if outer is not None
-                  else self.ctx.state.stage(1.0 / n))
+                  else [self.ctx.state.stage(1.0 / n)])
 
         def all_reduce(buffer: torch.Tensor) -> None:
             with torch.no_grad(), explained_collective(self.ctx, what):
@@ -198,7 +198,7 @@ class AllReduceProtocol(Protocol):
         seconds = time.perf_counter() - t0
         return SyncResult(preduce_seconds=seconds, num_groups=1, group_sizes=(n,),
                           preduce_durations=(seconds,),
-                          preduce_bytes=staged.numel() * staged.element_size())
+                          preduce_bytes=sum(t.numel() * t.element_size() for t in staged))
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -100,27 +100,31 @@ def _average_buffers(into: nn.Module, copies: list[nn.Module]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("outer", ["nesterov", "none"])
+@pytest.mark.parametrize("outer", ["nesterov", "none", "nesterov-bf16"])
 def test_allreduce_with_local_steps_is_diloco(outer: str, tmp_path: Path) -> None:
     """Also: the workers load `opt.state_dict()` back in mid-round (step 6: two local
     steps from the anchor), as a resume does; the anchor and outer momentum come back
     with it (were they restarted from the model, the run would leave DiLoCo's path).
-    With nesterov the model has a BatchNorm layer, whose statistics are averaged."""
-    nesterov = outer == "nesterov"
+    With nesterov the model has a BatchNorm layer, whose statistics are averaged. With
+    bf16 the pseudo-gradients travel in bfloat16: DiLoCo's path within bfloat16's
+    rounding, and still one model bit for bit."""
+    nesterov = outer.startswith("nesterov")
     extra = ["--batchnorm"] if nesterov else []
+    compressed = ["--outer-compression", "bf16"] if outer.endswith("bf16") else []
     proc = ripples_cli("run", "--workers", str(WORKERS), "--workers-per-node", str(WORKERS),
                        "--protocol", "allreduce", "--iterations", str(STEPS),
-                       "--local-steps", str(H), "--outer-optimizer", outer,
-                       "--output", str(tmp_path), "--quiet", "--", "python", str(SCRIPT),
-                       "--reload-at", "6", *extra)
+                       "--local-steps", str(H), "--outer-optimizer", outer.split("-")[0],
+                       *compressed, "--output", str(tmp_path), "--quiet", "--", "python",
+                       str(SCRIPT), "--reload-at", "6", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = _diloco(_script(), nesterov=nesterov, batchnorm=nesterov)
     models = [torch.load(tmp_path / "workers" / f"rank{r}.pt") for r in range(WORKERS)]
+    within = (2e-2, 2e-3) if compressed else (1e-5, 1e-5)
     for name, value in expected.items():
         assert torch.equal(models[0][name], models[1][name]), name  # one model, bit for bit
         if not value.is_floating_point():  # BatchNorm's batch count: each worker's own
             continue
-        torch.testing.assert_close(models[0][name], value, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(models[0][name], value, rtol=within[0], atol=within[1])
 
 
 @pytest.mark.slow
@@ -205,31 +209,36 @@ def test_ripples_static_with_local_steps_averages_its_groups_outer_steps(
                                    expected[rank], rtol=1e-5, atol=1e-5)
 
 
-def _four_workers_with_outer_steps(protocol: str, out: Path) -> tuple[dict[str, Any], int]:
+def _four_workers_with_outer_steps(protocol: str, out: Path, compression: str = "none"
+                                   ) -> tuple[dict[str, Any], int]:
     """A 4-worker run of the test script (BatchNorm model) with H = 4 and the outer step,
     40 steps; its summary (the run ended at its budget) and the bytes of one outer-form
-    synchronisation (anchor, momentum and buffers, fp32)."""
+    synchronisation (anchor and buffers in fp32, momentum in fp32 or, with bf16, in
+    bfloat16)."""
     proc = ripples_cli("run", "--workers", "4", "--workers-per-node", "2", "--protocol",
                        protocol, "--iterations", "40", "--local-steps", str(H),
-                       "--outer-optimizer", "nesterov", "--seed", "1", "--output",
-                       str(out), "--", "python", str(SCRIPT), "--batchnorm")
+                       "--outer-optimizer", "nesterov", "--outer-compression", compression,
+                       "--seed", "1", "--output", str(out), "--", "python", str(SCRIPT),
+                       "--batchnorm")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
     model = _script().build_model(batchnorm=True)
     params = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    return summary, 4 * (2 * params + buffers)
+    return summary, 4 * (params + buffers) + (2 if compression == "bf16" else 4) * params
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", ["ripples-smart", "ripples-random"])
+@pytest.mark.parametrize(("protocol", "compression"),
+                         [("ripples-smart", "none"), ("ripples-random", "bf16")])
 def test_group_generator_protocols_take_local_steps_and_the_outer_step(
-        protocol: str, tmp_path: Path) -> None:
+        protocol: str, compression: str, tmp_path: Path) -> None:
     """Four workers, H = 4, the outer Nesterov step in the Group Generator's groups: the
     run ends at its budget, every worker asks for groups once per round of H steps, and
-    its groups' bytes are the outer form's (2P plus the buffers)."""
-    summary, per_group = _four_workers_with_outer_steps(protocol, tmp_path)
+    its groups' bytes are the outer form's (2P plus the buffers; 1.5P plus the buffers
+    with the momentum in bf16)."""
+    summary, per_group = _four_workers_with_outer_steps(protocol, tmp_path, compression)
     for worker in summary["workers"]:
         # A worker asks for groups once per round of H steps, and is in at most one
         # group per request of any worker (random groups: its own and those others'
@@ -281,9 +290,9 @@ def test_a_joiner_of_a_local_step_run_heals_its_anchor_and_averages(tmp_path: Pa
 @pytest.mark.slow
 def test_adpsgd_takes_local_steps_and_the_outer_step_in_its_exchanges(tmp_path: Path) -> None:
     """adpsgd, H = 4: exchanges are owed once per round (rate_com per round), each the
-    outer form's (the anchor, momentum and buffers of each side); the run ends at its
-    budget with finite models."""
-    summary, per_exchange = _four_workers_with_outer_steps("adpsgd", tmp_path)
+    outer form's (the anchor, momentum and buffers of each side; the momentum in bf16
+    here); the run ends at its budget with finite models."""
+    summary, per_exchange = _four_workers_with_outer_steps("adpsgd", tmp_path, "bf16")
     sent = [w["preduce_bytes"] for w in summary["workers"]]
     assert all(s % per_exchange == 0 for s in sent) and sum(sent) > 0, (sent, per_exchange)
     for rank in range(4):

@@ -17,6 +17,10 @@ def test_the_defaults_are_todays_run_and_travel_to_the_workers() -> None:
     config = settings.to_proto()
     assert (config.local_steps, config.outer_optimizer) == (1, "none")
     assert (config.outer_lr, config.outer_momentum) == pytest.approx((0.7, 0.5))
+    assert config.outer_compression == "none"
+    compressed = RunSettings.build(protocol="ripples-smart", local_steps=8,
+                                   outer_optimizer="nesterov", outer_compression="bf16")
+    assert compressed.to_proto().outer_compression == "bf16"
     for name in PROTOCOLS:  # every protocol runs with them as they are
         RunSettings.build(protocol=name, task="digits", num_workers=4)
 
@@ -35,7 +39,12 @@ def test_the_defaults_are_todays_run_and_travel_to_the_workers() -> None:
      "outer_momentum must be at least 0"),
     ({"outer_optimizer": "nesterov", "outer_momentum": float("nan")},
      "outer_momentum must be a finite number"),
-    ({"outer_lr": 0.5}, "outer_lr and outer_momentum are for outer_optimizer nesterov"),
+    ({"outer_lr": 0.5}, "outer_lr, outer_momentum and outer_compression are for "
+     "outer_optimizer nesterov"),
+    ({"outer_compression": "bf16"}, "outer_compression are for outer_optimizer nesterov; "
+     ".* would lose their low bits in bf16"),
+    ({"outer_optimizer": "nesterov", "outer_compression": "int8"},
+     "outer_compression must be one of none, bf16, got 'int8'"),
 ])
 def test_a_bad_value_is_refused_naming_the_option(options: dict[str, object],
                                                  expected: str) -> None:

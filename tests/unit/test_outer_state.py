@@ -98,20 +98,34 @@ def _torch_nesterov(anchor: torch.Tensor, momentum: torch.Tensor,
     return p.detach()
 
 
-def _synced_once(seed: int) -> tuple[torch.nn.Module, AveragedState, OuterState]:
+def _synced_once(seed: int, compression: str = "none"
+                 ) -> tuple[torch.nn.Module, AveragedState, OuterState]:
     """A worker that has been through one synchronisation already: a non-zero momentum,
     its anchor where the model is (the same for every call with one seed)."""
     model = _model(seed)
     state = AveragedState(model)
-    outer = OuterState(state, lr=LR, momentum=MU)
+    outer = OuterState(state, lr=LR, momentum=MU, compression=compression)
     with torch.no_grad():
         outer.momentum.copy_(torch.linspace(-0.01, 0.02, outer.numel))
     return model, state, outer
 
 
+def _close(actual: torch.Tensor, expected: torch.Tensor, compression: str,
+           scale: torch.Tensor) -> None:
+    """Equal up to float32 rounding, or with bf16 up to its rounding of values of about
+    `scale`'s size (8 bits of mantissa: within 2^-8 of each, a few times over)."""
+    if compression == "none":
+        torch.testing.assert_close(actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=0,
+                                   atol=float(scale.abs().max()) * 2**-6)
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16"])
 @pytest.mark.parametrize("same_anchor", [False, True], ids=["group-form", "same-anchor"])
-def test_a_group_of_every_worker_takes_dilocos_outer_step(same_anchor: bool) -> None:
-    workers = [_synced_once(0) for _ in range(3)]
+def test_a_group_of_every_worker_takes_dilocos_outer_step(same_anchor: bool,
+                                                          compression: str) -> None:
+    workers = [_synced_once(0, compression) for _ in range(3)]
     anchor, momentum = workers[0][2].anchor.clone(), workers[0][2].momentum.clone()
     for rank, (model, _, outer) in enumerate(workers):
         _local_steps(model, outer, 4, seed=rank)
@@ -121,13 +135,15 @@ def test_a_group_of_every_worker_takes_dilocos_outer_step(same_anchor: bool) -> 
     delta = torch.stack([anchor - x for x in models]).mean(0)
     torch.testing.assert_close(_torch_nesterov(anchor, momentum, delta), expected_anchor)
 
-    def sync(rank: int, comm: Communicator) -> None:
-        outer_preduce(workers[rank][2], comm, TIMEOUT, same_anchor=same_anchor)
+    def sync(rank: int, comm: Communicator) -> tuple[str, bytes]:
+        outer = workers[rank][2]
+        outer_preduce(outer, comm, TIMEOUT, same_anchor=same_anchor)
+        return workers[rank][1].fingerprint(), outer.momentum.numpy().tobytes()
 
-    _in_group(3, sync)
+    assert len(set(_in_group(3, sync))) == 1  # compressed or not: bit for bit
     for _, state, outer in workers:
-        torch.testing.assert_close(outer.anchor, expected_anchor)
-        torch.testing.assert_close(outer.momentum, expected_momentum)
+        _close(outer.anchor - anchor, expected_anchor - anchor, compression, delta)
+        _close(outer.momentum, expected_momentum, compression, expected_momentum)
         assert torch.equal(_params(state), outer.anchor)  # x ← φ
         torch.testing.assert_close(state.flat[outer.numel:], buffers)  # BatchNorm: averaged
         assert outer.steps_since_sync == 0
@@ -155,12 +171,15 @@ def test_one_local_step_with_lr_1_and_no_momentum_is_plain_averaging() -> None:
         torch.testing.assert_close(outer.state.flat, averaged.flat, rtol=1e-6, atol=1e-6)
 
 
-def test_members_with_different_anchors_leave_bit_identical_and_apply_momentum_once() -> None:
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_members_with_different_anchors_leave_bit_identical_and_apply_momentum_once(
+        compression: str) -> None:
     """Groups mix workers from different synchronisations: each member steps from its own
     anchor and momentum, and all leave with the same model, anchor and momentum (the mean
     of the provisional steps). A member with no local step since its last sync (a second
-    group in one round) contributes its anchor and momentum unchanged."""
-    workers = [_synced_once(seed) for seed in range(3)]
+    group in one round) contributes its anchor and momentum unchanged. With bf16 the
+    momentum travels in bfloat16 and the anchors in float32."""
+    workers = [_synced_once(seed, compression) for seed in range(3)]
     for rank, (model, _, outer) in enumerate(workers[:2]):
         _local_steps(model, outer, 3, seed=20 + rank)
         with torch.no_grad():
@@ -185,20 +204,71 @@ def test_members_with_different_anchors_leave_bit_identical_and_apply_momentum_o
     digests = _in_group(3, sync)
     assert len(set(digests)) == 1  # model, anchor and momentum: bit for bit
     for _, _, outer in workers:
-        torch.testing.assert_close(outer.anchor, expected_anchor)
-        torch.testing.assert_close(outer.momentum, expected_momentum)
+        torch.testing.assert_close(outer.anchor, expected_anchor)  # float32 either way
+        _close(outer.momentum, expected_momentum, compression, expected_momentum)
 
 
-def test_an_abandoned_sync_leaves_model_anchor_and_momentum_as_they_were() -> None:
-    model, state, outer = _synced_once(0)
+@pytest.mark.parametrize(("compression", "same_anchor"),
+                         [("none", False), ("bf16", False), ("bf16", True)])
+def test_an_abandoned_sync_leaves_model_anchor_and_momentum_as_they_were(
+        compression: str, same_anchor: bool) -> None:
+    model, state, outer = _synced_once(0, compression)
     _local_steps(model, outer, 2, seed=3)
     before = (state.flat.clone(), outer.anchor.clone(), outer.momentum.clone())
-    staged = outer.stage(0.5)
-    staged.fill_(float("nan"))  # a failed collective may still write into its buffer
+    staged = outer.stage(0.5, same_anchor=same_anchor)
+    assert len(staged) == (2 if compression == "bf16" else 1)
+    for buffer in staged:  # a failed collective may still write into its buffers
+        buffer.fill_(float("nan"))
     outer.abandon()
     assert torch.equal(state.flat, before[0]) and torch.equal(outer.anchor, before[1])
     assert torch.equal(outer.momentum, before[2]) and outer.steps_since_sync == 2
-    assert outer.stage(0.5).data_ptr() != staged.data_ptr()  # a fresh staging buffer
+    again = outer.stage(0.5, same_anchor=same_anchor)
+    assert {t.data_ptr() for t in again}.isdisjoint(t.data_ptr() for t in staged)  # fresh
+
+
+def test_bf16_error_feedback_loses_no_progress_over_many_syncs() -> None:
+    """Alone in its group with η = 1, μ = 0 the same-anchor sync moves the anchor by the
+    bf16 Δ it sent; what rounding took off is the residual e, owed with the next Δ. The
+    model the run would have without rounding is the anchor minus e, and it moves by
+    exactly each round's progress (up to float32 rounding), however many syncs: nothing
+    is lost, while the anchor alone is off by at most one round's rounding."""
+    model = _model(0)
+    state = AveragedState(model)
+    outer = OuterState(state, lr=1.0, momentum=0.0, compression="bf16")
+    owed = torch.zeros(outer.numel)
+    exact = _params(state)  # the model without rounding: every round's progress, summed
+    for round_ in range(12):
+        _local_steps(model, outer, 3, seed=40 + round_)
+        delta = outer.anchor - _params(state)
+        exact -= delta
+        _in_group(1, lambda _rank, comm: outer_preduce(outer, comm, TIMEOUT, same_anchor=True))
+        residual = outer.residual
+        assert residual is not None
+        assert residual.abs().max() <= (delta + owed).abs().max() * 2**-8
+        owed = residual
+        torch.testing.assert_close(outer.anchor - owed, exact, rtol=0, atol=1e-5)
+        assert owed.abs().max() > 0  # bf16 did round: the test sees it
+        assert torch.equal(_params(state), outer.anchor)
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_what_a_member_sends_is_its_group_bytes(compression: str) -> None:
+    """The group form: [φ̂ | rest] in float32 and m̂ in float32 or bfloat16, or (outer
+    momentum 0, where m never counts) no m̂ at all; the same-anchor form Δ in place of
+    φ̂ and no m̂."""
+    for momentum in (MU, 0.0):
+        model = _model(0)
+        state = AveragedState(model)
+        outer = OuterState(state, lr=LR, momentum=momentum, compression=compression)
+        _local_steps(model, outer, 2, seed=1)
+        sent = sum(t.numel() * t.element_size() for t in outer.stage(0.5))
+        outer.abandon()
+        m_bytes = 0 if momentum == 0 else outer.numel * (2 if compression == "bf16" else 4)
+        assert sent == outer.group_bytes == state.size_bytes + m_bytes
+        same = outer.stage(0.5, same_anchor=True)
+        assert sum(t.numel() * t.element_size() for t in same) == state.size_bytes - (
+            outer.numel * 2 if compression == "bf16" else 0)
+        outer.abandon()
 
 
 def test_the_outer_state_survives_a_state_dict_round_trip() -> None:
@@ -284,13 +354,15 @@ def outer_numel(outer: OuterState) -> int:
     return outer.numel
 
 
-def test_a_gossip_exchange_spends_the_active_sides_progress_and_keeps_the_partners() -> None:
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_a_gossip_exchange_spends_the_active_sides_progress_and_keeps_the_partners(
+        compression: str) -> None:
     """On snapshots (the gossip thread never writes the model): the side that owes the
     exchange takes its provisional step; the partner picked mid-round contributes its
     anchor and momentum unchanged and keeps its progress (its model moves with the
     anchor). Both leave with one anchor and momentum; the deltas are what the models
     take at their next step boundary."""
-    workers = [_synced_once(seed) for seed in range(2)]
+    workers = [_synced_once(seed, compression) for seed in range(2)]
     for rank, (model, _, outer) in enumerate(workers):
         _local_steps(model, outer, 2 + rank, seed=30 + rank)
     seen = [state.flat.clone() for _, state, _ in workers]
@@ -305,8 +377,9 @@ def test_a_gossip_exchange_spends_the_active_sides_progress_and_keeps_the_partne
         seen[rank], comm, TIMEOUT, spend=rank == 0))
     for *_, outer in workers:
         torch.testing.assert_close(outer.anchor, expected_anchor)
-        torch.testing.assert_close(outer.momentum, expected_momentum)
+        _close(outer.momentum, expected_momentum, compression, expected_momentum)
     assert torch.equal(workers[0][2].anchor, workers[1][2].anchor)
+    assert torch.equal(workers[0][2].momentum, workers[1][2].momentum)
     # The spender's model becomes the new anchor; the partner's moves with its anchor.
     torch.testing.assert_close(seen[0][:n] + deltas[0][:n], expected_anchor)
     torch.testing.assert_close(deltas[1][:n], expected_anchor - before[1][0])

@@ -34,6 +34,20 @@ made them equal: `in_agreement`) only Δ needs to travel: `stage(..., same_ancho
 sends Δ (P values instead of 2P) and every member takes the identical outer step on the
 sum.
 
+What travels (`stage`): the group form sends [φ̂ | rest | m̂], the same-anchor form
+[Δ | rest]. With outer momentum 0 the momentum is never used (m̂ = Δ is multiplied by μ =
+0), so m̂ is not sent. With `compression="bf16"` the gradient-like part travels in
+bfloat16, half the bytes, in a second SUM collective of its own: m̂ in the group form
+and Δ in the same-anchor form. The models and anchors (φ̂) and the rest always travel
+in float32: a model rounded to bfloat16 at every synchronisation would lose its low bits
+for good. Δ's rounding error is fed back (error feedback, EF-SGD): what rounding took
+off this synchronisation's Δ is added to the next one, so over the run every worker's
+progress arrives whole. The momentum's is not: m is a running mean that multiplies each
+rounding error by μ < 1 at every later synchronisation, so the error stays within
+2⁻⁹/(1 − μ) of m. Every member receives the same SUM, so anchors and momenta stay bitwise
+equal among members, compressed or not. The residual is not checkpointed: a resume loses
+at most one round's rounding, below 2⁻⁹ of that round's Δ.
+
 The anchor is taken at the first local step (`take_anchor`, called by ripples.Optimizer
 before the step), not when the optimizer is built: a script that loads weights into the
 model after wrapping it (pretrained weights, its own resume) anchors at what it loaded.
@@ -61,6 +75,10 @@ from ripples.worker.dataplane.preduce import copy_from_donor, copy_model, preduc
 
 logger = logging.getLogger(__name__)
 
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
+"""--outer-compression: the dtype the gradient-like part of a synchronisation travels in
+(None: the flat buffer's own, in one collective with the rest)."""
+
 
 class OuterState:
     """The anchor φ and outer momentum m of one worker, shaped like its parameters (the
@@ -70,13 +88,21 @@ class OuterState:
     changes; `commit` sets the parameters to the new anchor.
     """
 
-    def __init__(self, state: AveragedState, *, lr: float, momentum: float) -> None:
+    def __init__(self, state: AveragedState, *, lr: float, momentum: float,
+                 compression: str = "none") -> None:
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError(f"the outer step needs lr > 0 and 0 <= momentum < 1, got lr "
                              f"{lr:g} and momentum {momentum:g}")
+        if compression not in WIRE_DTYPES:
+            raise ValueError(f"outer compression must be one of {', '.join(WIRE_DTYPES)}, "
+                             f"got {compression!r}")
         self.state = state
         self.lr = lr
         self.momentum_factor = momentum
+        self.compression = compression
+        self.wire_dtype = WIRE_DTYPES[compression]
+        """The dtype the gradient-like part (m̂, or Δ in the same-anchor form) travels in,
+        apart; None: in the flat buffer's, with the rest."""
         self.numel = sum(p.numel() for p in state.params)
         """The parameters' elements: the head of the flat buffer the outer step covers."""
         with torch.no_grad():
@@ -92,6 +118,13 @@ class OuterState:
         self.steps_since_sync = 0
         """Local steps since the last synchronisation (0: nothing to contribute)."""
         self._staging: torch.Tensor | None = None
+        """[head | rest | m̂] in the flat buffer's dtype (head: φ̂, or Δ in the same-anchor
+        form; m̂ only when the momentum travels uncompressed)."""
+        self._wire: torch.Tensor | None = None
+        """The compressed part of a synchronisation (m̂, or Δ), or None."""
+        self.residual: torch.Tensor | None = None
+        """Error feedback: what bfloat16 rounding took off the Δ sent so far."""
+        self._pending_residual: torch.Tensor | None = None
         self._same_anchor = False
         self._lock = threading.Lock()
         """Held while the anchor and momentum change or are read whole: a gossip
@@ -104,7 +137,8 @@ class OuterState:
         --outer-optimizer nesterov, none otherwise (plain model averaging)."""
         if config.outer_optimizer != "nesterov":
             return None
-        return cls(state, lr=config.outer_lr, momentum=config.outer_momentum)
+        return cls(state, lr=config.outer_lr, momentum=config.outer_momentum,
+                   compression=config.outer_compression or "none")
 
     def take_anchor(self, seen: torch.Tensor | None = None) -> None:
         """Before a local step: anchor at the parameters as they are (or as `seen`, a
@@ -125,39 +159,73 @@ class OuterState:
         self.steps_since_sync += 1
 
     # ------------------------------------------------------------------ collectives
-    def stage(self, scale: float, *, same_anchor: bool = False) -> torch.Tensor:
-        """A buffer ready for an in-place SUM collective over the group, `scale` (1/|G|)
-        applied.
+    def stage(self, scale: float, *, same_anchor: bool = False) -> list[torch.Tensor]:
+        """The buffers of one synchronisation, each ready for an in-place SUM collective
+        over the group, `scale` (1/|G|) applied: the flat buffer's dtype first, then, with
+        compression, the bfloat16 one (module docstring, "What travels").
 
-        Group form (default): [φ̂ | m̂ | rest] * scale, where (φ̂, m̂) is this member's
-        provisional outer step (its φ and m as they are if it took no local step since
-        its last synchronisation) and rest the flat buffer past the parameters.
-        `same_anchor=True` (every member's φ and m bitwise equal): [Δ | rest] * scale.
+        Group form (default): [φ̂ | rest | m̂], where (φ̂, m̂) is this member's provisional
+        outer step (its φ and m as they are if it took no local step since its last
+        synchronisation) and rest the flat buffer past the parameters; m̂ travels apart in
+        bfloat16 with compression, and not at all with momentum 0.
+        `same_anchor=True` (every member's φ and m bitwise equal): [Δ | rest], Δ apart
+        in bfloat16 (plus the rounding left over from before) with compression.
         """
         self.take_anchor()  # a member that has not stepped yet: its model is its anchor
         flat, n = self.state.flat, self.numel
         rest = flat.numel() - n
-        size = (n if same_anchor else 2 * n) + rest
+        size = n + rest + (n if self._momentum_travels(same_anchor) else 0)
         if self._staging is None or self._staging.numel() != size:
             self._staging = torch.empty(size, dtype=flat.dtype, device=flat.device)
         staged = self._staging
+        self._pending_residual = None
         with torch.no_grad():
             head = staged[:n]
             torch.sub(self.anchor, flat[:n], out=head)  # Δ
             if not same_anchor:
-                moment = staged[n : 2 * n]
+                moment = staged[n + rest :] if size > n + rest else torch.empty_like(head)
                 self._provisional_step(head, moment, spend=self.steps_since_sync > 0)
-            staged[size - rest :].copy_(flat[n:])
+            staged[n : n + rest].copy_(flat[n:])
             staged.mul_(scale)
+            self._wire = self._compressed(head if same_anchor else moment, scale,
+                                          same_anchor=same_anchor)
         self._same_anchor = same_anchor
-        return staged
+        parts = [staged if self._wire is None or not same_anchor else staged[n:], self._wire]
+        return [t for t in parts if t is not None and t.numel()]
+
+    def _momentum_travels(self, same_anchor: bool) -> bool:
+        """Whether m̂ is in the flat-dtype buffer (group form, momentum above 0, not
+        compressed)."""
+        return not same_anchor and self.momentum_factor > 0 and self.wire_dtype is None
+
+    def _compressed(self, values: torch.Tensor, scale: float, *,
+                    same_anchor: bool) -> torch.Tensor | None:
+        """With compression, `values` (m̂ unscaled, or Δ already scaled) in bfloat16,
+        scaled; Δ with error feedback (the residual is adopted at `commit`). None when
+        nothing travels apart."""
+        if self.wire_dtype is None:
+            return None
+        if not same_anchor:
+            return (torch.mul(values, scale).to(self.wire_dtype)
+                    if self.momentum_factor > 0 else None)
+        if not self.steps_since_sync:  # nothing to send: the residual waits for a step
+            return values.to(self.wire_dtype)
+        if self.residual is None:
+            self.residual = torch.zeros_like(values)
+        fed = torch.add(values, self.residual, alpha=scale)  # (Δ + e) / |G|
+        wire = fed.to(self.wire_dtype)
+        self._pending_residual = fed.sub_(wire.to(fed.dtype)).div_(scale)
+        return wire
 
     @property
     def group_bytes(self) -> int:
         """The bytes a member feeds into a synchronisation in the group form: its
-        provisional anchor and momentum, and the rest of the flat buffer."""
+        provisional anchor, the rest of the flat buffer and its provisional momentum
+        (none with momentum 0, half with bfloat16)."""
         flat = self.state.flat
-        return (flat.numel() + self.numel) * flat.element_size()
+        wire = flat.dtype if self.wire_dtype is None else self.wire_dtype
+        momentum = 0 if self.momentum_factor == 0 else self.numel * wire.itemsize
+        return flat.numel() * flat.element_size() + momentum
 
     def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
                           spend: bool) -> None:
@@ -178,28 +246,41 @@ class OuterState:
         """Adopt the collective's result: the group's anchor, momentum and the rest of the
         flat buffer; the parameters become the anchor."""
         assert self._staging is not None, "commit() without stage()"
-        flat, n, staged = self.state.flat, self.numel, self._staging
+        flat, n, staged, wire = self.state.flat, self.numel, self._staging, self._wire
+        rest = staged[n : flat.numel()]
         with torch.no_grad():
-            if self._same_anchor and not self.steps_since_sync:
-                rest = staged[n:]  # nothing unspent anywhere: no outer step (no momentum)
-            elif self._same_anchor:
+            if self._same_anchor and self.steps_since_sync:
                 delta = staged[:n]  # the group's Δ̄: every member steps identically
+                if wire is not None:
+                    delta.copy_(wire)
+                    self.residual = self._pending_residual
                 self.momentum.mul_(self.momentum_factor).add_(delta)
                 delta.add_(self.momentum, alpha=self.momentum_factor)
                 self.anchor.add_(delta, alpha=-self.lr)
-                rest = staged[n:]
-            else:
+            elif not self._same_anchor:
                 self.anchor.copy_(staged[:n])
-                self.momentum.copy_(staged[n : 2 * n])
-                rest = staged[2 * n :]
+                self._adopt_momentum(staged[flat.numel() :], wire)
+            # (same anchor, nothing unspent anywhere: no outer step, no momentum)
             flat[:n].copy_(self.anchor)
             flat[n:].copy_(rest)
+        self._wire = self._pending_residual = None
         self.steps_since_sync = 0
         self.anchored = True
 
+    def _adopt_momentum(self, uncompressed: torch.Tensor, wire: torch.Tensor | None) -> None:
+        """The group's momentum from a group-form synchronisation: the flat-dtype tail, the
+        bfloat16 buffer, or (momentum 0, where it never counts) zero."""
+        if uncompressed.numel():
+            self.momentum.copy_(uncompressed)
+        elif wire is not None:
+            self.momentum.copy_(wire)
+        else:
+            self.momentum.zero_()
+
     def abandon(self) -> None:
-        """Forget the staging buffer after a failed collective; nothing else changed."""
-        self._staging = None
+        """Forget the staging buffers after a failed collective; nothing else changed (the
+        error feedback's residual included: the Δ it belongs to is still unsent)."""
+        self._staging = self._wire = self._pending_residual = None
 
     # ------------------------------------------------------------------ gossip
     def exchange(self, seen: torch.Tensor, comm: Communicator, timeout_seconds: float, *,
@@ -218,26 +299,32 @@ class OuterState:
         each time (a failed collective may write into it later: rule 4); on failure the
         anchor and momentum keep their values."""
         self.take_anchor(seen)
-        n = self.numel
+        n, total = self.numel, seen.numel()
+        scale = 1.0 / comm.size
         with torch.no_grad():
-            staged = torch.empty(2 * n + seen.numel() - n, dtype=seen.dtype,
+            inline = self._momentum_travels(False)
+            staged = torch.empty(total + (n if inline else 0), dtype=seen.dtype,
                                  device=seen.device)
+            moment = staged[total:] if inline else torch.empty_like(seen[:n])
             with self._lock:
                 torch.sub(self.anchor, seen[:n], out=staged[:n])
-                self._provisional_step(staged[:n], staged[n : 2 * n], spend=spend)
+                self._provisional_step(staged[:n], moment, spend=spend)
                 old_anchor = None if spend else self.anchor.clone()
-            staged[2 * n :].copy_(seen[n:])
-            staged.mul_(1.0 / comm.size)
-        comm.allreduce_sum_(staged, timeout_seconds)
+            staged[n:total].copy_(seen[n:])
+            staged.mul_(scale)
+            wire = self._compressed(moment, scale, same_anchor=False)
+        for part in (staged, wire):
+            if part is not None:
+                comm.allreduce_sum_(part, timeout_seconds)
         with torch.no_grad():
             delta = torch.empty_like(seen)
             with self._lock:
                 self.anchor.copy_(staged[:n])
-                self.momentum.copy_(staged[n : 2 * n])
+                self._adopt_momentum(staged[total:], wire)
                 self.in_agreement = False
             base = seen[:n] if old_anchor is None else old_anchor
             torch.sub(staged[:n], base, out=delta[:n])
-            torch.sub(staged[2 * n :], seen[n:], out=delta[n:])
+            torch.sub(staged[n:total], seen[n:], out=delta[n:])
         return delta
 
     # ------------------------------------------------------------------ healing

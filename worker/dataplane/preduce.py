@@ -19,13 +19,14 @@ class Staged(Protocol):
     def abandon(self) -> None: ...
 
 
-def reduce_staged(averaged: Staged, staged: torch.Tensor,
+def reduce_staged(averaged: Staged, staged: Sequence[torch.Tensor],
                   reduce: Callable[[torch.Tensor], object]) -> None:
-    """Run `reduce` (an in-place SUM collective) on the buffer `averaged` staged, then
-    commit its result. On any error the staging buffer is abandoned, and what `averaged`
-    holds keeps its local values (docs/data-plane.md rule 4)."""
+    """Run `reduce` (an in-place SUM collective) on each buffer `averaged` staged, then
+    commit the result. On any error the staging buffers are abandoned, and what
+    `averaged` holds keeps its local values (docs/data-plane.md rule 4)."""
     try:
-        reduce(staged)
+        for buffer in staged:
+            reduce(buffer)
     except BaseException:
         averaged.abandon()
         raise
@@ -40,7 +41,7 @@ def preduce(params: AveragedState, comm: Communicator, timeout_seconds: float) -
     and the parameters keep their local values; the caller reports the group failed and
     drops the communicator.
     """
-    reduce_staged(params, params.stage(1.0 / comm.size),
+    reduce_staged(params, [params.stage(1.0 / comm.size)],
                   lambda staged: comm.allreduce_sum_(staged, timeout_seconds))
 
 
