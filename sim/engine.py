@@ -55,7 +55,8 @@ class Simulation:
         self.compute_times = config.compute.sampler(config.workers, self.rng)
         self.comm = config.comm
         self.outer = (OuterStep(lr=self.settings.outer_lr,
-                                momentum=self.settings.outer_momentum)
+                                momentum=self.settings.outer_momentum,
+                                compression=self.settings.outer_compression)
                       if self.settings.outer_optimizer == "nesterov" else None)
         self.model = ConsensusState(config.consensus, config.workers, config.seed,
                                     config.data_block_ranks(), self.outer)
@@ -359,7 +360,7 @@ class Simulation:
         k = self.config.workers_per_host
         spans = len({r // k for r in ranks}) > 1
         # The outer optimizer's group form carries [provisional anchor | momentum].
-        vectors = 1 if self.outer is None else 2
+        vectors = 1.0 if self.outer is None else self.outer.group_vectors
         collective = self.comm.allreduce_seconds(len(ranks), spans_hosts=spans,
                                                  vectors=vectors)
         seconds = (self.comm.rpc_seconds
@@ -379,7 +380,7 @@ class Simulation:
         self.shared.start(self.now, job, collective, weight=len(ranks))
         self._schedule_shared()
 
-    def record_collective(self, size: int, vectors: int) -> None:
+    def record_collective(self, size: int, vectors: float) -> None:
         """Count one collective of `size` members, each feeding `vectors` model-sized
         vectors into it."""
         self.group_sizes.append(size)

@@ -183,7 +183,8 @@ class CommModel:
     it does not; plus `setup_seconds` when the group builds a new communicator and the
     coordinator's round trip `rpc_seconds` before it starts. A collective that carries
     `vectors` model-sized vectors (the outer optimizer's group form: the provisional
-    anchor and the momentum, 2) sends `vectors x model_bytes`."""
+    anchor and the momentum: 2; 1.5 with the momentum in bf16, 1 with outer momentum 0)
+    sends `vectors x model_bytes`."""
 
     model_bytes: float = 4 * 25_000_000
     """Bytes averaged (parameters and, by default, the optimizer state): ResNet-50-like.
@@ -207,7 +208,7 @@ class CommModel:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative")
 
-    def allreduce_seconds(self, g: int, *, spans_hosts: bool, vectors: int = 1) -> float:
+    def allreduce_seconds(self, g: int, *, spans_hosts: bool, vectors: float = 1.0) -> float:
         if g < 2:
             return 0.0
         bandwidth = self.inter_host_bandwidth if spans_hosts else self.intra_host_bandwidth

@@ -39,6 +39,22 @@ class OuterStep:
     """η: outer_lr."""
     momentum: float
     """μ: outer_momentum."""
+    compression: str = "none"
+    """outer_compression: with bf16 the gradient-like part travels in half the bytes."""
+
+    @property
+    def group_vectors(self) -> float:
+        """Model-sized vectors a member feeds into a group-form synchronisation (as
+        `OuterState.group_bytes`): the provisional anchor, and the momentum (none with
+        μ = 0, where it never counts; half a vector in bf16)."""
+        if self.momentum == 0:
+            return 1.0
+        return 1.5 if self.compression == "bf16" else 2.0
+
+    @property
+    def delta_vectors(self) -> float:
+        """Model-sized vectors of allreduce's pseudo-gradient (half a vector in bf16)."""
+        return 0.5 if self.compression == "bf16" else 1.0
 
     def group(self, anchor: np.ndarray, momentum: np.ndarray, seen: np.ndarray,
               spend: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

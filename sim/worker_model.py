@@ -89,7 +89,7 @@ class SimHost(Protocol):
     def sample_interval(self) -> float:
         """The consensus curve's spacing in simulated seconds."""
 
-    def record_collective(self, size: int, vectors: int) -> None:
+    def record_collective(self, size: int, vectors: float) -> None:
         """Count a collective the protocol ran itself (lock-step): `size` members, each
         feeding `vectors` model-sized vectors into it."""
 

@@ -50,7 +50,9 @@ class LockstepWorkers(SimulatedWorkers):
             final = iteration == cfg.iterations
             if iteration % every == 0 or final:
                 outer_step = sim.outer is not None and iteration % every == 0
-                vectors = 2 if outer_step and not in_agreement else 1
+                vectors = (1.0 if sim.outer is None or not outer_step else
+                           sim.outer.delta_vectors if in_agreement else
+                           sim.outer.group_vectors)
                 ring = sim.comm.allreduce_seconds(n, spans_hosts=spans, vectors=vectors)
                 # Shared cores: the ring's n threads share them too.
                 collective = ring * max(1.0, n / cores) if cores else ring

@@ -95,6 +95,25 @@ def test_a_round_of_h_steps_waits_for_the_slowest_once_per_round() -> None:
         0.5 + (9 * ring + ring2) / 40, rel=1e-9)
     assert diloco.bytes_per_worker_iteration == pytest.approx(11 * comm.model_bytes / 40)
     assert diloco.consensus_distance < 1e-20
+    # bf16: the pseudo-gradients in half a vector; the first sync's momentum too.
+    bf16 = simulate(SimConfig(protocol="allreduce", workers=8, iterations=40, compute=slow,
+                              comm=comm, run_options={"local_steps": 4, **NESTEROV,
+                                                      "outer_compression": "bf16"}))
+    assert bf16.bytes_per_worker_iteration == pytest.approx(
+        (1.5 + 9 * 0.5) * comm.model_bytes / 40)
+
+
+def test_the_group_forms_bytes_follow_the_momentum_and_compression() -> None:
+    """As OuterState.group_bytes: the anchor and the momentum (2 vectors), the momentum
+    in bf16 (1.5), no momentum at μ = 0 (1, as plain averaging)."""
+    def run(**options: object) -> float:
+        return simulate(SimConfig(protocol="ripples-smart", workers=8, iterations=40,
+                                  comm=INSTANT_LINKS, run_options={"local_steps": 4, **options})
+                        ).bytes_per_worker_iteration
+
+    plain = run()
+    assert run(**NESTEROV) == pytest.approx(2 * plain)
+    assert run(**NESTEROV, outer_compression="bf16") == pytest.approx(1.5 * plain)
 
 
 @pytest.mark.parametrize("protocol", ["ripples-smart", "allreduce"])
@@ -113,8 +132,8 @@ def test_nesterov_with_lr_1_and_momentum_0_is_plain_averaging(protocol: str) -> 
     np.testing.assert_allclose([d for _, d in outer.consensus_curve],
                                [d for _, d in plain.consensus_curve], rtol=1e-9, atol=1e-15)
     assert outer.optimum_gap == pytest.approx(plain.optimum_gap, rel=1e-9)
-    if protocol == "ripples-smart":  # the group form sends the anchor and the momentum
-        assert outer.bytes_per_worker_iteration == 2 * plain.bytes_per_worker_iteration
+    # With μ = 0 the momentum never counts and is not sent: the same bytes.
+    assert outer.bytes_per_worker_iteration == plain.bytes_per_worker_iteration
     # A real outer step moves the models elsewhere.
     nesterov = run(**NESTEROV)
     assert nesterov.optimum_gap != pytest.approx(plain.optimum_gap, rel=1e-3)
