@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ripples.bench import harness, preduce
+from ripples.bench import harness, outer_sync, preduce
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,26 @@ def test_preduce_benchmark_measures_every_method(capsys: pytest.CaptureFixture[s
     rows = preduce.report(cfg, preduce.run(cfg))
     assert [row["method"] for row in rows] == list(preduce.METHODS)
     assert all(row["ms_per_call"] > 0 for row in rows) and rows[0]["ratio"] == 1.0
+
+
+def test_outer_sync_benchmark_times_every_form_and_its_members_agree(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = ["--members", "2", "--d-model", "16", "--layers", "1", "--heads", "1",
+            "--block-size", "8", "--batch-size", "2", "--calls", "1", "--rounds", "2"]
+    assert outer_sync.main(tiny) == 0  # non-zero if a form's members disagreed
+    out = capsys.readouterr().out
+    assert all(method in out for method in outer_sync.METHODS)
+    cfg = outer_sync.OuterSyncConfig(members=2, d_model=16, layers=1, heads=1, block_size=8,
+                                     batch_size=2, calls=1, rounds=1)
+    measured = outer_sync.run(cfg)
+    rows = {row["method"]: row for row in outer_sync.report(measured)}
+    assert list(rows) == list(outer_sync.METHODS)
+    p4 = 4 * int(measured["params"])  # type: ignore[call-overload]
+    # What each form feeds in: the model's P values, AdamW's two moments, the momentum.
+    assert [rows[form]["bytes"] for form in outer_sync.FORMS] == [
+        3 * p4, p4, 2 * p4, p4 + p4 // 2, p4, p4 // 2]
+    assert rows[outer_sync.BASELINE]["ratio"] == 1.0
+    assert all(row["ms"] > 0 for row in rows.values())
 
 
 def test_bench_runs_a_tiny_matrix_resumes_it_and_writes_results_and_plots(
