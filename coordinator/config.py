@@ -170,8 +170,9 @@ class RunSettings:
     training goes on meanwhile; past it a worker fails with the coordinator's error."""
     outage_local_steps: int = 100
     """While the coordinator is unreachable, a worker of a group or gossip protocol trains
-    on alone for up to this many steps, then waits for it (within the outage window):
-    models that never average drift apart, each towards its own shard."""
+    on alone for up to this many steps in a row (optimizer steps, with local steps too:
+    a round of H counts H), then waits for it (within the outage window): models that
+    never average drift apart, each towards its own shard."""
     final_average: bool = True
     """After the stop, the live workers of a group or gossip protocol average their models
     once more, all together, so that every worker's final model (--save-model) is the

@@ -205,24 +205,28 @@ class GroupGeneratorProtocol(Protocol):
     def _ask(self, completed: int) -> pb.GroupReply | None:
         """The coordinator's reply to this step's request; None while it is unreachable:
         train on alone, for up to the run's outage_local_steps steps in a row, then wait
-        for it here (the heartbeat ends the wait once the outage window is over)."""
+        for it here (the heartbeat ends the wait once the outage window is over). A worker
+        asks once per round, so each unanswered ask lets the next round's H steps go on
+        alone: they count H (local_steps) towards the bound, not 1."""
+        waiting = False
         while True:
             self._forget_old_incarnation()
             try:
                 reply = self.stream.request(completed, self.poll_seconds, self.ctx.progress())
             except StreamInterrupted as err:
-                if not self._outage_steps:
+                if not self._outage_steps and not waiting:
                     logger.warning("training on without averaging while the coordinator is "
                                    "unreachable: %s", err)
-                if self._outage_steps < self.ctx.config.outage_local_steps:
-                    self._outage_steps += 1
+                round_steps = self.local_steps
+                if self._outage_steps + round_steps <= self.ctx.config.outage_local_steps:
+                    self._outage_steps += round_steps
                     return None
                 if self.ctx.stop_requested.is_set():
                     return None
-                if self._outage_steps == self.ctx.config.outage_local_steps:
+                if not waiting:
                     logger.warning("%d steps without the coordinator: waiting for it",
                                    self._outage_steps)
-                    self._outage_steps += 1
+                    waiting = True
                 time.sleep(COORDINATOR_RETRY_SECONDS)
                 continue
             self._outage_steps = 0
