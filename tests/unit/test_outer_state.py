@@ -249,6 +249,8 @@ def test_bf16_error_feedback_loses_no_progress_over_many_syncs() -> None:
         torch.testing.assert_close(outer.anchor - owed, exact, rtol=0, atol=1e-5)
         assert owed.abs().max() > 0  # bf16 did round: the test sees it
         assert torch.equal(_params(state), outer.anchor)
+    outer.load_state_dict(outer.state_dict())  # a restore: the residual is not in it
+    assert outer.residual is None
 
 
 @pytest.mark.parametrize("compression", ["none", "bf16"])

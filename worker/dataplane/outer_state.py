@@ -350,6 +350,7 @@ class OuterState:
             flat[:n].copy_(self.anchor)
             flat[n:model_numel].copy_(copied[2 * n :])
         self.anchored, self.in_agreement, self.steps_since_sync = True, False, 0
+        self.residual = None  # the rounding owed was on the old anchor's path
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self, saved: object) -> None:
@@ -368,6 +369,7 @@ class OuterState:
         with torch.no_grad():
             self.momentum.zero_()
         self.anchored, self.in_agreement, self.steps_since_sync = False, False, 0
+        self.residual = None
 
     def state_dict(self) -> dict[str, Any]:
         """CPU copies of the anchor and momentum, the step count and the outer step's
@@ -399,6 +401,7 @@ class OuterState:
             self.momentum.copy_(saved["momentum"])
             self.steps_since_sync = int(saved["steps_since_sync"])
             self.anchored, self.in_agreement = True, False
+            self.residual = None  # not checkpointed (module docstring)
 
 
 def local_steps(config: pb.RunConfig) -> int:
