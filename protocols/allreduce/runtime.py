@@ -170,8 +170,8 @@ class AllReduceProtocol(Protocol):
         """DiLoCo's synchronisation, in one all-reduce (two with --outer-compression bf16:
         the pseudo-gradients in bfloat16 beside the buffers in float32): the
         pseudo-gradients (and the buffers) and the outer step, or (outer optimizer none,
-        or `final`: the stop inside a round) the models. A failed all-reduce leaves the model, anchor and
-        momentum as they were.
+        or `final`: the stop inside a round) the models. A failed all-reduce leaves the
+        model, anchor and momentum as they were.
 
         Every worker is in every synchronisation, so the anchors and momenta stay
         bitwise equal and only the pseudo-gradients need to travel; until one
