@@ -39,7 +39,6 @@ of any form did not leave it with bit-identical models.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import multiprocessing as mp
@@ -51,9 +50,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from ripples.bench.members import run_members
 from ripples.examples.transformer_lm import VOCAB_SIZE, TinyGPT
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import (
@@ -215,24 +214,7 @@ def run(cfg: OuterSyncConfig) -> dict[str, object]:
         raise ValueError("members must be at least 2")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=TIMEOUT_SECONDS))
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(r, store.port, cfg, out))
-             for r in range(cfg.members)]
-    for p in procs:
-        p.start()
-    try:
-        replies = [out.get(timeout=900) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"benchmark members exited with {failed}")
+    replies = run_members(_member, cfg.members, cfg, replies=cfg.members, timeout_seconds=900)
     replies.sort(key=lambda r: r[0])
     _, results, _, sent, params, device_name = replies[0]
     agree = {name: len({r[2][name] for r in replies}) == 1 for name in FORMS}

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ripples.bench.members import run_members
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import (
     CommunicatorCache,
@@ -142,24 +143,8 @@ def run(cfg: BenchConfig) -> dict[tuple[int, str], list[float]]:
     if cfg.device == "cuda" and torch.cuda.device_count() < cfg.group_size:
         raise ValueError(f"--device cuda needs {cfg.group_size} GPUs, "
                          f"found {torch.cuda.device_count()}")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(r, store.port, cfg, out))
-             for r in range(cfg.group_size)]
-    for p in procs:
-        p.start()
-    try:
-        results: dict[tuple[int, str], list[float]] = out.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"benchmark members exited with {failed}")
-    return results
+    (results,) = run_members(_member, cfg.group_size, cfg, replies=1, timeout_seconds=600)
+    return results  # type: ignore[no-any-return]
 
 
 def report(cfg: BenchConfig, results: dict[tuple[int, str], list[float]]) -> list[dict]:
