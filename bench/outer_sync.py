@@ -187,25 +187,14 @@ def _member(rank: int, port: int, cfg: OuterSyncConfig, out: mp.Queue) -> None:
             _sync_device(device)
             results[name].append((time.perf_counter() - start) / cfg.calls)
     fingerprints = {name: form.state.fingerprint() for name, form in forms.items()}
-    sent = {name: (form.outer.group_bytes if form.outer is not None
-                   and not name.startswith("outer delta") else _delta_bytes(form))
+    sent = {name: (form.state.size_bytes if form.outer is None else
+                   form.outer.sent_bytes(same_anchor=name.startswith("outer delta")))
             for name, form in forms.items()}
     out.put((rank, results, fingerprints, sent,
              sum(p.numel() for p in trainee.parameters()),
              torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))
     comm.allreduce_sum_(barrier, TIMEOUT_SECONDS)  # leave together
     cache.close()
-
-
-def _delta_bytes(form: _Form) -> int:
-    """What a member feeds into one synchronisation of a form that is not the group
-    form: plain P-Reduce its whole flat buffer; the same-anchor form Δ (half in bf16) and
-    the rest."""
-    if form.outer is None:
-        return form.state.size_bytes
-    flat = form.state.flat
-    delta = form.outer.numel * (2 if form.outer.compression == "bf16" else flat.element_size())
-    return delta + (flat.numel() - form.outer.numel) * flat.element_size()
 
 
 def run(cfg: OuterSyncConfig) -> dict[str, object]:

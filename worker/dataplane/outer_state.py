@@ -99,7 +99,6 @@ class OuterState:
         self.state = state
         self.lr = lr
         self.momentum_factor = momentum
-        self.compression = compression
         self.wire_dtype = WIRE_DTYPES[compression]
         """The dtype the gradient-like part (m̂, or Δ in the same-anchor form) travels in,
         apart; None: in the flat buffer's, with the rest."""
@@ -219,12 +218,19 @@ class OuterState:
 
     @property
     def group_bytes(self) -> int:
-        """The bytes a member feeds into a synchronisation in the group form: its
-        provisional anchor, the rest of the flat buffer and its provisional momentum
-        (none with momentum 0, half with bfloat16)."""
+        """The bytes a member feeds into a synchronisation in the group form."""
+        return self.sent_bytes()
+
+    def sent_bytes(self, *, same_anchor: bool = False) -> int:
+        """The bytes a member feeds into one synchronisation (what `stage` returns): the
+        flat buffer's size, with the gradient-like part (the group form's momentum, none
+        at momentum 0; the same-anchor form's Δ, in place of φ̂) in bfloat16 with
+        compression."""
         flat = self.state.flat
-        wire = flat.dtype if self.wire_dtype is None else self.wire_dtype
-        momentum = 0 if self.momentum_factor == 0 else self.numel * wire.itemsize
+        wire = (flat.dtype if self.wire_dtype is None else self.wire_dtype).itemsize
+        if same_anchor:
+            return (flat.numel() - self.numel) * flat.element_size() + self.numel * wire
+        momentum = 0 if self.momentum_factor == 0 else self.numel * wire
         return flat.numel() * flat.element_size() + momentum
 
     def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
