@@ -152,7 +152,10 @@ class PrintableFormatter(logging.Formatter):
 
 def setup_logging(verbose: bool, who: str = "") -> None:
     """The one logging set-up of a command (its processes log to stderr; a record
-    repeated in a loop is summed up, not written each time: ripples/log_repeats.py)."""
+    repeated in a loop is summed up, not written each time: ripples/log_repeats.py).
+
+    Where the process's logging is set up already (a command run in-process by a test or
+    another program), it is left as it is: no handler or filter of its own is touched."""
     from ripples import log_repeats
 
     handler = logging.StreamHandler(sys.stderr)
@@ -160,7 +163,8 @@ def setup_logging(verbose: bool, who: str = "") -> None:
         f"%(asctime)s {printable(who)}%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         handlers=[handler])
-    log_repeats.install()
+    if handler in logging.getLogger().handlers:  # basicConfig took it: ours to filter
+        log_repeats.install([handler])
 
 
 def add_coordinator_option(parser: argparse.ArgumentParser) -> None:

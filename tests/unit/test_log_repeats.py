@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import logging
 
+import pytest
+
 from ripples.log_repeats import RepeatFilter
 
 
@@ -63,3 +65,24 @@ def test_lines_that_differ_are_all_written_and_a_lone_count_is_written_after_its
             "the store is slow: repeated 29 more times in the last 11 s")
     finally:
         logger.removeHandler(handler)
+
+
+def test_a_command_run_in_process_leaves_the_hosts_logging_alone(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A command's logging set-up filters its own handler only: a program (or a test)
+    that runs a command in-process keeps every record of its own handlers. (Before, the
+    filter went on every root handler, and pytest's capture handler then folded repeated
+    tracebacks of later tests.)"""
+    from ripples.cli.arguments import setup_logging
+
+    root = logging.getLogger()
+    before = {handler: list(handler.filters) for handler in root.handlers}
+    setup_logging(verbose=False)
+    assert {handler: list(handler.filters) for handler in root.handlers} == before
+    logger = logging.getLogger("test_log_repeats_host")
+    for _ in range(3):
+        try:
+            raise RuntimeError("again")
+        except RuntimeError:
+            logger.exception("the same failure")
+    assert caplog.text.count("the same failure") == 3

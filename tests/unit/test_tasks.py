@@ -242,3 +242,44 @@ def test_transformer_lm_stream_skips_files_too_short_for_a_block(tmp_path) -> No
         assert torch.equal(x[1:], y[:-1])  # y is x shifted by one byte of the same file
         start = int(x[0])
         assert bytes(x.tolist()) == text[start:start + 16]
+
+
+def test_the_digits_are_read_without_importing_scikit_learn() -> None:
+    """The file read straight from scikit-learn's package is what its `load_digits`
+    gives; a worker and `ripples run` pay nothing for scikit-learn's imports (this test
+    imports it only afterwards, to compare)."""
+    import subprocess
+    import sys
+
+    check = ("import sys; from ripples.worker.tasks.digits import load_digits_split; "
+             "load_digits_split(); print('sklearn' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert loaded.stdout.strip() == "False"
+    from sklearn.datasets import load_digits
+
+    pixels, labels = digits_module.load_digits_arrays()
+    reference = load_digits()
+    assert (pixels == reference.data).all() and (labels == reference.target).all()
+
+
+def test_the_digits_split_is_stratified_disjoint_and_fixed() -> None:
+    _, labels = digits_module.load_digits_arrays()
+    train, test = digits_module.stratified_split(labels, 0.2, seed=0)
+    assert len(test) == math.ceil(0.2 * len(labels)) == 360 and len(train) == 1437
+    assert sorted([*train, *test]) == list(range(len(labels)))  # every sample, once
+    # Each class's share of the test set is within one sample of its share of the whole.
+    whole = torch.bincount(torch.as_tensor(labels)).double()
+    held_out = torch.bincount(torch.as_tensor(labels[test]), minlength=len(whole)).double()
+    assert ((held_out - 0.2 * whole).abs() < 1).all()
+    again = digits_module.stratified_split(labels, 0.2, seed=0)
+    assert (again[0] == train).all() and (again[1] == test).all()
+    other = digits_module.stratified_split(labels, 0.2, seed=1)
+    assert set(other[1]) != set(test)
+
+
+def test_the_digits_without_scikit_learn_name_the_package(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(digits_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="scikit-learn is not installed: pip install"):
+        digits_module.load_digits_arrays()

@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ripples
+from ripples.worker.tasks.digits import load_digits_arrays
 
 
 def main() -> None:
@@ -21,9 +21,9 @@ def main() -> None:
     args = parser.parse_args()
 
     worker = ripples.init()
-    data = load_digits()
-    dataset = TensorDataset(torch.tensor(data.data / 16.0, dtype=torch.float32),
-                            torch.tensor(data.target))
+    pixels, labels = load_digits_arrays()
+    dataset = TensorDataset(torch.tensor(pixels / 16.0, dtype=torch.float32),
+                            torch.tensor(labels))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,

@@ -10,10 +10,10 @@ import argparse
 from typing import Any
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 
 import ripples
+from ripples.worker.tasks.digits import load_digits_arrays
 
 BATCH = 16
 
@@ -25,9 +25,9 @@ def main() -> None:
     args = parser.parse_args()
 
     worker = ripples.init()
-    data = load_digits()
-    x_all = torch.tensor(data.data / 16.0, dtype=torch.float32)[worker.rank::worker.num_workers]
-    y_all = torch.tensor(data.target)[worker.rank::worker.num_workers]
+    pixels, labels = load_digits_arrays()
+    x_all = torch.tensor(pixels / 16.0, dtype=torch.float32)[worker.rank::worker.num_workers]
+    y_all = torch.tensor(labels)[worker.rank::worker.num_workers]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,

@@ -11,11 +11,11 @@ import math
 import time
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ripples
+from ripples.worker.tasks.digits import load_digits_arrays
 
 
 def main() -> None:
@@ -52,9 +52,9 @@ def main() -> None:
     args = parser.parse_args()
 
     worker = ripples.init()
-    data = load_digits()
-    dataset = TensorDataset(torch.tensor(data.data / 16.0, dtype=torch.float32),
-                            torch.tensor(data.target))
+    pixels, labels = load_digits_arrays()
+    dataset = TensorDataset(torch.tensor(pixels / 16.0, dtype=torch.float32),
+                            torch.tensor(labels))
     torch.manual_seed(1337 + worker.rank if args.seed_per_rank else 0)
     hidden = 96 if worker.rank == args.wider_on_rank else 64
     layers: list[nn.Module] = [nn.Linear(64, hidden)]

@@ -11,10 +11,10 @@ import io
 import json
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 
 import ripples
+from ripples.worker.tasks.digits import load_digits_arrays
 
 
 def build() -> nn.Module:
@@ -36,9 +36,9 @@ def main() -> None:
     args = parser.parse_args()
 
     worker = ripples.init()
-    data = load_digits()
-    x_all = torch.tensor(data.data / 16.0, dtype=torch.float32)[worker.rank::worker.num_workers]
-    y_all = torch.tensor(data.target)[worker.rank::worker.num_workers]
+    pixels, labels = load_digits_arrays()
+    x_all = torch.tensor(pixels / 16.0, dtype=torch.float32)[worker.rank::worker.num_workers]
+    y_all = torch.tensor(labels)[worker.rank::worker.num_workers]
     torch.manual_seed(0)
     model = build()
     opt = ripples.Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model,
