@@ -62,6 +62,7 @@ class GroupGeneratorProtocol(Protocol):
         self.max_group_wait_seconds = max_peer_wait_seconds(ctx.config)
         self.stream = ctx.client.open_group_stream(ctx.worker_id)
         self._outage_steps = 0  # steps in a row without the coordinator
+        self._outage_since = 0  # the step the current outage began at (for its log lines)
         self._incarnation = 0  # the coordinator's life whose groups the cache holds
         self._root: GroupGeneratorProtocol | None = None
         """A shard's head: this protocol in the root's run (its rounds there)."""
@@ -215,8 +216,9 @@ class GroupGeneratorProtocol(Protocol):
                 reply = self.stream.request(completed, self.poll_seconds, self.ctx.progress())
             except StreamInterrupted as err:
                 if not self._outage_steps and not waiting:
+                    self._outage_since = completed
                     logger.warning("training on without averaging while the coordinator is "
-                                   "unreachable: %s", err)
+                                   "unreachable (from step %d): %s", completed, err)
                 round_steps = self.local_steps
                 if self._outage_steps + round_steps <= self.ctx.config.outage_local_steps:
                     self._outage_steps += round_steps
@@ -224,8 +226,9 @@ class GroupGeneratorProtocol(Protocol):
                 if self.ctx.stop_requested.is_set():
                     return None
                 if not waiting:
-                    logger.warning("%d steps without the coordinator: waiting for it",
-                                   self._outage_steps)
+                    logger.warning("%d steps without the coordinator (steps %d to %d): "
+                                   "waiting for it", self._outage_steps, self._outage_since,
+                                   completed)
                     waiting = True
                 time.sleep(COORDINATOR_RETRY_SECONDS)
                 continue

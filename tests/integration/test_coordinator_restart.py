@@ -1,10 +1,13 @@
 """The coordinator is SIGKILLed in the middle of a run and started again on the same
 address and state dir: no worker exits, the run resumes where it was (its iteration
-counts and loss curve go on, not restart) and ends cleanly when stopped."""
+counts and loss curve go on, not restart) and ends cleanly when stopped. The run takes
+local steps with the outer optimizer, and a worker trains on alone for no more than the
+run's outage bound in steps (each unanswered ask stands for a round of H steps)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +23,8 @@ from tests.integration.helpers import REPO, free_port, start_worker
 pytestmark = pytest.mark.slow
 
 DEADLINE_SECONDS = 180
+LOCAL_STEPS = 4
+OUTAGE_LOCAL_STEPS = 2 * LOCAL_STEPS
 
 
 def _serve(port: int, state_dir: str, *run: str) -> subprocess.Popen[str]:
@@ -59,7 +64,9 @@ def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -
     address = f"127.0.0.1:{port}"
     state = str(tmp_path / "state")
     run = ("--workers", "3", "--protocol", "ripples-smart", "--task", "digits",
-           "--iterations", "200000", "--lease-seconds", "3", "--seed", "2")
+           "--iterations", "200000", "--lease-seconds", "3", "--seed", "2",
+           "--local-steps", str(LOCAL_STEPS), "--outer-optimizer", "nesterov",
+           "--outage-local-steps", str(OUTAGE_LOCAL_STEPS))
     coordinator = _serve(port, state, *run)
     workers: list[subprocess.Popen[str]] = []
     client = CoordinatorClient(address, rpc_timeout_seconds=2.0)
@@ -91,6 +98,7 @@ def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -
         assert after.elapsed_seconds > before.elapsed_seconds + 2.0  # the outage counts
         assert {w.worker_id for w in after.workers} == {w.worker_id for w in before.workers}
         client.stop_run("the test saw the run resume")
+        alone: list[tuple[int, int, int]] = []
         for p in workers:
             out, _ = p.communicate(timeout=DEADLINE_SECONDS)
             assert p.returncode == 0, out[-3000:]
@@ -98,6 +106,13 @@ def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -
             # stop reached it through its group stream first) the stream broke meanwhile.
             assert ("the coordinator restarted" in out
                     or "while the coordinator is unreachable" in out), out[-3000:]
+            alone += [(int(n), int(a), int(b)) for n, a, b in re.findall(
+                r"(\d+) steps without the coordinator \(steps (\d+) to (\d+)\)", out)]
+        # The outage (2 s and the new coordinator's start-up) outlasted the bound, at
+        # digits' milliseconds a step: a worker that reached it trained the bound's steps
+        # alone (two rounds of H), not one round per unanswered ask (that was 8 rounds).
+        assert alone, "no worker reached the outage bound"
+        assert all(n == OUTAGE_LOCAL_STEPS and b - a == n for n, a, b in alone), alone
         out, _ = coordinator.communicate(timeout=30)
         assert coordinator.returncode == 0, out[-3000:]
         assert "resumed run" in out and "the test saw the run resume" in out, out[-3000:]
