@@ -1,5 +1,5 @@
 """A benchmark's member processes: spawned, meeting on a fresh TCPStore, answering on a
-queue (bench/preduce.py, bench/outer_sync.py)."""
+queue (bench/preduce.py, bench/outer_sync.py, and tests/integration/test_preduce.py)."""
 
 from __future__ import annotations
 

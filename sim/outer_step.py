@@ -45,7 +45,7 @@ class OuterStep:
     @property
     def group_vectors(self) -> float:
         """Model-sized vectors a member feeds into a group-form synchronisation (as
-        `OuterState.group_bytes`): the provisional anchor, and the momentum (none with
+        `OuterState.sent_bytes`): the provisional anchor, and the momentum (none with
         μ = 0, where it never counts; half a vector in bf16)."""
         if self.momentum == 0:
             return 1.0

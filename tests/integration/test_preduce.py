@@ -10,6 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ripples.bench.members import run_members
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import (
     CommunicatorCache,
@@ -61,21 +62,12 @@ def _worker(rank: int, port: int, rounds: list[list[tuple[int, ...]]], out: mp.Q
 
 
 def test_dynamic_groups_average_exactly_without_hanging() -> None:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     rounds = _rounds(seed=7, num_rounds=40)
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, rounds, out))
-             for r in range(NUM_WORKERS)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, flat, ptrs, flat_ptr, hits, misses = out.get(timeout=120)
-        results[rank] = (torch.tensor(flat), ptrs, flat_ptr, hits, misses)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    # Every worker's reply, and every worker exited 0 (run_members raises otherwise).
+    results = {rank: (torch.tensor(flat), ptrs, flat_ptr, hits, misses)
+               for rank, flat, ptrs, flat_ptr, hits, misses
+               in run_members(_worker, NUM_WORKERS, rounds, replies=NUM_WORKERS,
+                              timeout_seconds=120)}
 
     # Replay the same rounds on plain tensors: every P-Reduce is an exact group mean.
     expected = {r: AveragedState(_model(r)).flat.clone() for r in range(NUM_WORKERS)}
@@ -140,7 +132,7 @@ class _UpdaterWritesDuringTheExchange:
         self.comm.allreduce_sum_(tensor, timeout_seconds)  # type: ignore[attr-defined]
 
 
-def _delta_worker(rank: int, port: int, out: mp.Queue) -> None:
+def _delta_worker(rank: int, port: int, _config: None, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     store = connect_store("127.0.0.1", port, 30)
     factory = CommunicatorFactory(store, torch.device("cpu"), 30, gloo_hostname="127.0.0.1")
@@ -154,19 +146,8 @@ def _delta_worker(rank: int, port: int, out: mp.Queue) -> None:
 
 
 def test_the_delta_rule_keeps_updates_made_during_an_averaging_round() -> None:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_delta_worker, args=(r, store.port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, live, wishes = out.get(timeout=120)
-        results[rank] = (torch.tensor(live), wishes)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    results = {rank: (torch.tensor(live), wishes) for rank, live, wishes
+               in run_members(_delta_worker, 2, None, replies=2, timeout_seconds=120)}
     mean_of_snapshots = torch.full((5,), 5.0)
     for rank, (live, wishes) in results.items():
         update = torch.arange(5, dtype=torch.float32) * (rank + 1)

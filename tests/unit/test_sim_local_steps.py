@@ -104,7 +104,7 @@ def test_a_round_of_h_steps_waits_for_the_slowest_once_per_round() -> None:
 
 
 def test_the_group_forms_bytes_follow_the_momentum_and_compression() -> None:
-    """As OuterState.group_bytes: the anchor and the momentum (2 vectors), the momentum
+    """As OuterState.sent_bytes: the anchor and the momentum (2 vectors), the momentum
     in bf16 (1.5), no momentum at μ = 0 (1, as plain averaging)."""
     def run(**options: object) -> float:
         return simulate(SimConfig(protocol="ripples-smart", workers=8, iterations=40,

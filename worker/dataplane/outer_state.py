@@ -216,11 +216,6 @@ class OuterState:
         self._pending_residual = fed.sub_(wire.to(fed.dtype)).div_(scale)
         return wire
 
-    @property
-    def group_bytes(self) -> int:
-        """The bytes a member feeds into a synchronisation in the group form."""
-        return self.sent_bytes()
-
     def sent_bytes(self, *, same_anchor: bool = False) -> int:
         """The bytes a member feeds into one synchronisation (what `stage` returns): the
         flat buffer's size, with the gradient-like part (the group form's momentum, none
@@ -447,7 +442,7 @@ def average_in_group(state: AveragedState, outer: OuterState | None, comm: Commu
 
 def group_bytes(state: AveragedState, outer: OuterState | None) -> int:
     """What a member feeds into `average_in_group`'s collective."""
-    return state.size_bytes if outer is None else outer.group_bytes
+    return state.size_bytes if outer is None else outer.sent_bytes()
 
 
 def heal_in_group(state: AveragedState, outer: OuterState | None, comm: Communicator,
