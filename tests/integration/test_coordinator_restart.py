@@ -6,15 +6,19 @@ run's outage bound in steps (each unanswered ask stands for a round of H steps).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from ripples.coordinator.state_store import DB_NAME
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
@@ -55,6 +59,32 @@ def _wait_for(client: CoordinatorClient, condition, what: str,  # type: ignore[n
         time.sleep(0.1)
 
 
+def _saved_curve(state_dir: str, run_id: str) -> list[list[float]]:
+    """The loss curve the coordinator last saved to its state dir (read-only: it writes
+    on meanwhile; WAL lets a reader in)."""
+    db = Path(state_dir) / "runs" / run_id / DB_NAME
+    if not db.exists():
+        return []
+    connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        row = connection.execute("SELECT value FROM run WHERE key = 'progress'").fetchone()
+    except sqlite3.OperationalError:  # the schema is being made
+        return []
+    finally:
+        connection.close()
+    return [] if row is None else json.loads(row[0])["curve"]
+
+
+def _wait_for_save(state_dir: str, run_id: str, timeout: float = 90.0) -> list[list[float]]:
+    deadline = time.monotonic() + timeout
+    while not (curve := _saved_curve(state_dir, run_id)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for the state "
+                                 "dir to hold a loss curve")
+        time.sleep(0.1)
+    return curve
+
+
 def _mean_iterations(status: pb.RunStatus) -> float:
     return sum(w.iteration for w in status.workers) / max(1, len(status.workers))
 
@@ -74,8 +104,11 @@ def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -
         client.wait_until_reachable(30)
         workers = [start_worker(address, "--host", f"node{r}", "--metrics-port", "-1")
                    for r in range(3)]
-        before = _wait_for(client, lambda s: s.started and _mean_iterations(s) > 150,
-                           "the run to train")
+        before = _wait_for(client, lambda s: s.started and _mean_iterations(s) > 150
+                           and len(s.loss_curve) > 0, "the run to train")
+        # A save every 0.5 s, when the machine lets the saver run: the kill comes after
+        # one that holds a part of the curve (else nothing of it is the restart's to keep).
+        saved = _wait_for_save(state, before.config.run_id)
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait(10)
         killed_at = time.monotonic()
@@ -90,11 +123,13 @@ def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -
         assert after.config.run_id == before.config.run_id
         # The counts go on from where they were, and the loss curve keeps its first part.
         assert after.elapsed_seconds >= before.elapsed_seconds
-        # The curve keeps its part up to the last save (at most half a second before the
-        # kill), and goes on from the time the workers trained through the outage.
-        kept = [(p.seconds, p.loss) for p in after.loss_curve
-                if p.seconds <= before.loss_curve[-1].seconds]
-        assert kept and kept == [(p.seconds, p.loss) for p in before.loss_curve[:len(kept)]]
+        # The curve keeps its part up to the last save before the kill (the save seen
+        # above, or a later one), and goes on from the time the workers trained through
+        # the outage.
+        kept = [(p.seconds, p.loss) for p in after.loss_curve if p.seconds <= saved[-1][0]]
+        assert kept == [(s, v) for s, v, _ in saved], (kept, saved)
+        seen = [(p.seconds, p.loss) for p in before.loss_curve]
+        assert kept[:len(seen)] == seen[:len(kept)]
         assert after.elapsed_seconds > before.elapsed_seconds + 2.0  # the outage counts
         assert {w.worker_id for w in after.workers} == {w.worker_id for w in before.workers}
         client.stop_run("the test saw the run resume")
@@ -124,3 +159,4 @@ def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -
         for p in [*workers, coordinator]:
             if p.poll() is None:
                 p.kill()
+                p.wait(30)
