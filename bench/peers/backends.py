@@ -363,8 +363,7 @@ class TorchftBackend(PeerBackend):
 
             self.model = model
             self.ft_optimizer: torch.optim.Optimizer = inner
-            outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum,
-                                    nesterov=True)
+            outer = outer_sgd(model.parameters(), outer_lr, outer_momentum)
             # One fragment (the whole model), all-reduced in 32 MiB buckets (one for the
             # bench's models); DiLoCo registers its anchor and outer state with the
             # Manager, so a healing replica gets them with the model.
@@ -439,3 +438,10 @@ class TorchftBackend(PeerBackend):
         if self._local_sgd is not None:
             self._local_sgd.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+
+
+def outer_sgd(params: Iterable[torch.nn.Parameter], lr: float,
+              momentum: float) -> torch.optim.SGD:
+    """DiLoCo's outer optimizer, SGD with Nesterov momentum; at momentum 0 (which torch's
+    Nesterov SGD refuses) the plain step it then is, as Ripples' outer step takes it."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)

@@ -97,3 +97,21 @@ def test_the_diloco_peer_and_variant_share_their_algorithm() -> None:
     # The manager and lighthouse knobs are the torchft peer's (no DDP mode here).
     assert {k for k in PEERS["torchft"].defaults if k != "mode"} <= set(spec.defaults)
     assert harness.VARIANTS["allreduce-diloco"].protocol == "allreduce"
+
+
+def test_the_diloco_peers_outer_step_takes_momentum_zero_as_a_plain_step() -> None:
+    # torch's Nesterov SGD refuses momentum 0; the sweep and --peer-setting may ask for it
+    # (a bench with outer_momentum=0 crashed at the first torchft-diloco worker).
+    import torch
+
+    from ripples.bench.peers.backends import outer_sgd
+
+    for momentum in (0.0, 0.5):
+        weight = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+        step = outer_sgd([weight], lr=2.0, momentum=momentum)
+        weight.grad = torch.tensor([0.5, 0.25])
+        step.step()
+        # The first Nesterov step moves by lr * (1 + momentum) * g; momentum 0: lr * g.
+        torch.testing.assert_close(weight.detach(),
+                                   torch.tensor([1.0, -2.0]) - 2.0 * (1 + momentum)
+                                   * torch.tensor([0.5, 0.25]))
