@@ -198,7 +198,8 @@ class DistributedResult:
 def measure_distributed(workers: int, iterations: int, batch_size: int) -> DistributedResult:
     with tempfile.TemporaryDirectory(prefix="ripples-bench-library-") as tmp:
         out = Path(tmp)
-        cmd = [sys.executable, "-m", "ripples.cli", "run", "--quiet", "--workers", str(workers),
+        cmd = [sys.executable, "-m", "ripples.cli", "run", "--quiet", "--device", "cpu",
+               "--workers", str(workers),
                "--protocol", "ripples-smart", "--task", "synthetic-cnn", "--batch-size",
                str(batch_size), "--iterations", str(iterations), "--output", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

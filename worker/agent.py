@@ -40,6 +40,7 @@ import grpc
 
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient, backoff_pause
+from ripples.worker.devices import nccl_environment, plan_devices
 from ripples.worker.launch_env import CheckpointOptions, LaunchEnv
 from ripples.worker.process_launcher import (
     POLL_SECONDS,
@@ -70,7 +71,10 @@ class AgentConfig:
     slots: int
     output_dir: Path
     device: str = ""
-    """Every worker's device (default: cuda:<local rank> when CUDA is available, else cpu)."""
+    """The workers' devices: auto (default: one GPU each when there are GPUs, else cpu),
+    cpu, cuda or cuda:K (worker/devices.py)."""
+    share_gpus: bool = False
+    """More slots than GPUs: slot i on GPU i mod G, each with its own NCCL_HOSTID."""
     metrics_port: int = 0
     """Local rank i's Prometheus port is this plus i (0: any free port; -1: none)."""
     metrics_bind: str = "0.0.0.0"
@@ -79,18 +83,10 @@ class AgentConfig:
     connect_timeout_seconds: float = 30.0
     start_timeout_seconds: float = 120.0
 
-
-def host_devices(slots: int, device: str) -> list[str]:
-    """The devices this host's workers use, one per slot."""
-    if device:
-        return [device] * slots
-    try:
-        import torch
-
-        gpus = torch.cuda.device_count()
-    except (ImportError, RuntimeError):
-        gpus = 0
-    return [f"cuda:{i}" if i < gpus else "cpu" for i in range(slots)]
+    def devices(self) -> list[str]:
+        """Each slot's device; ValueError when the slots would crowd the GPUs unasked."""
+        return plan_devices(self.slots, self.device, share_gpus=self.share_gpus,
+                            what="slots")
 
 
 def host_memory_bytes() -> int:
@@ -189,7 +185,7 @@ class HostAgent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.client = CoordinatorClient(config.coordinator)
-        self.devices = host_devices(config.slots, config.device)
+        self.devices = config.devices()
         self.agent_id = 0
         self.run: pb.RunInfo | None = None
         self.processes: WorkerProcesses | None = None
@@ -341,6 +337,8 @@ class HostAgent:
             argv = script_argv(list(run.command)) or runner_argv(env, "", quiet=False)
             self.model_paths[worker] = str(model)
             child_env = launch_environment(env, rank=None, world_size=None)
+            child_env.update(nccl_environment(self.devices, local_rank, cfg.host,
+                                              loopback=False))
             child_env["PYTHONUNBUFFERED"] = "1"
             try:
                 processes.start(worker, argv, child_env, cwd=cwd)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ripples import events
 from ripples.worker.agent import AgentConfig
+from ripples.worker.devices import check_device_choice, nccl_environment, plan_devices
 from ripples.worker.launch_env import ENV_RUN_ID, CheckpointOptions, LaunchEnv, default_host
 from ripples.worker.process_launcher import (
     RESTART_EXIT_CODE,
@@ -48,8 +49,12 @@ class WorkerConfig:
     a script after `--`."""
     nproc_per_node: int = 1
     """Worker processes to start on this host, local ranks 0..K-1 (one per GPU)."""
-    device: str = ""
-    """torch device, e.g. cpu or cuda:0 (default: cuda:<local rank> if CUDA, else cpu)."""
+    device: str = "auto"
+    """torch device: auto, cpu, cuda or cuda:K (auto: cuda:<local rank> with
+    GPUs, else cpu). With --nproc-per-node, one worker per GPU (docs/gpu.md)."""
+    share_gpus: bool = False
+    """With --nproc-per-node (or --agent): allow more workers than GPUs, worker i on GPU
+    i mod G, each with its own NCCL_HOSTID (NCCL then talks over sockets; docs/gpu.md)."""
     host: str = ""
     """Node name this worker reports (default: the host name); workers on one host form a node."""
     local_rank: int = 0
@@ -92,14 +97,24 @@ class WorkerConfig:
             raise ValueError("nproc_per_node must be at least 1")
         if self.slowdown:
             SlowdownSpec.parse(self.slowdown)  # fail early with the parse message
+        check_device_choice(self.device)
         self.launch_env()  # the rest is the launch environment's to check
+
+    def host_devices(self) -> list[str]:
+        """The device of each of this host's --nproc-per-node workers (local ranks
+        local_rank.. on, so that two launches on one host with --local-rank 0 and K take
+        different GPUs); ValueError when they would crowd the GPUs unasked."""
+        first = self.local_rank
+        return plan_devices(first + self.nproc_per_node, self.device,
+                            share_gpus=self.share_gpus, what="workers on this host")[first:]
 
     def launch_env(self) -> LaunchEnv:
         """This (single) worker process's launch environment."""
         env = LaunchEnv(
             coordinator=self.coordinator, launcher="ripples", local_rank=self.local_rank,
             local_world_size=self.nproc_per_node, host=self.host or default_host(),
-            device=self.device, num_threads=self.num_threads, metrics_port=self.metrics_port,
+            device="" if self.device in ("", "auto") else self.device,
+            num_threads=self.num_threads, metrics_port=self.metrics_port,
             metrics_bind=self.metrics_bind, metrics_host=self.metrics_host,
             save_model=self.save_model, save_record=self.save_record, slowdown=self.slowdown,
             connect_timeout_seconds=self.connect_timeout_seconds,
@@ -160,6 +175,7 @@ def agent_config(config: WorkerConfig) -> AgentConfig:
     return AgentConfig(
         coordinator=config.coordinator, host=env.host, slots=config.nproc_per_node,
         output_dir=Path(config.output_dir).absolute(), device=config.device,
+        share_gpus=config.share_gpus,
         metrics_port=config.metrics_port, metrics_bind=config.metrics_bind,
         metrics_host=config.metrics_host, num_threads=config.num_threads,
         connect_timeout_seconds=config.connect_timeout_seconds,
@@ -170,16 +186,17 @@ def run_host(config: WorkerConfig, script: list[str], quiet: bool) -> int:
     """Start the host's K workers (the built-in runner, or `script`), watch them, pass
     signals on; returns 0 when all succeeded, else the first failure's exit code."""
     env = config.launch_env()
+    devices = config.host_devices()
     processes = WorkerProcesses()
     for i in range(config.nproc_per_node):
         local_rank = config.local_rank + i
         save_model = _numbered(config.save_model, local_rank, config.nproc_per_node)
         save_record = _numbered(config.save_record, local_rank, config.nproc_per_node)
-        child_env = launch_environment(
-            env.replace(local_rank=local_rank, save_model=save_model, save_record=save_record),
-            rank=None, world_size=None)
         child = env.replace(local_rank=local_rank, save_model=save_model,
-                            save_record=save_record)
+                            save_record=save_record, device=devices[i])
+        child_env = launch_environment(child, rank=None, world_size=None)
+        child_env.update(nccl_environment(devices, i, f"{env.host}-{local_rank - i}",
+                                          loopback=False))
         argv = script_argv(script) or runner_argv(child, config.task, quiet=quiet)
         processes.start(f"local rank {local_rank}", argv, child_env)
     return processes.wait_all()

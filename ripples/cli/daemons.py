@@ -80,6 +80,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
             raise ValueError("an agent runs the coordinator's runs: give the script to "
                              "`ripples submit ... -- python train.py`")
         agent = agent_config(config) if config.agent else None
+        if agent is not None:
+            agent.devices()
+        elif script or config.nproc_per_node > 1:
+            config.host_devices()
     except ValueError as err:
         print(f"ripples worker run: error: {err}", file=sys.stderr)
         return 2

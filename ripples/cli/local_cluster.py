@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import sys
@@ -35,6 +36,7 @@ from ripples.dashboard.server import DashboardServer
 from ripples.files import write_atomically
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient
+from ripples.worker.devices import nccl_environment, plan_devices
 from ripples.worker.launch_env import CheckpointOptions, LaunchEnv
 from ripples.worker.process_launcher import (
     WorkerProcesses,
@@ -71,6 +73,11 @@ class LocalRunConfig:
     """Go on with the run in `output` after a total failure (ripples run --resume): the
     coordinator's state from OUTPUT/state (its run settings win over `run`), new workers
     that continue each rank from its newest checkpoint."""
+    device: str = "cpu"
+    """The workers' devices: auto, cpu, cuda or cuda:K (worker/devices.py: one worker per
+    GPU, unless `share_gpus`)."""
+    share_gpus: bool = False
+    """More workers than GPUs: worker i on GPU i mod G, each with its own NCCL_HOSTID."""
 
 
 def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
@@ -183,19 +190,25 @@ class LocalCluster:
     def _spawn(self) -> None:
         cfg, k = self.config, self.config.run.workers_per_node
         assert self.server is not None
+        try:  # the run's own count: a resumed run's is the saved one
+            devices = plan_devices(cfg.run.num_workers, cfg.device, share_gpus=cfg.share_gpus)
+        except ValueError as err:
+            raise RuntimeError(str(err)) from err
+        logger.info("workers' devices: %s", ", ".join(devices))
+        tag = f"ripples-{os.getpid()}"
         for rank in range(cfg.run.num_workers):
             env = LaunchEnv(
                 coordinator=self.server.address, launcher="ripples", host=f"node{rank // k}",
-                local_rank=rank % k, local_world_size=k, device="cpu",
+                local_rank=rank % k, local_world_size=k, device=devices[rank],
                 num_threads=cfg.threads_per_worker, metrics_bind="127.0.0.1",
                 save_model=str(cfg.output / "workers" / f"rank{rank}.pt"),
                 save_record=str(cfg.output / "workers" / f"rank{rank}.json"),
                 slowdown=cfg.slowdowns.get(rank, ""), checkpoint=cfg.checkpoint)
             argv = script_argv(cfg.script) or runner_argv(
                 env, cfg.run.task, quiet=cfg.worker_log_level > logging.INFO)
-            self.processes.start(f"worker rank {rank}", argv,
-                                 launch_environment(env, rank=rank,
-                                                    world_size=cfg.run.num_workers))
+            child = launch_environment(env, rank=rank, world_size=cfg.run.num_workers)
+            child.update(nccl_environment(devices, rank, tag, loopback=True))
+            self.processes.start(f"worker rank {rank}", argv, child)
 
     def _monitor(self, client: CoordinatorClient) -> pb.RunStatus:
         limit = self.config.timeout_seconds

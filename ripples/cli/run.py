@@ -96,6 +96,7 @@ def run_settings(args: argparse.Namespace, script: list[str] | None = None) -> R
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ripples.cli.local_cluster import INTERRUPTED, LocalRunConfig, parse_slowdowns, run_local
+    from ripples.worker.devices import plan_devices
     from ripples.worker.launch_env import CheckpointOptions
 
     setup_logging(args.verbose)
@@ -113,6 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             resolve_task(run.task)  # unknown task: fail before spawning anything
         checkpoint: CheckpointOptions = dataclass_from_args(CheckpointOptions, args)
         checkpoint.validate()
+        devices = plan_devices(run.num_workers, args.device, share_gpus=args.share_gpus)
     except ValueError as err:
         print(f"ripples run: error: {err}", file=sys.stderr)
         return 2
@@ -122,7 +124,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                             dashboard_port=args.dashboard_port if args.dashboard else None,
                             worker_log_level=logging.INFO if args.verbose else logging.WARNING,
                             script=tuple(script), checkpoint=checkpoint,
-                            resume=args.resume)
+                            resume=args.resume, device=args.device,
+                            share_gpus=args.share_gpus)
+    if devices[0] != "cpu" and not args.quiet:
+        print(f"devices: {', '.join(devices)}", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
         summary = run_local(config)
@@ -172,7 +177,8 @@ def result_lines(summary: Mapping[str, Any], output: Path, command_seconds: floa
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from ripples.worker.launch_env import CheckpointOptions
 
-    run = sub.add_parser("run", help="run a coordinator and N local workers (loopback, gloo)",
+    run = sub.add_parser("run", help="run a coordinator and N local workers (loopback; gloo "
+                         "on the CPU, NCCL on GPUs)",
                          usage="ripples run [options] [-- python train.py ARGS]")
     add_run_arguments(run, defaults=SCRIPT_RUN_DEFAULTS)
     add_dataclass_arguments(run, CheckpointOptions)
@@ -181,6 +187,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "random straggler); repeat for several workers")
     run.add_argument("--output", default="runs/latest", help="directory for model.pt and "
                      "summary.json (default: runs/latest)")
+    run.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:K",
+                     help="where the workers train: auto (default: one worker per GPU when "
+                          "there are GPUs, else the CPU), cpu, cuda (one worker per GPU; "
+                          "more workers than GPUs is an error) or cuda:K (that GPU)")
+    run.add_argument("--share-gpus", action="store_true",
+                     help="allow more workers than GPUs: worker i on GPU i mod G, each with "
+                          "its own NCCL_HOSTID, talking over NCCL's sockets on loopback "
+                          "(slower than one worker per GPU; docs/gpu.md)")
     run.add_argument("--threads-per-worker", type=int, default=1,
                      help="torch threads per worker process (default: 1)")
     run.add_argument("--timeout-seconds", type=float, default=0.0,
