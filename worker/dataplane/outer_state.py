@@ -234,17 +234,20 @@ class OuterState:
         self._pending_residual = fed.sub_(rounded.to(fed.dtype)).div_(scale)
         return wire
 
-    def sent_bytes(self, *, same_anchor: bool = False) -> int:
+    def sent_bytes(self, *, same_anchor: bool = False, flag: bool = True) -> int:
         """The bytes a member feeds into one synchronisation (what `stage` returns): the
         flat buffer's size, with the gradient-like part (the group form's momentum, none
         at momentum 0; the same-anchor form's Δ, in place of φ̂) in bfloat16 with
-        compression."""
+        compression, and the non-finite flag (one element of the buffer it ends; not
+        `flag`: a gossip exchange, which carries none)."""
         flat = self.state.flat
         wire = (flat.dtype if self.wire_dtype is None else self.wire_dtype).itemsize
+        extra = 1 if flag else 0
         if same_anchor:  # the flag after Δ, in its dtype
-            return (flat.numel() - self.numel) * flat.element_size() + (self.numel + 1) * wire
+            return ((flat.numel() - self.numel) * flat.element_size()
+                    + (self.numel + extra) * wire)
         momentum = 0 if self.momentum_factor == 0 else self.numel * wire
-        return (flat.numel() + 1) * flat.element_size() + momentum  # the flag: one more
+        return (flat.numel() + extra) * flat.element_size() + momentum
 
     def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
                           spend: bool) -> None:
