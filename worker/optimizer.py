@@ -368,6 +368,7 @@ class Optimizer(torch.optim.Optimizer):
             return None
         self._sync.close()
         if not error and not self.worker._session.fatal_error:  # type: ignore[union-attr]
+            self._sync.drain_gate()  # the last steps' flags, still on their way
             self._sync.final_average()
         return self._sync.record(self.stop_reason or error or "the training loop ended")
 

@@ -4,8 +4,11 @@ Built once per worker: the averaged state (worker/dataplane/averaged_state.py), 
 barrier (the coordinator checks every worker averages the same tensors), the run's
 protocol runtime. Per step, after the local optimizer step:
 
-1. the gate: every averaged value must be finite before anything leaves the process
-   (`FloatingPointError` names the first tensor that is not);
+1. the gate (worker/dataplane/nonfinite.py): the step's non-finite flag, read back at
+   once on the CPU and, on a GPU, once its copy to the host is done (the P-Reduce
+   carries the flag, so no peer adopts a non-finite state meanwhile; a protocol whose
+   collectives do not carry it waits for the flag); `FloatingPointError` names the first
+   tensor that is not finite and the step it appeared after;
 2. once the optimizer's per-parameter state exists for every trainable parameter (after
    the first applied step), it joins the averaged state (protocols that average it;
    lock-step ones after an iteration every worker agreed on) and the coordinator checks
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 import torch
@@ -36,6 +39,7 @@ from ripples.store_blobs import put_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
 from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.nonfinite import NonfiniteWatch, nonfinite_flag
 from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.protocol import GROUP_CHECK_IN_SECONDS, Protocol, SyncResult
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
@@ -105,6 +109,7 @@ class StepSynchronizer:
         self._consensus_served = 0
         self.stop_reason = ""
         self._stop_asked = False
+        self._watch = NonfiniteWatch(self.state.flat.device)
         self._check_finite("before the first step")  # begin() may send already (hop)
         self.protocol.begin()
         self._since = time.perf_counter()
@@ -129,7 +134,7 @@ class StepSynchronizer:
         # backward (DDP), which a slower device would not make slower.
         inside = self.protocol.backward_sync_seconds()
         compute = max(0.0, time.perf_counter() - self._since - inside)
-        self._check_finite(f"after step {completed}")
+        self._gate(completed)
         if self.adopt_state and not self._adopted:
             self._maybe_adopt(completed)
         with stats.lock:  # before the sync, whose RPCs carry this progress to the coordinator
@@ -207,23 +212,55 @@ class StepSynchronizer:
         logger.info("published the model of step %d for consensus %d%s", completed, wanted,
                     "" if at is None else f" (the step agreed: {at})")
 
-    def _check_finite(self, when: str) -> None:
-        """The gate: nothing non-finite ever leaves this worker (nor a model that no longer
-        trains the averaged tensors)."""
+    def _check_moved(self) -> None:
         moved = self.state.moved_away()
         if moved is not None:
             raise RuntimeError(
                 f"parameter {moved} no longer lives in the averaged state: the model was "
                 "moved or converted (model.to(...), .half(), ...) after ripples.Optimizer "
                 "was built; move the model first, then build the optimizer and wrap it")
+
+    def _check_finite(self, when: str) -> None:
+        """The gate, waiting for the answer (before the first step, and at the end):
+        nothing non-finite leaves this worker (nor a model that no longer trains the
+        averaged tensors)."""
+        self._check_moved()
         bad = self.state.nonfinite()
         if bad is not None:
-            raise FloatingPointError(
-                f"rank {self.ctx.rank} (worker {self.session.worker_id}): {bad} holds a NaN "
-                f"or an infinity {when}; nothing was sent to any peer. Lower the learning "
-                "rate, clip the gradients, or pass on_nonfinite='skip' to ripples.Optimizer "
-                "to skip steps whose gradients are not finite (a non-finite BatchNorm "
-                "statistic still fails)")
+            self._fail_nonfinite(bad, when, "nothing was sent to any peer")
+
+    def _gate(self, completed: int) -> None:
+        """After step `completed`: note its non-finite flag, and fail on the first flagged
+        step whose flag has reached the host (at once on the CPU; on a GPU without
+        waiting, unless the protocol's collectives do not carry the flag)."""
+        self._check_moved()
+        self._watch.note(completed, nonfinite_flag(self.state.flat))
+        flagged = (self._watch.first_flagged() if self.protocol.flags_nonfinite
+                   else self._watch.drain())
+        if flagged is None:
+            return
+        name = self.state.nonfinite() or "an averaged tensor"
+        if flagged == completed:
+            self._fail_nonfinite(name, f"after step {completed}", "nothing was sent to any "
+                                 "peer")
+        self._fail_nonfinite(name, f"after step {flagged} (read back at step {completed})",
+                             "the groups it joined since kept their members' own state, "
+                             "so no peer's model took it in")
+
+    def drain_gate(self) -> None:
+        """Read every step's flag still on its way (the end of the run): a worker whose
+        last steps went non-finite fails rather than leave such a model."""
+        flagged = self._watch.drain()
+        if flagged is not None:
+            self._fail_nonfinite(self.state.nonfinite() or "an averaged tensor",
+                                 f"after step {flagged}", "no peer's model took it in")
+
+    def _fail_nonfinite(self, name: str, when: str, where: str) -> NoReturn:
+        raise FloatingPointError(
+            f"rank {self.ctx.rank} (worker {self.session.worker_id}): {name} holds a NaN "
+            f"or an infinity {when}; {where}. Lower the learning rate, clip the gradients, "
+            "or pass on_nonfinite='skip' to ripples.Optimizer to skip steps whose "
+            "gradients are not finite (a non-finite BatchNorm statistic still fails)")
 
     def _asked_to_stop(self) -> str:
         """A signal or request_stop(): stop now, or (lock-step protocols, where a worker

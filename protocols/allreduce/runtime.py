@@ -141,6 +141,12 @@ class AllReduceProtocol(Protocol):
             verdict = sync.merged(verdict)
         return verdict
 
+    @property
+    def flags_nonfinite(self) -> bool:
+        """With local steps, DiLoCo's synchronisation carries the non-finite flags (the
+        outer step's, or the model average's); DDP's gradient all-reduce does not."""
+        return self.local
+
     def consensus_agreement(self) -> tuple[int, int] | None:
         return self.stopper.consensus
 

@@ -43,7 +43,6 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.outer_state import (
     OuterState,
-    group_bytes,
     heal_in_group,
     local_steps,
 )
@@ -175,7 +174,14 @@ class GossipProtocol(Protocol):
             num_failed_groups=failed,
             group_sizes=(2,) * len(finished),
             preduce_durations=tuple(finished),
-            preduce_bytes=len(finished) * group_bytes(self.ctx.state, self.outer))
+            preduce_bytes=len(finished) * self._exchange_bytes())
+
+    def _exchange_bytes(self) -> int:
+        """What one exchange feeds into its collective(s): the flat state, or the outer
+        form's buffers; gossip's collectives carry no non-finite flag."""
+        if self.outer is None:
+            return self.ctx.state.size_bytes
+        return self.outer.sent_bytes(flag=False)
 
     def _bound_outage(self) -> None:
         """While the coordinator is unreachable, train on alone for up to the run's

@@ -74,6 +74,12 @@ class GroupGeneratorProtocol(Protocol):
         self.local_steps = local_steps(ctx.config)
         self.outer = OuterState.of_config(ctx.state, ctx.config)
 
+    @property
+    def flags_nonfinite(self) -> bool:
+        """Its P-Reduces carry the non-finite flags (AveragedState's and the outer
+        step's)."""
+        return True
+
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
         the heal group the coordinator makes for it (docs/fault-tolerance.md)."""

@@ -76,6 +76,10 @@ class _GroupAverager(GroupGeneratorProtocol):
         super().__init__(ctx)
         self.averager = averager
 
+    @property
+    def flags_nonfinite(self) -> bool:
+        return False  # the delta rule's collective carries no flags
+
     def average(self, comm: Communicator) -> None:
         self.averager.average(comm, self.timeout)
 

@@ -44,6 +44,12 @@ class StaticScheduleProtocol(Protocol):
         self.local_steps = local_steps(ctx.config)
         self.outer = OuterState.of_config(ctx.state, ctx.config)
 
+    @property
+    def flags_nonfinite(self) -> bool:
+        """Its P-Reduces carry the non-finite flags (AveragedState's and the outer
+        step's)."""
+        return True
+
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         return self.stopper.should_stop(completed, planned)
 

@@ -226,7 +226,9 @@ def _four_workers_with_outer_steps(protocol: str, out: Path, compression: str = 
     model = _script().build_model(batchnorm=True)
     params = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    return summary, 4 * (params + buffers) + (2 if compression == "bf16" else 4) * params
+    # The flat buffer, the momentum (float32 or bfloat16) and the non-finite flag (one
+    # float32 element after the flat buffer).
+    return summary, 4 * (params + buffers) + (2 if compression == "bf16" else 4) * params + 4
 
 
 @pytest.mark.slow
@@ -292,7 +294,8 @@ def test_adpsgd_takes_local_steps_and_the_outer_step_in_its_exchanges(tmp_path: 
     """adpsgd, H = 4: exchanges are owed once per round (rate_com per round), each the
     outer form's (the anchor, momentum and buffers of each side; the momentum in bf16
     here); the run ends at its budget with finite models."""
-    summary, per_exchange = _four_workers_with_outer_steps("adpsgd", tmp_path, "bf16")
+    summary, per_group = _four_workers_with_outer_steps("adpsgd", tmp_path, "bf16")
+    per_exchange = per_group - 4  # gossip's exchanges carry no non-finite flag
     sent = [w["preduce_bytes"] for w in summary["workers"]]
     assert all(s % per_exchange == 0 for s in sent) and sum(sent) > 0, (sent, per_exchange)
     for rank in range(4):

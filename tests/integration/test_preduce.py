@@ -156,3 +156,47 @@ def test_the_delta_rule_keeps_updates_made_during_an_averaging_round() -> None:
         assert wishes == (1.0, 4.0)  # each control value is summed (0 + 1, 2 + 2)
     # Overwriting with the average (plain model averaging) would have lost the updates.
     assert not torch.equal(results[1][0], mean_of_snapshots)
+
+
+def _flagged_worker(rank: int, port: int, poisoned: int, out: mp.Queue) -> None:
+    """Three rounds among 3 members: a P-Reduce with member `poisoned` holding a NaN (the
+    flag rides the collective: every member keeps its own state), then one without it
+    among the other two (their average), then all three again."""
+    torch.set_num_threads(1)
+    store = connect_store("127.0.0.1", port, 30)
+    cache = CommunicatorCache(CommunicatorFactory(store, torch.device("cpu"), 30,
+                                                  gloo_hostname="127.0.0.1"))
+    params = AveragedState(_model(rank))
+    if rank == poisoned:
+        with torch.no_grad():
+            params.flat[3] = float("nan")
+    start = params.flat.tolist()
+    everyone = cache.get("flag/all", rank, 3, create=True)
+    preduce(params, everyone, 30)
+    after_first = params.flat.tolist()
+    if rank != poisoned:
+        pair = [r for r in range(3) if r != poisoned]
+        preduce(params, cache.get("flag/pair", pair.index(rank), 2, create=True), 30)
+    after_pair = params.flat.tolist()
+    preduce(params, everyone, 30)
+    out.put((rank, start, after_first, after_pair, params.flat.tolist()))
+    cache.close()
+
+
+def test_a_member_with_a_nan_voids_the_group_average_and_no_peer_takes_it_in() -> None:
+    poisoned = 1
+    results = {rank: [torch.tensor(v) for v in values] for rank, *values
+               in run_members(_flagged_worker, 3, poisoned, replies=3, timeout_seconds=120)}
+    for rank, (start, after_first, after_pair, last) in results.items():
+        # Both groups with the NaN were void: each member kept exactly its own values.
+        torch.testing.assert_close(after_first, start, rtol=0, atol=0, equal_nan=True)
+        if rank == poisoned:
+            assert torch.isnan(last).any()
+            continue
+        assert torch.isfinite(after_pair).all() and torch.isfinite(last).all()
+        torch.testing.assert_close(last, after_pair, rtol=0, atol=0)
+    # The pair without it averaged as usual.
+    healthy = [r for r in range(3) if r != poisoned]
+    mean = sum(results[r][0] for r in healthy) / 2
+    for r in healthy:
+        torch.testing.assert_close(results[r][2], mean, rtol=1e-6, atol=1e-6)

@@ -107,7 +107,9 @@ def test_one_worker_follows_dilocos_schedule_and_outer_step(outer: str) -> None:
         # worker: its own), no outer step on the partial round, the anchor kept.
         assert synced == [3, 6, 7]
         assert verdict is not None and verdict.stop and verdict.num_groups == 1
-        assert verdict.preduce_bytes == protocol.ctx.state.size_bytes
+        # The models and the non-finite flag (one element more).
+        assert verdict.preduce_bytes == protocol.ctx.state.staged_bytes
+        assert protocol.ctx.state.staged_bytes == protocol.ctx.state.size_bytes + 4
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         if nesterov:

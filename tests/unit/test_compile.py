@@ -28,7 +28,8 @@ def _model() -> nn.Module:
 def _average_with(state: AveragedState, other: torch.Tensor) -> None:
     """What a P-Reduce of two members does on this side: stage, sum, commit (a swap)."""
     staged = state.stage(0.5)
-    staged.add_(other, alpha=0.5)  # the SUM collective, with the peer's staged half
+    # The SUM collective, with the peer's staged half (its non-finite flag, last: 0).
+    staged[:-1].add_(other, alpha=0.5)
     state.commit()
 
 

@@ -257,7 +257,8 @@ def test_bf16_error_feedback_loses_no_progress_over_many_syncs() -> None:
 def test_what_a_member_sends_is_its_group_bytes(compression: str) -> None:
     """The group form: [φ̂ | rest] in float32 and m̂ in float32 or bfloat16, or (outer
     momentum 0, where m never counts) no m̂ at all; the same-anchor form Δ in place of
-    φ̂ and no m̂."""
+    φ̂ and no m̂. The non-finite flag is one element more: float32 with the rest, or
+    bfloat16 after a compressed Δ."""
     for momentum in (MU, 0.0):
         model = _model(0)
         state = AveragedState(model)
@@ -266,11 +267,11 @@ def test_what_a_member_sends_is_its_group_bytes(compression: str) -> None:
         sent = sum(t.numel() * t.element_size() for t in outer.stage(0.5))
         outer.abandon()
         m_bytes = 0 if momentum == 0 else outer.numel * (2 if compression == "bf16" else 4)
-        assert sent == outer.sent_bytes() == state.size_bytes + m_bytes
+        assert sent == outer.sent_bytes() == state.size_bytes + 4 + m_bytes
         same = outer.stage(0.5, same_anchor=True)
         assert sum(t.numel() * t.element_size() for t in same) == outer.sent_bytes(
             same_anchor=True) == state.size_bytes - (
-            outer.numel * 2 if compression == "bf16" else 0)
+            outer.numel * 2 - 2 if compression == "bf16" else -4)
         outer.abandon()
 
 
@@ -390,3 +391,37 @@ def test_a_gossip_exchange_spends_the_active_sides_progress_and_keeps_the_partne
     for rank in range(2):
         torch.testing.assert_close(seen[rank][n:] + deltas[rank][n:], buffers)
         assert torch.equal(workers[rank][1].flat, seen[rank])  # the model is not written
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+@pytest.mark.parametrize("same_anchor", [False, True])
+def test_a_member_with_a_nan_voids_the_outer_step_for_every_member(
+        compression: str, same_anchor: bool) -> None:
+    """The non-finite flag rides the synchronisation (the float32 buffer, or after the
+    bfloat16 Δ): where a member's model holds a NaN, every member keeps its model,
+    anchor, momentum and error-feedback residual, bit for bit."""
+
+    def member(rank: int, comm: Communicator) -> list[torch.Tensor | None]:
+        model = _model(0)  # equal starts: the same-anchor form needs equal anchors
+        state = AveragedState(model)
+        outer = OuterState(state, lr=LR, momentum=MU, compression=compression)
+        _local_steps(model, outer, 3, seed=rank)
+        outer_preduce(outer, comm, TIMEOUT)  # group form: now in agreement
+        _local_steps(model, outer, 3, seed=10 + rank)
+        if same_anchor:  # a residual to keep: one compressed Δ sent already
+            outer_preduce(outer, comm, TIMEOUT, same_anchor=True)
+            _local_steps(model, outer, 3, seed=20 + rank)
+        if rank == 1:
+            with torch.no_grad():
+                state.flat[2] = float("nan")
+        before = [state.flat.clone(), outer.anchor.clone(), outer.momentum.clone(),
+                  None if outer.residual is None else outer.residual.clone()]
+        outer_preduce(outer, comm, TIMEOUT, same_anchor=same_anchor)
+        after = [state.flat, outer.anchor, outer.momentum, outer.residual]
+        for old, new in zip(before, after, strict=True):
+            assert (old is None) == (new is None)
+            if old is not None:
+                torch.testing.assert_close(new, old, rtol=0, atol=0, equal_nan=True)
+        return [bool(torch.isfinite(state.flat).all())]
+
+    assert _in_group(2, member) == [[True], [False]]

@@ -11,27 +11,29 @@ The averaged state of a worker is, in this order:
 
 Each of them is a view into `flat` (`p.data`, a buffer's `.data` and the optimizer's state
 entry are re-pointed), so averaging the state is one collective on one tensor with no
-concatenation or split. Averaging runs in a second buffer of the same size: `stage()`
-writes state/|G| into it, the collective sums it in place, and `commit()` re-points the
-tensors at it (the old buffer becomes the next staging buffer). A failed collective may
-still write into its buffer after the error (rule 4 of docs/data-plane.md), so on
-failure the staging buffer is abandoned and the tensors, never touched by the collective,
-keep the local values.
+concatenation or split. Averaging runs in a second buffer of the same size and one element
+more: `stage()` writes state/|G| into it and the member's non-finite flag after it
+(worker/dataplane/nonfinite.py), the collective sums it in place, and `commit()` re-points
+the tensors at it (the old buffer becomes the next staging buffer), unless a member's flag
+was set: then every member keeps its own state (a select on the device, no read-back).
+A failed collective may still write into its buffer after the error (rule 4 of
+docs/data-plane.md), so on failure the staging buffer is abandoned and the tensors, never
+touched by the collective, keep the local values.
 
 `schema()` lists the tensors (name, shape, dtype) in buffer order: the coordinator refuses
 a worker whose schema differs from the others', so workers never average mismatched
-buffers. `nonfinite()` is the gate that keeps a NaN or inf from ever leaving the process.
+buffers. `nonfinite()` names the first tensor that holds a NaN or an infinity.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Any
 
 import torch
 
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.dataplane.nonfinite import nonfinite_flag, void_if_flagged
 
 StateSlot = tuple[dict[str, Any], str]
 """(the optimizer's state dict of one parameter, a key in it) naming one state tensor."""
@@ -49,7 +51,9 @@ class AveragedState:
     """Owns the flat storage of a model's averaged tensors.
 
     Invariant: every averaged tensor, in the order `names` lists them, is a view into
-    `self.flat`; `self.flat` is never handed to a collective (only the staging buffer is).
+    `self.flat`, the head of `self._storage` (one element longer: the slot a staging
+    buffer's flag takes); `self.flat` is never handed to a collective (only the staging
+    buffer is).
     """
 
     def __init__(self, model: torch.nn.Module, *, include_buffers: bool = True) -> None:
@@ -76,10 +80,12 @@ class AveragedState:
                 "model with model.to(device, dtype) (autocast keeps low-precision compute)")
         self.slots: list[StateSlot] = []
         self._slot_labels: list[str] = []
-        self.flat = self._allocate(sum(t.numel() for t in tensors))
+        self._storage = self._allocate(sum(t.numel() for t in tensors))
+        self.flat = self._storage[:-1]
         with torch.no_grad():
             self._point_views_at(self.flat, copy=True)
         self._staging: torch.Tensor | None = None
+        """A storage of `self._storage`'s size: the flat state / |G| and the flag."""
 
     @property
     def numel(self) -> int:
@@ -88,6 +94,12 @@ class AveragedState:
     @property
     def size_bytes(self) -> int:
         return self.numel * self.flat.element_size()
+
+    @property
+    def staged_bytes(self) -> int:
+        """What one P-Reduce of this state feeds into its collective: the state and the
+        non-finite flag (one element)."""
+        return self._storage.numel() * self.flat.element_size()
 
     @property
     def model_numel(self) -> int:
@@ -101,8 +113,9 @@ class AveragedState:
         return len(self.params) + len(self.buffers)
 
     def _allocate(self, numel: int) -> torch.Tensor:
+        """A storage for `numel` values and the flag slot after them."""
         first = self.params[0]
-        return torch.empty(numel, dtype=first.dtype, device=first.device)
+        return torch.empty(numel + 1, dtype=first.dtype, device=first.device)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*(p.data for p in self.params), *(b.data for b in self.buffers),
@@ -160,7 +173,8 @@ class AveragedState:
                     slots.append((state, key))
                     labels.append(f"state:{name}.{key}")
         self.slots, self._slot_labels = slots, labels
-        self.flat = self._allocate(sum(t.numel() for t in self._tensors()))
+        self._storage = self._allocate(sum(t.numel() for t in self._tensors()))
+        self.flat = self._storage[:-1]
         with torch.no_grad():
             self._point_views_at(self.flat, copy=True)
         self._staging = None
@@ -168,18 +182,25 @@ class AveragedState:
 
     # ------------------------------------------------------------------ collectives
     def stage(self, scale: float) -> torch.Tensor:
-        """A buffer holding the flat state * scale, ready for an in-place SUM collective."""
+        """A buffer holding the flat state * scale and, last, this member's non-finite
+        flag, ready for an in-place SUM collective (one element more than `flat`)."""
         if self._staging is None:
-            self._staging = torch.empty_like(self.flat)
+            self._staging = torch.empty_like(self._storage)
         with torch.no_grad():
-            torch.mul(self.flat, scale, out=self._staging)
+            torch.mul(self.flat, scale, out=self._staging[:-1])
+            self._staging[-1:].copy_(nonfinite_flag(self.flat))
         return self._staging
 
     def commit(self) -> None:
-        """Adopt the staged buffer (now holding the group average) as the state."""
+        """Adopt the staged buffer (now holding the group average) as the state; where a
+        member's flag was set (the group's sum of flags above 0), every member keeps its
+        own values instead (decided on the device: no read-back)."""
         assert self._staging is not None, "commit() without stage()"
-        staged, self._staging = self._staging, self.flat
-        self.flat = staged
+        staged = self._staging
+        with torch.no_grad():
+            void_if_flagged(staged[-1:], self.flat, staged[:-1])
+        self._staging, self._storage = self._storage, staged
+        self.flat = staged[:-1]
         self._point_views_at(self.flat, copy=False)
 
     def abandon(self) -> None:
@@ -217,9 +238,7 @@ class AveragedState:
         holding a NaN or an infinity. The fast path is one reduction (the sum of finite
         values is finite: an overflow of the sum would need values near 1e34); the
         tensor is looked for only when it fails. On a GPU this reads one scalar back."""
-        total = torch.sum(self.flat, dtype=torch.float64 if self.flat.dtype == torch.float64
-                          else torch.float32)
-        if math.isfinite(float(total)):
+        if not bool(nonfinite_flag(self.flat).item()):
             return None
         names = [*self.names, *self.optimizer_state_labels()]
         for name, tensor in zip(names, self._tensors(), strict=True):

@@ -71,6 +71,7 @@ import torch
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
+from ripples.worker.dataplane.nonfinite import nonfinite_flag, void_if_flagged
 from ripples.worker.dataplane.preduce import copy_from_donor, copy_model, preduce, reduce_staged
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,9 @@ class OuterState:
         """Error feedback: what bfloat16 rounding took off the Δ sent so far."""
         self._pending_residual: torch.Tensor | None = None
         self._same_anchor = False
+        self._flag_inline = True
+        """Where the staged flag travels: last in the flat-dtype buffer, else last in the
+        bfloat16 Δ (the same-anchor form with compression)."""
         self._lock = threading.Lock()
         """Held while the anchor and momentum change or are read whole: a gossip
         protocol's communication thread exchanges them (`exchange`) while the training
@@ -161,7 +165,9 @@ class OuterState:
     def stage(self, scale: float, *, same_anchor: bool = False) -> list[torch.Tensor]:
         """The buffers of one synchronisation, each ready for an in-place SUM collective
         over the group, `scale` (1/|G|) applied: the flat buffer's dtype first, then, with
-        compression, the bfloat16 one (module docstring, "What travels").
+        compression, the bfloat16 one (module docstring, "What travels"). The member's
+        non-finite flag (worker/dataplane/nonfinite.py) travels as the last element of
+        the first buffer that carries values: the flat-dtype one, or the bfloat16 Δ.
 
         Group form (default): [φ̂ | rest | m̂], where (φ̂, m̂) is this member's provisional
         outer step (its φ and m as they are if it took no local step since its last
@@ -173,23 +179,29 @@ class OuterState:
         self.take_anchor()  # a member that has not stepped yet: its model is its anchor
         flat, n = self.state.flat, self.numel
         rest = flat.numel() - n
-        size = n + rest + (n if self._momentum_travels(same_anchor) else 0)
+        self._flag_inline = self.wire_dtype is None or not same_anchor
+        body = n + rest + (n if self._momentum_travels(same_anchor) else 0)
+        size = body + (1 if self._flag_inline else 0)
         if self._staging is None or self._staging.numel() != size:
             self._staging = torch.empty(size, dtype=flat.dtype, device=flat.device)
         staged = self._staging
         self._pending_residual = None
         with torch.no_grad():
+            flag = nonfinite_flag(flat)
             head = staged[:n]
             torch.sub(self.anchor, flat[:n], out=head)  # Δ
             if not same_anchor:
-                moment = staged[n + rest :] if size > n + rest else torch.empty_like(head)
+                moment = staged[n + rest : body] if body > n + rest else torch.empty_like(head)
                 self._provisional_step(head, moment, spend=self.steps_since_sync > 0)
             staged[n : n + rest].copy_(flat[n:])
-            staged.mul_(scale)
+            staged[:body].mul_(scale)
             self._wire = self._compressed(head if same_anchor else moment, scale,
-                                          same_anchor=same_anchor)
+                                          same_anchor=same_anchor,
+                                          flag=None if self._flag_inline else flag)
+            if self._flag_inline:
+                staged[body:].copy_(flag)
         self._same_anchor = same_anchor
-        parts = [staged if self._wire is None or not same_anchor else staged[n:], self._wire]
+        parts = [staged if self._flag_inline else staged[n:], self._wire]
         return [t for t in parts if t is not None and t.numel()]
 
     def _momentum_travels(self, same_anchor: bool) -> bool:
@@ -197,36 +209,45 @@ class OuterState:
         compressed)."""
         return not same_anchor and self.momentum_factor > 0 and self.wire_dtype is None
 
-    def _compressed(self, values: torch.Tensor, scale: float, *,
-                    same_anchor: bool) -> torch.Tensor | None:
+    def _compressed(self, values: torch.Tensor, scale: float, *, same_anchor: bool,
+                    flag: torch.Tensor | None = None) -> torch.Tensor | None:
         """With compression, `values` (m̂ unscaled, or Δ already scaled) in bfloat16,
-        scaled; Δ with error feedback (the residual is adopted at `commit`). None when
-        nothing travels apart."""
+        scaled, with `flag` after them when given; Δ with error feedback (the residual is
+        adopted at `commit`). None when nothing travels apart."""
         if self.wire_dtype is None:
             return None
         if not same_anchor:
             return (torch.mul(values, scale).to(self.wire_dtype)
                     if self.momentum_factor > 0 else None)
+        wire = torch.empty(values.numel() + (0 if flag is None else 1),
+                           dtype=self.wire_dtype, device=values.device)
+        if flag is not None:
+            wire[-1:].copy_(flag)
         if not self.steps_since_sync:  # nothing to send: the residual waits for a step
-            return values.to(self.wire_dtype)
+            wire[: values.numel()].copy_(values)
+            return wire
         if self.residual is None:
             self.residual = torch.zeros_like(values)
         fed = torch.add(values, self.residual, alpha=scale)  # (Δ + e) / |G|
-        wire = fed.to(self.wire_dtype)
-        self._pending_residual = fed.sub_(wire.to(fed.dtype)).div_(scale)
+        rounded = wire[: values.numel()]
+        rounded.copy_(fed)
+        self._pending_residual = fed.sub_(rounded.to(fed.dtype)).div_(scale)
         return wire
 
-    def sent_bytes(self, *, same_anchor: bool = False) -> int:
+    def sent_bytes(self, *, same_anchor: bool = False, flag: bool = True) -> int:
         """The bytes a member feeds into one synchronisation (what `stage` returns): the
         flat buffer's size, with the gradient-like part (the group form's momentum, none
         at momentum 0; the same-anchor form's Δ, in place of φ̂) in bfloat16 with
-        compression."""
+        compression, and the non-finite flag (one element of the buffer it ends; not
+        `flag`: a gossip exchange, which carries none)."""
         flat = self.state.flat
         wire = (flat.dtype if self.wire_dtype is None else self.wire_dtype).itemsize
-        if same_anchor:
-            return (flat.numel() - self.numel) * flat.element_size() + self.numel * wire
+        extra = 1 if flag else 0
+        if same_anchor:  # the flag after Δ, in its dtype
+            return ((flat.numel() - self.numel) * flat.element_size()
+                    + (self.numel + extra) * wire)
         momentum = 0 if self.momentum_factor == 0 else self.numel * wire
-        return flat.numel() * flat.element_size() + momentum
+        return (flat.numel() + extra) * flat.element_size() + momentum
 
     def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
                           spend: bool) -> None:
@@ -245,38 +266,55 @@ class OuterState:
 
     def commit(self) -> None:
         """Adopt the collective's result: the group's anchor, momentum and the rest of the
-        flat buffer; the parameters become the anchor."""
+        flat buffer; the parameters become the anchor. Where a member's non-finite flag
+        was set (the group's sum of flags above 0), every member keeps its model, anchor,
+        momentum and residual instead: selected on the device, no read-back. Its progress
+        since the anchor stays in its model, for its next synchronisation after a step."""
         assert self._staging is not None, "commit() without stage()"
         flat, n, staged, wire = self.state.flat, self.numel, self._staging, self._wire
         rest = staged[n : flat.numel()]
         with torch.no_grad():
+            flags = staged[-1:] if self._flag_inline else wire[-1:]  # type: ignore[index]
             if self._same_anchor and self.steps_since_sync:
                 delta = staged[:n]  # the group's Δ̄: every member steps identically
                 if wire is not None:
-                    delta.copy_(wire)
+                    delta.copy_(wire[:n])
+                    if self._pending_residual is not None and self.residual is not None:
+                        void_if_flagged(flags, self.residual, self._pending_residual)
                     self.residual = self._pending_residual
-                self.momentum.mul_(self.momentum_factor).add_(delta)
-                delta.add_(self.momentum, alpha=self.momentum_factor)
-                self.anchor.add_(delta, alpha=-self.lr)
+                momentum = torch.mul(self.momentum, self.momentum_factor).add_(delta)
+                delta.add_(momentum, alpha=self.momentum_factor)
+                anchor = torch.add(self.anchor, delta, alpha=-self.lr)
+                void_if_flagged(flags, self.momentum, momentum)
+                void_if_flagged(flags, self.anchor, anchor)
+                self.momentum.copy_(momentum)
+                self.anchor.copy_(anchor)
             elif not self._same_anchor:
-                self.anchor.copy_(staged[:n])
-                self._adopt_momentum(staged[flat.numel() :], wire)
+                anchor = staged[:n]
+                momentum = self._group_momentum(staged[flat.numel() : -1], wire)
+                void_if_flagged(flags, self.anchor, anchor)
+                void_if_flagged(flags, self.momentum, momentum)
+                self.anchor.copy_(anchor)
+                self.momentum.copy_(momentum)
             # (same anchor, nothing unspent anywhere: no outer step, no momentum)
-            flat[:n].copy_(self.anchor)
+            head = self.anchor.clone()
+            void_if_flagged(flags, flat[:n], head)
+            void_if_flagged(flags, flat[n:], rest)
+            flat[:n].copy_(head)
             flat[n:].copy_(rest)
         self._wire = self._pending_residual = None
         self.steps_since_sync = 0
         self.anchored = True
 
-    def _adopt_momentum(self, uncompressed: torch.Tensor, wire: torch.Tensor | None) -> None:
+    def _group_momentum(self, uncompressed: torch.Tensor,
+                        wire: torch.Tensor | None) -> torch.Tensor:
         """The group's momentum from a group-form synchronisation: the flat-dtype tail, the
         bfloat16 buffer, or (momentum 0, where it never counts) zero."""
         if uncompressed.numel():
-            self.momentum.copy_(uncompressed)
-        elif wire is not None:
-            self.momentum.copy_(wire)
-        else:
-            self.momentum.zero_()
+            return uncompressed
+        if wire is not None:
+            return wire.to(self.momentum.dtype)
+        return torch.zeros_like(self.momentum)
 
     def abandon(self) -> None:
         """Forget the staging buffers after a failed collective; nothing else changed (the
@@ -321,7 +359,7 @@ class OuterState:
             delta = torch.empty_like(seen)
             with self._lock:
                 self.anchor.copy_(staged[:n])
-                self._adopt_momentum(staged[total:], wire)
+                self.momentum.copy_(self._group_momentum(staged[total:], wire))
                 self.in_agreement = False
             base = seen[:n] if old_anchor is None else old_anchor
             torch.sub(staged[:n], base, out=delta[:n])
@@ -442,7 +480,7 @@ def average_in_group(state: AveragedState, outer: OuterState | None, comm: Commu
 
 def group_bytes(state: AveragedState, outer: OuterState | None) -> int:
     """What a member feeds into `average_in_group`'s collective."""
-    return state.size_bytes if outer is None else outer.sent_bytes()
+    return state.staged_bytes if outer is None else outer.sent_bytes()
 
 
 def heal_in_group(state: AveragedState, outer: OuterState | None, comm: Communicator,

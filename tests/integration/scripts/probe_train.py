@@ -69,7 +69,7 @@ def main() -> None:
     sampler = ripples.DistributedSampler(dataset, seed=0)
     loader = DataLoader(dataset, batch_size=16, sampler=sampler,
                         num_workers=args.loader_workers)
-    full_x, full_y = dataset.tensors
+    full_x, full_y = (t.to(worker.device) for t in dataset.tensors)
 
     def full_loss() -> float:
         """The loss over the whole dataset in eval mode: no batch's noise in it."""
@@ -97,6 +97,7 @@ def main() -> None:
     while step < args.steps and not opt.stopped:
         sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(worker.device), y.to(worker.device)
             micro += 1
             last = micro % args.accumulate == 0
             with skipping_sync(last):
@@ -126,7 +127,7 @@ def main() -> None:
                 break
         epoch += 1
     final_loss = full_loss()
-    x, y = dataset[:16]
+    x, y = (t.to(worker.device) for t in dataset[:16])
     if args.accumulate_with == "attribute":  # after the stop it must not sync again
         model.require_backward_grad_sync = True  # type: ignore[assignment]
     for _ in range(args.steps_after_stop if worker.rank == 0 else 0):

@@ -1,0 +1,155 @@
+"""Ripples' data plane on each device this machine has: gloo on the CPU (always, so that
+CI checks everything these tests check but the device), NCCL on a GPU (marker `gpu`,
+skipped without CUDA). Ranks share the one GPU as separate NCCL hosts: each process gets
+its own NCCL_HOSTID and NCCL talks over its sockets on loopback (docs/gpu.md), as on the
+GPU machines this project is lent.
+
+- P-Reduce in groups of 2, 3 and 4 ranks equals the mean computed on the CPU;
+- a member with a NaN voids its group for every member (the non-finite flag rides the
+  collective), and the next group without it averages as before;
+- the outer step's synchronisation equals the CPU's;
+- a checkpoint of the averaged state round-trips;
+- on a GPU, every library protocol runs a few steps of a real `ripples run` with two
+  workers sharing the GPU (`--share-gpus`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ripples.bench.members import run_members
+from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.communicators import CommunicatorFactory, connect_store
+from ripples.worker.dataplane.outer_state import OuterState, outer_preduce
+from ripples.worker.dataplane.preduce import preduce
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = str(REPO / "tests" / "integration" / "scripts" / "probe_train.py")
+TIMEOUT = 120.0
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+DEVICES = ["cpu", CUDA]
+
+
+def _model(rank: int) -> torch.nn.Module:
+    torch.manual_seed(rank)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _device(name: str, rank: int) -> torch.device:
+    """This member's device; on a GPU, with the NCCL environment of a shared one."""
+    if name == "cpu":
+        return torch.device("cpu")
+    os.environ["NCCL_HOSTID"] = f"ripples-test-{os.getpid()}-{rank}"
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def _member(rank: int, port: int, config: tuple[str, int], out: mp.Queue) -> None:
+    device_name, size = config
+    torch.set_num_threads(1)
+    device = _device(device_name, rank)
+    factory = CommunicatorFactory(connect_store("127.0.0.1", port, TIMEOUT), device, TIMEOUT,
+                                  gloo_hostname="127.0.0.1")
+    comm = factory.build(f"all-{size}", rank, size, peers_within=TIMEOUT)
+    model = _model(rank).to(device)
+    state = AveragedState(model)
+    preduce(state, comm, TIMEOUT)
+    averaged = state.flat.cpu().tolist()
+    if rank == 0:
+        with torch.no_grad():
+            state.flat[1] = float("nan")
+    before = state.flat.cpu().clone()
+    preduce(state, comm, TIMEOUT)  # void: every member keeps its own values
+    kept = torch.equal(state.flat.cpu().nan_to_num(7.0), before.nan_to_num(7.0))
+    # The outer step (group form, then the same-anchor form) on fresh models.
+    fresh = _model(rank).to(device)
+    outer_state = AveragedState(fresh)
+    outer = OuterState(outer_state, lr=0.7, momentum=0.5)
+    with torch.no_grad():
+        outer.take_anchor()
+        outer_state.flat.mul_(1.0 + 0.1 * rank)  # a made-up round of local progress
+    outer.record_step()
+    outer_preduce(outer, comm, TIMEOUT)
+    checkpoint = {k: v.cpu() for k, v in outer.state_dict().items()
+                  if isinstance(v, torch.Tensor)}
+    out.put((rank, averaged, kept, outer_state.flat.cpu().tolist(),
+             {k: v.tolist() for k, v in checkpoint.items()}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_p_reduce_the_gate_and_the_outer_step_equal_the_cpu_reference(
+        device: str, size: int) -> None:
+    results = {rank: rest for rank, *rest in run_members(
+        _member, size, (device, size), replies=size, timeout_seconds=TIMEOUT)}
+    initial = [AveragedState(_model(r)).flat for r in range(size)]
+    mean = sum(initial) / size
+    for rank, (averaged, kept, _, _) in results.items():
+        torch.testing.assert_close(torch.tensor(averaged), mean, rtol=1e-6, atol=1e-6)
+        assert kept, f"rank {rank} adopted a group result that had a NaN member"
+    # The outer step: the CPU's own arithmetic on the same inputs (outer_state.py's
+    # provisional steps, averaged), and every member leaves with the same model.
+    flats = [torch.tensor(results[r][2]) for r in range(size)]
+    for other in flats[1:]:
+        torch.testing.assert_close(other, flats[0], rtol=0, atol=0)
+    n = sum(p.numel() for p in _model(0).parameters())
+    anchors = torch.stack([f[:n] for f in initial])
+    progress = torch.stack([f[:n] * (1.0 + 0.1 * r) for r, f in enumerate(initial)])
+    delta = (anchors - progress).mean(0)
+    expected = anchors.mean(0) - 0.7 * (1 + 0.5) * delta  # momentum starts at 0
+    torch.testing.assert_close(flats[0][:n], expected, rtol=1e-5, atol=1e-6)
+    # The outer state's checkpoint holds the same anchor on every member.
+    anchors_saved = [torch.tensor(results[r][3]["anchor"]) for r in range(size)]
+    for saved in anchors_saved:
+        torch.testing.assert_close(saved, flats[0][:n], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("protocol", ["ripples-smart", "ripples-random", "ripples-static",
+                                      "allreduce", "adpsgd", "a2cid2"])
+def test_every_library_protocol_trains_on_a_shared_gpu(protocol: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ripples.cli", "run", "--workers", "2", "--workers-per-node",
+         "2", "--device", "cuda", "--share-gpus", "--protocol", protocol, "--output",
+         str(tmp_path), "--quiet", "--timeout-seconds", "240", "--", "python", PROBE,
+         "--steps", "20"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        state = torch.load(tmp_path / "workers" / f"rank{rank}.pt")
+        assert all(torch.isfinite(t).all() for t in state.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gate_reads_a_gpu_flag_without_waiting_for_the_device() -> None:
+    from ripples.worker.dataplane.nonfinite import NonfiniteWatch, nonfinite_flag
+
+    values = torch.randn(1 << 20, device="cuda")
+    watch = NonfiniteWatch(values.device)
+    watch.note(0, nonfinite_flag(values))  # the first note allocates its pinned slot
+    assert watch.drain() is None
+    torch.cuda.set_sync_debug_mode("error")  # any host-device sync raises from here on
+    try:
+        torch.cuda._sleep(200_000_000)  # the stream is busy for a while: nothing is done
+        watch.note(1, nonfinite_flag(values))
+        assert watch.first_flagged() is None and watch.unread == 1  # not waited for
+        poisoned = values.clone()
+        poisoned[12345] = float("nan")
+        watch.note(2, nonfinite_flag(poisoned))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert watch.drain() == 2
