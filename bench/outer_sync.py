@@ -187,7 +187,7 @@ def _member(rank: int, port: int, cfg: OuterSyncConfig, out: mp.Queue) -> None:
             _sync_device(device)
             results[name].append((time.perf_counter() - start) / cfg.calls)
     fingerprints = {name: form.state.fingerprint() for name, form in forms.items()}
-    sent = {name: (form.state.size_bytes if form.outer is None else
+    sent = {name: (form.state.staged_bytes if form.outer is None else
                    form.outer.sent_bytes(same_anchor=name.startswith("outer delta")))
             for name, form in forms.items()}
     out.put((rank, results, fingerprints, sent,

@@ -37,9 +37,10 @@ def test_outer_sync_benchmark_times_every_form_and_its_members_agree(
     rows = {row["method"]: row for row in outer_sync.report(measured)}
     assert list(rows) == list(outer_sync.METHODS)
     p4 = 4 * int(measured["params"])  # type: ignore[call-overload]
-    # What each form feeds in: the model's P values, AdamW's two moments, the momentum.
+    # What each form feeds in: the model's P values, AdamW's two moments, the momentum,
+    # and the non-finite flag (float32, or bfloat16 after a compressed pseudo-gradient).
     assert [rows[form]["bytes"] for form in outer_sync.FORMS] == [
-        3 * p4, p4, 2 * p4, p4 + p4 // 2, p4, p4 // 2]
+        3 * p4 + 4, p4 + 4, 2 * p4 + 4, p4 + p4 // 2 + 4, p4 + 4, p4 // 2 + 2]
     assert rows[outer_sync.BASELINE]["ratio"] == 1.0
     assert all(row["ms"] > 0 for row in rows.values())
 
