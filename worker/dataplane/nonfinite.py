@@ -35,7 +35,13 @@ def nonfinite_flag(values: torch.Tensor) -> torch.Tensor:
 
 def void_if_flagged(flags: torch.Tensor, kept: torch.Tensor, result: torch.Tensor) -> None:
     """In place: `result` becomes `kept` where the group's summed `flags` (a 1-element
-    tensor) is above 0, else stays; on the device, without a read-back."""
+    tensor) is above 0, else stays. On a GPU a select on the device, without a read-back;
+    on the CPU, where reading the flag costs nothing, a copy only when it is set (a
+    select would read both buffers and write one at every P-Reduce)."""
+    if flags.device.type == "cpu":
+        if flags.item() > 0:
+            result.copy_(kept)
+        return
     torch.where(flags > 0, kept, result, out=result)
 
 
