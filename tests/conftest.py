@@ -76,8 +76,7 @@ def _running(pids: set[int]) -> set[int]:
 def _dying(pid: int) -> bool:
     """Whether `pid` is on its way out: inside exit, or with a SIGKILL pending."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+        flags = int(_stat(pid)[6])
         with open(f"/proc/{pid}/status") as f:
             pending = [int(line.split()[1], 16) for line in f
                        if line.startswith(("SigPnd:", "ShdPnd:"))]
@@ -86,9 +85,15 @@ def _dying(pid: int) -> bool:
     return bool(flags & PF_EXITING) or any(p & (1 << (signal.SIGKILL - 1)) for p in pending)
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first); OSError when
+    the process is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _state(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+        return _stat(pid)[0]
     except OSError:
         return "Z"

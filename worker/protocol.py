@@ -181,14 +181,11 @@ class Protocol(abc.ABC):
     outer: OuterState | None = None
     """The anchor and outer momentum of local-step training (--outer-optimizer nesterov),
     for the protocols that take it: ripples.Optimizer's state_dict carries them."""
-
-    @property
-    def flags_nonfinite(self) -> bool:
-        """Every collective this protocol runs on the averaged state carries the members'
-        non-finite flags (AveragedState.stage/commit), so that no member adopts a group
-        result with a non-finite contribution: a worker need not wait for its own flag
-        before it synchronises (worker/dataplane/nonfinite.py). False: it waits."""
-        return False
+    flags_nonfinite: bool = False
+    """Every collective this protocol runs on the averaged state carries the members'
+    non-finite flags (AveragedState's and OuterState's stage/commit), so that no member
+    adopts a group result with a non-finite contribution: a worker need not wait for its
+    own flag before it synchronises (worker/dataplane/nonfinite.py). False: it waits."""
 
     def __init__(self, ctx: ProtocolContext) -> None:
         self.ctx = ctx

@@ -109,7 +109,7 @@ class StepSynchronizer:
         self._consensus_served = 0
         self.stop_reason = ""
         self._stop_asked = False
-        self._watch = NonfiniteWatch(self.state.flat.device)
+        self._watch = NonfiniteWatch()
         self._check_finite("before the first step")  # begin() may send already (hop)
         self.protocol.begin()
         self._since = time.perf_counter()
@@ -227,7 +227,7 @@ class StepSynchronizer:
         self._check_moved()
         bad = self.state.nonfinite()
         if bad is not None:
-            self._fail_nonfinite(bad, when, "nothing was sent to any peer")
+            self._fail_nonfinite(when, "nothing was sent to any peer", bad)
 
     def _gate(self, completed: int) -> None:
         """After step `completed`: note its non-finite flag, and fail on the first flagged
@@ -239,11 +239,9 @@ class StepSynchronizer:
                    else self._watch.drain())
         if flagged is None:
             return
-        name = self.state.nonfinite() or "an averaged tensor"
         if flagged == completed:
-            self._fail_nonfinite(name, f"after step {completed}", "nothing was sent to any "
-                                 "peer")
-        self._fail_nonfinite(name, f"after step {flagged} (read back at step {completed})",
+            self._fail_nonfinite(f"after step {completed}", "nothing was sent to any peer")
+        self._fail_nonfinite(f"after step {flagged} (read back at step {completed})",
                              "the groups it joined since kept their members' own state, "
                              "so no peer's model took it in")
 
@@ -252,10 +250,11 @@ class StepSynchronizer:
         last steps went non-finite fails rather than leave such a model."""
         flagged = self._watch.drain()
         if flagged is not None:
-            self._fail_nonfinite(self.state.nonfinite() or "an averaged tensor",
-                                 f"after step {flagged}", "no peer's model took it in")
+            self._fail_nonfinite(f"after step {flagged}", "no peer's model took it in")
 
-    def _fail_nonfinite(self, name: str, when: str, where: str) -> NoReturn:
+    def _fail_nonfinite(self, when: str, where: str, name: str | None = None) -> NoReturn:
+        """Fail naming the tensor that holds the value (`name`, else looked for now)."""
+        name = name or self.state.nonfinite() or "an averaged tensor"
         raise FloatingPointError(
             f"rank {self.ctx.rank} (worker {self.session.worker_id}): {name} holds a NaN "
             f"or an infinity {when}; {where}. Lower the learning rate, clip the gradients, "

@@ -82,6 +82,9 @@ class AllReduceProtocol(Protocol):
         self.outer = OuterState.of_config(ctx.state, ctx.config)
         self.local = self.local_steps > 1 or self.outer is not None
         """DiLoCo's form (no DDP; a synchronisation every local_steps steps)."""
+        self.flags_nonfinite = self.local
+        """DiLoCo's synchronisation carries the non-finite flags (the outer step's, or the
+        model average's); DDP's gradient all-reduce does not."""
         self.synced_at = 0
         """The last step this worker synchronised at (DiLoCo's form)."""
         if self.local:
@@ -140,12 +143,6 @@ class AllReduceProtocol(Protocol):
             sync = self._synchronise(completed, final=True)
             verdict = sync.merged(verdict)
         return verdict
-
-    @property
-    def flags_nonfinite(self) -> bool:
-        """With local steps, DiLoCo's synchronisation carries the non-finite flags (the
-        outer step's, or the model average's); DDP's gradient all-reduce does not."""
-        return self.local
 
     def consensus_agreement(self) -> tuple[int, int] | None:
         return self.stopper.consensus

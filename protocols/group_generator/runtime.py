@@ -54,6 +54,7 @@ class GroupGeneratorProtocol(Protocol):
 
     name = "ripples-gg"
     averages_optimizer_state = True
+    flags_nonfinite = True  # AveragedState's and the outer step's P-Reduces carry them
 
     def __init__(self, ctx: ProtocolContext) -> None:
         super().__init__(ctx)
@@ -73,12 +74,6 @@ class GroupGeneratorProtocol(Protocol):
         again: a head's rounds at the root, which never hold its shard up for long."""
         self.local_steps = local_steps(ctx.config)
         self.outer = OuterState.of_config(ctx.state, ctx.config)
-
-    @property
-    def flags_nonfinite(self) -> bool:
-        """Its P-Reduces carry the non-finite flags (AveragedState's and the outer
-        step's)."""
-        return True
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in

@@ -72,13 +72,11 @@ REPORT_SECONDS = 0.2
 class _GroupAverager(GroupGeneratorProtocol):
     """The Group Generator's rounds with the delta rule instead of replacing the model."""
 
+    flags_nonfinite = False  # the delta rule's collective carries no flags
+
     def __init__(self, ctx: ProtocolContext, averager: DeltaAverager) -> None:
         super().__init__(ctx)
         self.averager = averager
-
-    @property
-    def flags_nonfinite(self) -> bool:
-        return False  # the delta rule's collective carries no flags
 
     def average(self, comm: Communicator) -> None:
         self.averager.average(comm, self.timeout)

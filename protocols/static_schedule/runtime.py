@@ -32,6 +32,7 @@ class StaticScheduleProtocol(Protocol):
     name = "ripples-static"
     stops_together = True
     averages_optimizer_state = True
+    flags_nonfinite = True  # AveragedState's and the outer step's P-Reduces carry them
 
     def __init__(self, ctx: ProtocolContext) -> None:
         super().__init__(ctx)
@@ -43,12 +44,6 @@ class StaticScheduleProtocol(Protocol):
         self.stopper = LockstepStop(ctx)
         self.local_steps = local_steps(ctx.config)
         self.outer = OuterState.of_config(ctx.state, ctx.config)
-
-    @property
-    def flags_nonfinite(self) -> bool:
-        """Its P-Reduces carry the non-finite flags (AveragedState's and the outer
-        step's)."""
-        return True
 
     def should_stop(self, completed: int, planned: int) -> SyncResult | None:
         return self.stopper.should_stop(completed, planned)

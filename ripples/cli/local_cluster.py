@@ -194,7 +194,8 @@ class LocalCluster:
             devices = plan_devices(cfg.run.num_workers, cfg.device, share_gpus=cfg.share_gpus)
         except ValueError as err:
             raise RuntimeError(str(err)) from err
-        logger.info("workers' devices: %s", ", ".join(devices))
+        if cfg.progress and devices[0] != "cpu":
+            print(f"devices: {', '.join(devices)}", file=sys.stderr, flush=True)
         tag = f"ripples-{os.getpid()}"
         for rank in range(cfg.run.num_workers):
             env = LaunchEnv(

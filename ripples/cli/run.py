@@ -114,7 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             resolve_task(run.task)  # unknown task: fail before spawning anything
         checkpoint: CheckpointOptions = dataclass_from_args(CheckpointOptions, args)
         checkpoint.validate()
-        devices = plan_devices(run.num_workers, args.device, share_gpus=args.share_gpus)
+        plan_devices(run.num_workers, args.device, share_gpus=args.share_gpus)  # fail early
     except ValueError as err:
         print(f"ripples run: error: {err}", file=sys.stderr)
         return 2
@@ -126,8 +126,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                             script=tuple(script), checkpoint=checkpoint,
                             resume=args.resume, device=args.device,
                             share_gpus=args.share_gpus)
-    if devices[0] != "cpu" and not args.quiet:
-        print(f"devices: {', '.join(devices)}", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
         summary = run_local(config)

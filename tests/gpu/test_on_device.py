@@ -139,7 +139,7 @@ def test_the_gate_reads_a_gpu_flag_without_waiting_for_the_device() -> None:
     from ripples.worker.dataplane.nonfinite import NonfiniteWatch, nonfinite_flag
 
     values = torch.randn(1 << 20, device="cuda")
-    watch = NonfiniteWatch(values.device)
+    watch = NonfiniteWatch()
     watch.note(0, nonfinite_flag(values))  # the first note allocates its pinned slot
     assert watch.drain() is None
     torch.cuda.set_sync_debug_mode("error")  # any host-device sync raises from here on

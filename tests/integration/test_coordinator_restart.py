@@ -22,7 +22,7 @@ from ripples.coordinator.state_store import DB_NAME
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from tests.integration.helpers import REPO, free_port, start_worker
+from tests.integration.helpers import REPO, free_port, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -75,16 +75,6 @@ def _saved_curve(state_dir: str, run_id: str) -> list[list[float]]:
     return [] if row is None else json.loads(row[0])["curve"]
 
 
-def _wait_for_save(state_dir: str, run_id: str, timeout: float = 90.0) -> list[list[float]]:
-    deadline = time.monotonic() + timeout
-    while not (curve := _saved_curve(state_dir, run_id)):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for the state "
-                                 "dir to hold a loss curve")
-        time.sleep(0.1)
-    return curve
-
-
 def _mean_iterations(status: pb.RunStatus) -> float:
     return sum(w.iteration for w in status.workers) / max(1, len(status.workers))
 
@@ -108,7 +98,9 @@ def test_workers_ride_over_a_coordinator_restart_and_the_run_resumes(tmp_path) -
                            and len(s.loss_curve) > 0, "the run to train")
         # A save every 0.5 s, when the machine lets the saver run: the kill comes after
         # one that holds a part of the curve (else nothing of it is the restart's to keep).
-        saved = _wait_for_save(state, before.config.run_id)
+        wait_for(lambda: _saved_curve(state, before.config.run_id),
+                 "the state dir to hold a loss curve")
+        saved = _saved_curve(state, before.config.run_id)
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait(10)
         killed_at = time.monotonic()

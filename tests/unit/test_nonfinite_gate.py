@@ -84,7 +84,7 @@ def test_a_group_with_a_nan_member_keeps_every_members_state_and_views() -> None
 
 
 def test_the_host_reads_the_first_flagged_step_and_drops_what_follows() -> None:
-    watch = NonfiniteWatch(torch.device("cpu"))
+    watch = NonfiniteWatch()
     finite, flagged = torch.tensor([0.0]), torch.tensor([1.0])
     watch.note(1, finite)
     watch.note(2, finite)

@@ -53,8 +53,7 @@ class NonfiniteWatch:
     arrived and is set, looking only at copies that are done; `drain()` waits for every
     copy (an error path, the end, or a protocol whose collectives carry no flag)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self._pending: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
         self._free: list[torch.Tensor] = []
 
