@@ -9,8 +9,12 @@ side in one run, interleaved round by round so that machine noise hits both alik
   averaging models with torch.distributed would write;
 - ``preduce cached``: ``ripples.worker.dataplane.preduce.preduce`` on a communicator taken from the
   worker's cache (the steady state of a run: scale, collective, pointer swap);
-- ``preduce uncached``: the same, building a fresh communicator for every call (the first
-  group of a member set: rendezvous through the store plus the collective).
+- ``preduce in a step``: the same as ripples.Optimizer's step runs it: with the member's
+  non-finite flag known (the step's gate sums the state for it at every step, P-Reduce or
+  not, and the step's first P-Reduce sends it as it is; worker/synchronizer.py);
+- ``preduce uncached``: the same as ``preduce cached``, building a fresh communicator
+  for every call (the first group of a member set: rendezvous through the store plus the
+  collective).
 
     python -m ripples.bench.preduce                 # gloo on CPU, 3 members
     python -m ripples.bench.preduce --device cuda   # NCCL, one GPU per member
@@ -43,7 +47,8 @@ from ripples.worker.dataplane.communicators import (
 from ripples.worker.dataplane.preduce import preduce
 
 TIMEOUT_SECONDS = 60.0
-METHODS = ("all_reduce", "all_reduce + mean", "preduce cached", "preduce uncached")
+METHODS = ("all_reduce", "all_reduce + mean", "preduce cached", "preduce in a step",
+           "preduce uncached")
 
 
 @dataclass(kw_only=True)
@@ -84,11 +89,18 @@ def _operations(cache: CommunicatorCache, rank: int, size: int, params: Averaged
         dist.all_reduce(plain)
         plain.div_(size)
 
+    flag = torch.zeros(1, dtype=params.flat.dtype, device=params.flat.device)
+
+    def in_a_step() -> None:
+        with params.flag_known(flag):
+            preduce(params, cache.get(key, rank, size, create=False), TIMEOUT_SECONDS)
+
     return {
         "all_reduce": lambda: dist.all_reduce(plain),
         "all_reduce + mean": mean,
         "preduce cached": lambda: preduce(
             params, cache.get(key, rank, size, create=False), TIMEOUT_SECONDS),
+        "preduce in a step": in_a_step,
         "preduce uncached": uncached,
     }
 

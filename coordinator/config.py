@@ -276,7 +276,8 @@ class RunSettings:
     def run_facts(self) -> RunFacts:
         """What the protocol's settings check against the rest of the run."""
         return RunFacts(protocol=self.protocol, policy=self.role.label, task=self.task,
-                        iterations=self.iterations, epochs=self.epochs)
+                        iterations=self.iterations, epochs=self.epochs,
+                        outer_optimizer=self.outer_optimizer, sharded=bool(self.root))
 
     def check_topology(self, topology: Topology) -> None:
         """Raise ValueError if the protocol cannot run on `topology` (each settings class
@@ -349,6 +350,7 @@ class RunSettings:
         for settings_cls in spec.settings:
             self.settings(settings_cls).validate()
             self.settings(settings_cls).check_run(self.run_facts())
+        self.settings(GroupGeneratorSettings).check_overlap(self.run_facts())
         if self.inter_period < 1:
             raise ValueError(f"inter_period must be at least 1, got {self.inter_period}")
         if self.root:

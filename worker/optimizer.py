@@ -366,8 +366,11 @@ class Optimizer(torch.optim.Optimizer):
             self._flush_losses()
         if self._sync is None:
             return None
+        ended_well = not error and not self.worker._session.fatal_error  # type: ignore[union-attr]
+        if ended_well:
+            self._sync.protocol.settle()  # a background P-Reduce lands before the close
         self._sync.close()
-        if not error and not self.worker._session.fatal_error:  # type: ignore[union-attr]
+        if ended_well:
             self._sync.drain_gate()  # the last steps' flags, still on their way
             self._sync.final_average()
         return self._sync.record(self.stop_reason or error or "the training loop ended")

@@ -57,7 +57,7 @@ pauses this long before asking again; training goes on meanwhile."""
 
 __all__ = ["COORDINATOR_RETRY_SECONDS", "GROUP_CHECK_IN_SECONDS", "Protocol",
            "ProtocolContext", "StreamInterrupted", "SyncResult", "TrainingJob",
-           "heal_from_peer", "max_peer_wait_seconds", "run_group_collective"]
+           "fail_group", "heal_from_peer", "max_peer_wait_seconds", "run_group_collective"]
 
 
 @dataclass(kw_only=True)
@@ -230,6 +230,11 @@ class Protocol(abc.ABC):
         """The run is over for this worker (steps after it are local): stop whatever would
         still reach the peers (allreduce: DDP's gradient sync in backward)."""
 
+    def settle(self) -> None:  # noqa: B027 (optional hook)
+        """The training loop ended without an error: finish what this worker still has
+        in flight with its peers (a background P-Reduce), waiting up to its deadline,
+        before the final average and close()."""
+
     def run_training(self, job: TrainingJob) -> str:
         """Runner-only protocols (the registry's library=False: lap-sgd, lpp-sgd) train
         the task themselves, in processes of their own; returns why training ended."""
@@ -303,10 +308,18 @@ def run_group_collective(
         distance = collective(comm)
     except (RuntimeError, TimeoutError, ValueError) as err:
         seconds = time.perf_counter() - t0
-        ctx.comms.drop(key)
-        logger.warning("group %d %s failed: %s", group.group_id, members, err)
-        stream.release(group.group_id, ok=False, error=str(err)[:500], preduce_seconds=seconds)
+        fail_group(ctx, stream, group, key, err, seconds)
         return seconds, False
     seconds = time.perf_counter() - t0
     stream.release(group.group_id, ok=True, preduce_seconds=seconds, squared_distance=distance)
     return seconds, True
+
+
+def fail_group(ctx: ProtocolContext, stream: GroupStream, group: pb.Group, key: str,
+               err: BaseException, seconds: float, *, abort: bool = False) -> None:
+    """A group's collective failed: drop its communicator for good (it is never rebuilt:
+    docs/data-plane.md rule 4; `abort`: one of its collectives may still be running) and
+    tell the coordinator."""
+    ctx.comms.drop(key, abort=abort)
+    logger.warning("group %d %s failed: %s", group.group_id, list(group.members), err)
+    stream.release(group.group_id, ok=False, error=str(err)[:500], preduce_seconds=seconds)

@@ -134,9 +134,11 @@ class StepSynchronizer:
         # backward (DDP), which a slower device would not make slower.
         inside = self.protocol.backward_sync_seconds()
         compute = max(0.0, time.perf_counter() - self._since - inside)
-        self._gate(completed)
+        flag: torch.Tensor | None = self._gate(completed)
         if self.adopt_state and not self._adopted:
             self._maybe_adopt(completed)
+            if self._adopted:  # the state grew: the gate's flag does not cover it
+                flag = None
         with stats.lock:  # before the sync, whose RPCs carry this progress to the coordinator
             stats.iteration = completed
         injected = self.slowdown.after_compute(compute)
@@ -144,7 +146,8 @@ class StepSynchronizer:
         if self.protocol.outer is not None:  # skipped steps count: H is counted in step()s
             self.protocol.outer.record_step()
         try:
-            result = self.protocol.after_step(completed)
+            with self.state.flag_known(flag):
+                result = self.protocol.after_step(completed)
             verdict: SyncResult | None = result if result.stop else self.protocol.should_stop(
                 completed, self.planned_steps)
             if verdict is not None and verdict is not result and verdict.num_groups:
@@ -229,16 +232,18 @@ class StepSynchronizer:
         if bad is not None:
             self._fail_nonfinite(when, "nothing was sent to any peer", bad)
 
-    def _gate(self, completed: int) -> None:
+    def _gate(self, completed: int) -> torch.Tensor:
         """After step `completed`: note its non-finite flag, and fail on the first flagged
         step whose flag has reached the host (at once on the CPU; on a GPU without
-        waiting, unless the protocol's collectives do not carry the flag)."""
+        waiting, unless the protocol's collectives do not carry the flag). Returns the
+        flag, which the step's first P-Reduce sends as it is."""
         self._check_moved()
-        self._watch.note(completed, nonfinite_flag(self.state.flat))
+        flag = nonfinite_flag(self.state.flat)
+        self._watch.note(completed, flag)
         flagged = (self._watch.first_flagged() if self.protocol.flags_nonfinite
                    else self._watch.drain())
         if flagged is None:
-            return
+            return flag
         if flagged == completed:
             self._fail_nonfinite(f"after step {completed}", "nothing was sent to any peer")
         self._fail_nonfinite(f"after step {flagged} (read back at step {completed})",

@@ -5,7 +5,14 @@ its rounds are H steps long, and a group whose members are between two of their 
 waits for them (their request counters, which the smart policy's filter compares, count
 rounds). With `--outer-optimizer nesterov` a group averages its members' outer steps
 (worker/dataplane/outer_state.py) instead of their models: each member keeps its own
-anchor and momentum between groups, and a group leaves every member with the group's."""
+anchor and momentum between groups, and a group leaves every member with the group's.
+
+With `--overlap` a group's P-Reduce runs in the background (worker/dataplane/
+background.py): the worker starts it and trains on, looks at every step boundary whether
+it is done (never waiting) and applies it then; it waits for it only before it asks for
+its next group (the coordinator counts the worker busy until it releases the group, so
+asking first could wait on itself), before a heal and at the stop. Of several groups the
+coordinator hands out in one round, each but the last is thus waited for at once."""
 
 from __future__ import annotations
 
@@ -13,8 +20,10 @@ import dataclasses
 import logging
 import time
 
+from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 from ripples.rpc import ID_SPACE_BITS, CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.worker.dataplane.background import BackgroundAverage
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.outer_state import (
     OuterState,
@@ -23,12 +32,15 @@ from ripples.worker.dataplane.outer_state import (
     heal_in_group,
     local_steps,
 )
+from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocol import (
     COORDINATOR_RETRY_SECONDS,
+    GROUP_CHECK_IN_SECONDS,
     Protocol,
     ProtocolContext,
     StreamInterrupted,
     SyncResult,
+    fail_group,
     heal_from_peer,
     max_peer_wait_seconds,
     run_group_collective,
@@ -44,6 +56,18 @@ them shardable), whose rounds at the root are the same P-Reduce rounds."""
 GROUP_POLL_SECONDS = 10.0
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Started:
+    """A group whose P-Reduce runs in the background."""
+
+    group: pb.Group
+    key: str
+    step: int
+    """The step whose state it averages."""
+    since: float
+    """perf_counter() when it started."""
+
+
 class GroupGeneratorProtocol(Protocol):
     """After each step: ask the coordinator for groups and P-Reduce in each, in order.
 
@@ -55,6 +79,17 @@ class GroupGeneratorProtocol(Protocol):
     name = "ripples-gg"
     averages_optimizer_state = True
     flags_nonfinite = True  # AveragedState's and the outer step's P-Reduces carry them
+    metrics = (
+        MetricSpec("ripples_worker_overlap_landed_groups", "counter",
+                   "--overlap: background P-Reduces applied at a step boundary without "
+                   "a wait (the averaging was off the critical path)."),
+        MetricSpec("ripples_worker_overlap_waited_groups", "counter",
+                   "--overlap: background P-Reduces the worker waited for (before its "
+                   "next group, or at the stop)."),
+        MetricSpec("ripples_worker_overlap_lag_steps", "counter",
+                   "--overlap: steps between a background P-Reduce's start and its "
+                   "landing, summed (over the landed groups: the mean lag)."),
+    )
 
     def __init__(self, ctx: ProtocolContext) -> None:
         super().__init__(ctx)
@@ -74,6 +109,19 @@ class GroupGeneratorProtocol(Protocol):
         again: a head's rounds at the root, which never hold its shard up for long."""
         self.local_steps = local_steps(ctx.config)
         self.outer = OuterState.of_config(ctx.state, ctx.config)
+        overlap = GroupGeneratorSettings.of_config(ctx.config).overlap
+        self._background = BackgroundAverage(ctx.state) if overlap else None
+        """--overlap: where the group's P-Reduce runs (None: in the step, synchronously)."""
+        self._started: _Started | None = None
+        self._landed_early = SyncResult()
+        """What landing a background P-Reduce outside after_step cost (the adoption of the
+        optimizer state), reported with the next step's result."""
+        self._overlap = {"groups": 0, "landed_in_background": 0, "waited": 0,
+                         "failed": 0, "lag_steps": 0}
+        self._metrics = ctx.metrics.declare(*self.metrics) if overlap else {}
+        """--overlap: groups started in the background, how many of them landed at a
+        step boundary without a wait, were waited for or failed, and the steps they
+        landed after their start, summed."""
 
     def begin(self) -> None:
         """A replacement heals before its first step: it copies a live peer's model in
@@ -88,9 +136,10 @@ class GroupGeneratorProtocol(Protocol):
                 root.poll_seconds = ROOT_GROUP_WAIT_SECONDS
                 root.retry_ends_round = True
                 root.max_group_wait_seconds = ROOT_HEAL_WAIT_SECONDS
-                if root.local_steps > 1 or root.outer is not None:
-                    self._leave_root(error="the root's run has local steps or an outer "
-                                           "optimizer, which sharded jobs do not take yet")
+                if root.local_steps > 1 or root.outer is not None or root.overlaps:
+                    self._leave_root(error="the root's run has local steps, an outer "
+                                           "optimizer or overlap, which sharded jobs do "
+                                           "not take yet")
                     return
                 try:
                     root.begin()  # a replacement head heals at the root too
@@ -103,11 +152,15 @@ class GroupGeneratorProtocol(Protocol):
         return None
 
     def after_step(self, completed: int) -> SyncResult:
+        landed, self._landed_early = self._landed_early, SyncResult()
+        if self._started is not None:
+            self._land(landed, completed, wait=False)
         if completed % self.local_steps:  # inside a round of local steps
-            return SyncResult()
+            return landed
         root, link = self._root, self.ctx.root
         if root is None or link is None or completed % link.inter_period:
-            return self._round(completed)
+            result = self._round(completed)
+            return landed.merged(result)
         # A shard's head: this round is at the root, with other shards' heads.
         if root.ctx.stop_requested.is_set():  # the root's run stopped, or the root is lost
             fatal = link.session.fatal_error
@@ -147,6 +200,8 @@ class GroupGeneratorProtocol(Protocol):
         durations: list[float] = []
         waited_since = time.perf_counter()
         while True:
+            if self._started is not None:  # the coordinator holds this worker's next
+                self._land(result, completed, wait=True)  # group until it releases it
             t0 = time.perf_counter()
             reply = self._ask(completed)
             result.wait_seconds += time.perf_counter() - t0
@@ -169,7 +224,7 @@ class GroupGeneratorProtocol(Protocol):
                 if reply.outcome == pb.GROUP_OUTCOME_CANCELLED:
                     logger.info("group cancelled: %s", reply.detail)
                 break
-            seconds, ok = self._execute(reply.group)
+            seconds, ok = self._execute(reply.group, completed)
             result.preduce_seconds += seconds
             result.num_groups += 1
             result.num_failed_groups += not ok
@@ -236,15 +291,91 @@ class GroupGeneratorProtocol(Protocol):
             self._outage_steps = 0
             return reply
 
-    def _execute(self, group: pb.Group) -> tuple[float, bool]:
+    def _execute(self, group: pb.Group, completed: int | None = None) -> tuple[float, bool]:
         """Run one P-Reduce (or, in a heal group, the joiner's copy of the donor's
-        model); returns its seconds and whether it succeeded."""
+        model); with --overlap, a P-Reduce of a round (after step `completed`) starts in
+        the background instead. Returns its seconds here and whether it succeeded (or
+        started)."""
         key = f"gg/{self.ctx.config.run_id}/{group.comm_id}"
         if group.heal:
             donor = list(group.members).index(group.heal_donor)
             return run_group_collective(self.ctx, self.stream, group, key, lambda comm: (
                 heal_in_group(self.ctx.state, self.outer, comm, donor, self.timeout)))
+        if self._background is not None and completed is not None:
+            return self._start(group, key, completed)
         return run_group_collective(self.ctx, self.stream, group, key, self.average)
+
+    # ------------------------------------------------------------------ --overlap
+    def _start(self, group: pb.Group, key: str, completed: int) -> tuple[float, bool]:
+        """Start the group's P-Reduce in the background; the group is released when it
+        lands (`_land`)."""
+        assert self._background is not None and self._started is None
+        members = list(group.members)
+        t0 = time.perf_counter()
+        try:
+            comm = self.ctx.comms.get(key, members.index(self.ctx.worker_id), len(members),
+                                      create=group.create_comm,
+                                      peers_within=GROUP_CHECK_IN_SECONDS)
+            self._background.start(comm, self.timeout)
+        except (RuntimeError, TimeoutError, ValueError) as err:
+            seconds = time.perf_counter() - t0
+            fail_group(self.ctx, self.stream, group, key, err, seconds)
+            return seconds, False
+        self._started = _Started(group=group, key=key, step=completed, since=t0)
+        self._overlap["groups"] += 1
+        return time.perf_counter() - t0, True
+
+    def _land(self, result: SyncResult, completed: int | None, *, wait: bool) -> None:
+        """Apply the background P-Reduce if it is done (`wait`: wait for it, up to its
+        deadline) and release its group; a failure counts in `result` as a failed group
+        and leaves the state as it was."""
+        started, background = self._started, self._background
+        assert started is not None and background is not None
+        t0 = time.perf_counter()
+        try:
+            if wait:
+                background.wait()
+            landed = wait or background.poll()
+        except (RuntimeError, TimeoutError) as err:
+            self._started = None
+            self._overlap["failed"] += 1
+            result.preduce_seconds += time.perf_counter() - t0
+            result.num_failed_groups += 1
+            fail_group(self.ctx, self.stream, started.group, started.key, err,
+                       time.perf_counter() - started.since, abort=True)
+            return
+        result.preduce_seconds += time.perf_counter() - t0
+        if not landed:
+            return
+        self._started = None
+        self._overlap["waited" if wait else "landed_in_background"] += 1
+        self._metrics[f"ripples_worker_overlap_{'waited' if wait else 'landed'}_groups"].inc()
+        if completed is not None:
+            self._overlap["lag_steps"] += completed - started.step
+            self._metrics["ripples_worker_overlap_lag_steps"].inc(completed - started.step)
+        self.stream.release(started.group.group_id, ok=True,
+                            preduce_seconds=time.perf_counter() - started.since)
+
+    @property
+    def overlaps(self) -> bool:
+        """--overlap: P-Reduces start in the background."""
+        return self._background is not None
+
+    def may_adopt_state(self, completed: int, ready: bool) -> bool:
+        """The optimizer state joins the averaged state at once (the default), after the
+        background P-Reduce in flight, if any, has landed: it averages the state as it
+        was laid out when it started."""
+        if ready and self._started is not None:
+            self._land(self._landed_early, completed, wait=True)
+        return ready
+
+    def on_stop(self) -> None:
+        self.settle()
+
+    def settle(self) -> None:
+        """The background P-Reduce in flight, if any, lands (its peers are in it)."""
+        if self._started is not None:
+            self._land(self._landed_early, None, wait=True)
 
     def average(self, comm: Communicator) -> None:
         """Average the model over the group, or with an outer optimizer the members' outer
@@ -259,7 +390,18 @@ class GroupGeneratorProtocol(Protocol):
             return numel * state.flat.element_size()
         return group_bytes(state, outer)
 
+    def record(self) -> dict[str, object]:
+        """With --overlap: how its background P-Reduces went (`_overlap`)."""
+        return {"overlap": dict(self._overlap)} if self.overlaps else {}
+
     def close(self) -> None:
+        if self._started is not None:  # failing, or stopped without on_stop: no wait
+            assert self._background is not None
+            self._background.abandon()
+            fail_group(self.ctx, self.stream, self._started.group, self._started.key,
+                       RuntimeError("the worker closed with the group's P-Reduce in flight"),
+                       time.perf_counter() - self._started.since, abort=True)
+            self._started = None
         if self._root is not None:
             self._root.close()
             self._root = None

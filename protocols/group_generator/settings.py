@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ripples.protocols.settings import ProtocolSettings
+from ripples.protocols.settings import ProtocolSettings, RunFacts
+
+OVERLAP_PROTOCOLS = ("ripples-random", "ripples-smart")
+"""The protocols whose P-Reduce may run in the background (overlap)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,9 +23,32 @@ class GroupGeneratorSettings(ProtocolSettings):
     """Smart GG slowdown filter: a worker joins a division only if c_i - c_w < c_thres."""
     inter_intra: bool = False
     """Smart GG: alternate Inter (head workers across nodes) and Intra (within a node) groups."""
+    overlap: bool = False
+    """Run each group's P-Reduce in the background while the worker trains on, and apply
+    its result at a later step boundary (at the latest before the worker's next group):
+    the averaging leaves the critical path, and the model takes the group's average one
+    or more steps late (docs/gpu.md, "Averaging off the critical path")."""
 
     def validate(self) -> None:
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2, got {self.group_size}")
         if self.c_thres < 1:
             raise ValueError(f"c_thres must be at least 1, got {self.c_thres}")
+
+    def check_overlap(self, run: RunFacts) -> None:
+        """Raise ValueError if the run cannot overlap its averaging (checked for every
+        protocol: one that would ignore the option refuses it instead)."""
+        if not self.overlap:
+            return
+        if run.protocol not in OVERLAP_PROTOCOLS:
+            raise ValueError(f"overlap is for {' and '.join(OVERLAP_PROTOCOLS)}, not "
+                             f"{run.protocol} (lap-sgd and lpp-sgd average beside the "
+                             "training already; the gossip protocols exchange in a thread "
+                             "of their own; the lock-step ones wait for every peer)")
+        if run.outer_optimizer != "none":
+            raise ValueError("overlap averages models and takes no outer optimizer yet (an "
+                             "outer step applied late would need its own correction); use "
+                             "local_steps without outer_optimizer, or turn overlap off")
+        if run.sharded:
+            raise ValueError("overlap is not for a shard of a sharded job yet (its head "
+                             "also averages at the root, on the same state)")

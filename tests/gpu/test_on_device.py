@@ -9,8 +9,12 @@ GPU machines this project is lent.
   collective), and the next group without it averages as before;
 - the outer step's synchronisation equals the CPU's;
 - a checkpoint of the averaged state round-trips;
-- on a GPU, every library protocol runs a few steps of a real `ripples run` with two
-  workers sharing the GPU (`--share-gpus`).
+- on a GPU, every library protocol (and ripples-smart with `--overlap`) runs a few steps
+  of a real `ripples run` with two workers sharing the GPU (`--share-gpus`), and so do
+  lap-sgd and lpp-sgd, whose updater processes share each worker's CUDA model;
+- on a GPU, a background P-Reduce (`--overlap`) starts and lands without a host-device
+  synchronisation and equals the CPU's arithmetic (tests/integration/
+  test_background_preduce.py has its CPU half).
 """
 
 from __future__ import annotations
@@ -113,24 +117,81 @@ def test_p_reduce_the_gate_and_the_outer_step_equal_the_cpu_reference(
         torch.testing.assert_close(saved, flats[0][:n], rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("protocol", ["ripples-smart", "ripples-random", "ripples-static",
-                                      "allreduce", "adpsgd", "a2cid2"])
-def test_every_library_protocol_trains_on_a_shared_gpu(protocol: str, tmp_path: Path) -> None:
+def _run_on_the_gpu(tmp_path: Path, protocol: str, *options: str) -> None:
+    """`ripples run` with two workers sharing the GPU; both end with finite models."""
     import subprocess
     import sys
 
     proc = subprocess.run(
         [sys.executable, "-m", "ripples.cli", "run", "--workers", "2", "--workers-per-node",
          "2", "--device", "cuda", "--share-gpus", "--protocol", protocol, "--output",
-         str(tmp_path), "--quiet", "--timeout-seconds", "240", "--", "python", PROBE,
-         "--steps", "20"], capture_output=True, text=True, timeout=300, cwd=REPO)
+         str(tmp_path), "--quiet", "--timeout-seconds", "240", *options],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         state = torch.load(tmp_path / "workers" / f"rank{rank}.pt")
         assert all(torch.isfinite(t).all() for t in state.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("protocol", ["ripples-smart", "ripples-random", "ripples-static",
+                                      "allreduce", "adpsgd", "a2cid2",
+                                      "ripples-smart --overlap --local-steps 2"])
+def test_every_library_protocol_trains_on_a_shared_gpu(protocol: str, tmp_path: Path) -> None:
+    name, *options = protocol.split()
+    _run_on_the_gpu(tmp_path, name, *options, "--", "python", PROBE, "--steps", "20")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("protocol", ["lap-sgd", "lpp-sgd"])
+def test_lap_and_lpp_updaters_share_a_cuda_model(protocol: str, tmp_path: Path) -> None:
+    """The runner-only protocols: each worker's updater processes share its model on the
+    GPU (bind_parameters over the worker's flat CUDA buffer)."""
+    _run_on_the_gpu(tmp_path, protocol, "--task", "digits", "--iterations", "60")
+
+
+def _background_member(rank: int, port: int, _config: None, out: mp.Queue) -> None:
+    """A background P-Reduce among 3 ranks on the GPU, with an update made while it is in
+    flight, started and landed with any host-device synchronisation an error."""
+    from ripples.worker.dataplane.background import BackgroundAverage
+
+    torch.set_num_threads(1)
+    device = _device("cuda", rank)
+    factory = CommunicatorFactory(connect_store("127.0.0.1", port, TIMEOUT), device, TIMEOUT)
+    comm = factory.build("background", rank, 3, peers_within=TIMEOUT)
+    state = AveragedState(_model(rank).to(device))
+    started_from = state.flat.cpu().clone()
+    update = torch.full_like(state.flat, 1e-3 * (rank + 1))
+    background = BackgroundAverage(state)
+    background.start(comm, TIMEOUT)  # the first: NCCL sets its communicator up
+    background.wait()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        state.flat.copy_(started_from.to(device))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        background.start(comm, TIMEOUT)
+        with torch.no_grad():
+            state.flat.add_(update)  # the steps taken meanwhile
+        background.wait()  # on a GPU: enqueued after the collective, no host wait
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out.put((rank, started_from.tolist(), state.flat.cpu().tolist()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_background_p_reduce_lands_on_the_gpu_without_a_host_sync() -> None:
+    results = {rank: rest for rank, *rest in run_members(
+        _background_member, 3, None, replies=3, timeout_seconds=TIMEOUT)}
+    mean = sum(torch.tensor(start) for start, _ in results.values()) / 3
+    for rank, (_, end) in results.items():
+        torch.testing.assert_close(torch.tensor(end), mean + 1e-3 * (rank + 1),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

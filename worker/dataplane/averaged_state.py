@@ -27,7 +27,9 @@ buffers. `nonfinite()` names the first tensor that holds a NaN or an infinity.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,6 +88,9 @@ class AveragedState:
             self._point_views_at(self.flat, copy=True)
         self._staging: torch.Tensor | None = None
         """A storage of `self._storage`'s size: the flat state / |G| and the flag."""
+        self._known_flag: torch.Tensor | None = None
+        """The step's non-finite flag over `flat` as it is, computed by the step's gate,
+        for the first synchronisation that stages it (`flag_known`, `take_flag`)."""
 
     @property
     def numel(self) -> int:
@@ -177,10 +182,33 @@ class AveragedState:
         self.flat = self._storage[:-1]
         with torch.no_grad():
             self._point_views_at(self.flat, copy=True)
-        self._staging = None
+        self._staging = self._known_flag = None
         return len(slots)
 
     # ------------------------------------------------------------------ collectives
+    @contextlib.contextmanager
+    def flag_known(self, flag: torch.Tensor | None) -> Iterator[None]:
+        """While active, `flag` is this member's non-finite flag over `flat` as it is
+        now (the step's gate computed it): the first synchronisation staged meanwhile
+        takes it instead of summing the whole state once more (bench.preduce: that sum
+        was most of what the flag cost a P-Reduce on the CPU). Whatever writes `flat`
+        before that first stage forgets it (`forget_flag`); None: not known."""
+        self._known_flag = flag
+        try:
+            yield
+        finally:
+            self._known_flag = None
+
+    def take_flag(self) -> torch.Tensor:
+        """This member's non-finite flag over `flat`: the known one once (a second
+        synchronisation in the same step stages what the first left), else computed."""
+        flag, self._known_flag = self._known_flag, None
+        return flag if flag is not None else nonfinite_flag(self.flat)
+
+    def forget_flag(self) -> None:
+        """`flat` is about to change outside a stage/commit (a heal's copy)."""
+        self._known_flag = None
+
     def stage(self, scale: float) -> torch.Tensor:
         """A buffer holding the flat state * scale and, last, this member's non-finite
         flag, ready for an in-place SUM collective (one element more than `flat`)."""
@@ -188,7 +216,7 @@ class AveragedState:
             self._staging = torch.empty_like(self._storage)
         with torch.no_grad():
             torch.mul(self.flat, scale, out=self._staging[:-1])
-            self._staging[-1:].copy_(nonfinite_flag(self.flat))
+            self._staging[-1:].copy_(self.take_flag())
         return self._staging
 
     def commit(self) -> None:

@@ -46,6 +46,11 @@ class Communicator:
         work = self.backend.allreduce([tensor])  # type: ignore[union-attr]  # missing from torch stubs
         self._wait(work, "all-reduce", timeout_seconds)
 
+    def start_allreduce_sum(self, tensor: torch.Tensor) -> dist.Work:
+        """Start summing `tensor` across the members in place; the caller waits on the
+        work it returns (worker/dataplane/background.py) with a deadline of its own."""
+        return self.backend.allreduce([tensor])  # type: ignore[union-attr]  # missing from torch stubs
+
     def send(self, tensor: torch.Tensor, dst: int, timeout_seconds: float) -> None:
         """Send `tensor` to member `dst`; raises on error or timeout."""
         work = self.backend.send([tensor], dst, 0)  # type: ignore[union-attr]  # missing from torch stubs
@@ -219,12 +224,18 @@ class CommunicatorCache:
         self._comms[key] = comm
         return comm
 
-    def drop(self, key: str) -> None:
+    def drop(self, key: str, *, abort: bool = False) -> None:
+        """Close `key`'s communicator for good; `abort`: a collective of it may still be
+        running (a background P-Reduce past its deadline), which a clean shutdown would
+        wait for: abort it instead."""
         comm = self._comms.pop(key, None)
         self._dropped.add(key)
         if comm is not None:
             try:
-                comm.backend.shutdown()
+                if abort:
+                    comm.backend.abort()  # type: ignore[union-attr]  # missing from torch stubs
+                else:
+                    comm.backend.shutdown()
             except RuntimeError as err:  # a broken group may refuse a clean shutdown
                 logger.debug("shutdown of %s: %s", key, err)
 

@@ -45,6 +45,18 @@ def void_if_flagged(flags: torch.Tensor, kept: torch.Tensor, result: torch.Tenso
     torch.where(flags > 0, kept, result, out=result)
 
 
+def zero_if_flagged(flags: torch.Tensor, values: torch.Tensor) -> None:
+    """In place: `values` become 0 where the group's summed `flags` is above 0 (a
+    background P-Reduce's change to the state, void); as `void_if_flagged`, a select on
+    a GPU and a read of the flag on the CPU."""
+    if flags.device.type == "cpu":
+        if flags.item() > 0:
+            values.zero_()
+        return
+    torch.where(flags > 0, torch.zeros((), dtype=values.dtype, device=values.device),
+                values, out=values)
+
+
 class NonfiniteWatch:
     """The host's view of a worker's per-step flags, never waiting on a GPU for them.
 

@@ -71,7 +71,7 @@ import torch
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.nonfinite import nonfinite_flag, void_if_flagged
+from ripples.worker.dataplane.nonfinite import void_if_flagged
 from ripples.worker.dataplane.preduce import copy_from_donor, copy_model, preduce, reduce_staged
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class OuterState:
         staged = self._staging
         self._pending_residual = None
         with torch.no_grad():
-            flag = nonfinite_flag(flat)
+            flag = self.state.take_flag()
             head = staged[:n]
             torch.sub(self.anchor, flat[:n], out=head)  # Δ
             if not same_anchor:
@@ -383,6 +383,7 @@ class OuterState:
         copied = copy_from_donor(payload, comm, donor, timeout_seconds)
         if copied is None:  # the donor
             return
+        self.state.forget_flag()
         with torch.no_grad():
             self.anchor.copy_(copied[:n])
             self.momentum.copy_(copied[n : 2 * n])

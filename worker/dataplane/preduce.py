@@ -71,6 +71,7 @@ def copy_model(params: AveragedState, comm: Communicator, donor: int,
     buffer) become the donor's; the donor keeps its own. The optimizer state is not
     copied: a joiner's starts anew and joins its buffer after its first step."""
     n = params.model_numel
+    params.forget_flag()
     copied = copy_from_donor(params.flat[:n], comm, donor, timeout_seconds)
     if copied is not None:
         with torch.no_grad():
