@@ -277,7 +277,7 @@ class RunSettings:
         """What the protocol's settings check against the rest of the run."""
         return RunFacts(protocol=self.protocol, policy=self.role.label, task=self.task,
                         iterations=self.iterations, epochs=self.epochs,
-                        outer_optimizer=self.outer_optimizer, sharded=bool(self.root))
+                        sharded=bool(self.root))
 
     def check_topology(self, topology: Topology) -> None:
         """Raise ValueError if the protocol cannot run on `topology` (each settings class

@@ -47,8 +47,6 @@ class RunFacts:
     """The built-in task; empty for a user's script."""
     iterations: int
     epochs: float
-    outer_optimizer: str = "none"
-    """none (the workers average their models) or nesterov (an outer step)."""
     sharded: bool = False
     """The run is a shard of a sharded job (it has a root)."""
 

@@ -110,7 +110,7 @@ class GroupGeneratorProtocol(Protocol):
         self.local_steps = local_steps(ctx.config)
         self.outer = OuterState.of_config(ctx.state, ctx.config)
         overlap = GroupGeneratorSettings.of_config(ctx.config).overlap
-        self._background = BackgroundAverage(ctx.state) if overlap else None
+        self._background = BackgroundAverage(ctx.state, self.outer) if overlap else None
         """--overlap: where the group's P-Reduce runs (None: in the step, synchronously)."""
         self._started: _Started | None = None
         self._landed_early = SyncResult()

@@ -45,10 +45,6 @@ class GroupGeneratorSettings(ProtocolSettings):
                              f"{run.protocol} (lap-sgd and lpp-sgd average beside the "
                              "training already; the gossip protocols exchange in a thread "
                              "of their own; the lock-step ones wait for every peer)")
-        if run.outer_optimizer != "none":
-            raise ValueError("overlap averages models and takes no outer optimizer yet (an "
-                             "outer step applied late would need its own correction); use "
-                             "local_steps without outer_optimizer, or turn overlap off")
         if run.sharded:
             raise ValueError("overlap is not for a shard of a sharded job yet (its head "
                              "also averages at the root, on the same state)")

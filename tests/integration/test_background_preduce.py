@@ -1,7 +1,8 @@
 """A P-Reduce in the background (--overlap, worker/dataplane/background.py), over real gloo
 between member processes: the group's mean lands as x ← x + (x̄_t − x_t), keeping what
-each member trained meanwhile; a member's NaN voids it for every member; a collective a
-peer never joins fails at its deadline without touching the state."""
+each member trained meanwhile; the outer step lands on its new anchor with those steps on
+top; a member's NaN voids it for every member; a collective a peer never joins fails at
+its deadline without touching the state."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import datetime
 import multiprocessing as mp
 import time
 
+import pytest
 import torch
 
 from ripples.bench.members import run_members
@@ -19,6 +21,7 @@ from ripples.worker.dataplane.communicators import (
     CommunicatorFactory,
     connect_store,
 )
+from ripples.worker.dataplane.outer_state import OuterState
 
 DEADLINE_SECONDS = 60.0
 
@@ -87,6 +90,53 @@ def test_the_mean_lands_late_keeping_the_steps_taken_meanwhile_and_a_nan_voids_i
                                    equal_nan=True)
         if rank != poisoned:
             assert torch.isfinite(ends[rank][1]).all()
+
+
+def _outer_member(rank: int, port: int, compression: str, out: mp.Queue) -> None:
+    """The outer step in the background: each member anchors, takes a round of made-up
+    local progress, starts the group's synchronisation, and takes one more step (update)
+    while it is in flight."""
+    torch.set_num_threads(1)
+    store = connect_store("127.0.0.1", port, 30)
+    cache = CommunicatorCache(CommunicatorFactory(store, torch.device("cpu"), 30,
+                                                  gloo_hostname="127.0.0.1"))
+    state = AveragedState(_model(rank))
+    outer = OuterState(state, lr=0.7, momentum=0.5, compression=compression)
+    with torch.no_grad():
+        outer.take_anchor()
+        state.flat.mul_(1.0 + 0.1 * rank)  # the round's local progress
+    outer.record_step()
+    background = BackgroundAverage(state, outer)
+    background.start(cache.get("bg/outer", rank, 3, create=True), DEADLINE_SECONDS)
+    with torch.no_grad():
+        state.flat.add_(_update(rank, state.numel))  # a step taken meanwhile
+    outer.record_step()
+    _land(background)
+    out.put((rank, state.flat.tolist(), outer.anchor.tolist(), outer.steps_since_sync))
+    cache.close()
+
+
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_the_outer_step_lands_late_with_the_steps_taken_meanwhile_on_its_new_anchor(
+        compression: str) -> None:
+    results = {rank: rest for rank, *rest in
+               run_members(_outer_member, 3, compression, replies=3, timeout_seconds=120)}
+    initial = [AveragedState(_model(r)).flat for r in range(3)]
+    n = sum(p.numel() for p in _model(0).parameters())
+    anchors = torch.stack([f[:n] for f in initial])
+    delta = (anchors - torch.stack([f[:n] * (1.0 + 0.1 * r)
+                                    for r, f in enumerate(initial)])).mean(0)
+    # The group's outer step on the mean anchor and pseudo-gradient (momentum from 0),
+    # in float32 on the wire even with compression (only the momentum travels in bf16).
+    expected_anchor = anchors.mean(0) - 0.7 * (1 + 0.5) * delta
+    for rank, (flat, anchor, steps) in results.items():
+        torch.testing.assert_close(torch.tensor(anchor), expected_anchor, rtol=1e-5, atol=1e-6)
+        # The model: the new anchor plus the step taken while the collective ran, which
+        # the next synchronisation counts.
+        update = _update(rank, len(flat))
+        torch.testing.assert_close(torch.tensor(flat)[:n], expected_anchor + update[:n],
+                                   rtol=1e-5, atol=1e-5)
+        assert steps == 1
 
 
 def _stalled_pair(rank: int, port: int, _config: None, out: mp.Queue) -> None:

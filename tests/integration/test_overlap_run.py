@@ -1,7 +1,8 @@
 """`ripples run --overlap` end to end (real coordinator, worker processes over gloo):
-ripples-smart's P-Reduces run in the background and land at later step boundaries, the
-run ends at its budget with every group landed (none failed), the workers' models end
-close together, and the bytes per step are the synchronous form's."""
+ripples-smart's P-Reduces (and ripples-random's outer steps) run in the background and
+land at later step boundaries, the run ends at its budget with every group landed (none
+failed), the workers' models end close together, and the bytes per step are the
+synchronous form's."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from helpers import ripples_cli
 WORKERS, STEPS, H = 3, 40, 2
 
 
-def _run(tmp_path: Path, *extra: str) -> dict[str, Any]:
-    proc = ripples_cli("run", "--workers", str(WORKERS), "--protocol", "ripples-smart",
+def _run(tmp_path: Path, protocol: str, *extra: str) -> dict[str, Any]:
+    proc = ripples_cli("run", "--workers", str(WORKERS), "--protocol", protocol,
                        "--task", "digits", "--iterations", str(STEPS), "--local-steps", str(H),
                        "--seed", "3", "--output", str(tmp_path), *extra, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -24,24 +25,36 @@ def _run(tmp_path: Path, *extra: str) -> dict[str, Any]:
     return summary
 
 
-@pytest.mark.slow
-def test_ripples_smart_with_overlap_lands_every_group_and_converges(tmp_path: Path) -> None:
-    summary = _run(tmp_path / "overlap", "--overlap")
-    plain = _run(tmp_path / "plain")
+def _check_landed(summary: dict[str, Any], protocol: str) -> None:
     assert summary["settings"]["group_generator"]["overlap"] is True
     for worker in summary["workers"]:
-        overlap = worker["ripples-smart"]["overlap"]
+        overlap = worker[protocol]["overlap"]
         assert overlap["groups"] > 0 and overlap["failed"] == 0, overlap
-        # Each group landed: at a later step boundary (polled or, before the next group,
-        # waited for), at least a step after its start, or at the stop (the last one).
+        # Each group landed: at a later step boundary (polled, or waited for before the
+        # next ask), at the next group of the same round (random groups put a worker in
+        # several a round), or at the stop; at most a round late.
         landed = overlap["landed_in_background"] + overlap["waited"]
         assert landed == overlap["groups"], overlap
-        assert overlap["lag_steps"] >= landed - 1, overlap
+        assert 0 < overlap["lag_steps"] <= H * landed, overlap
         assert worker["request_count"] <= worker["iterations"] // H + 1, worker
+    # The models trained and ended together (the consensus model is the mean of theirs).
+    assert summary["final_accuracy"] > 0.5, summary["final_accuracy"]
+    assert summary["consensus_distance_final"] < 1.0, summary["consensus_distance_final"]
+
+
+@pytest.mark.slow
+def test_ripples_smart_with_overlap_lands_every_group_and_converges(tmp_path: Path) -> None:
+    summary = _run(tmp_path / "overlap", "ripples-smart", "--overlap")
+    plain = _run(tmp_path / "plain", "ripples-smart")
+    _check_landed(summary, "ripples-smart")
     # The same bytes per step as the synchronous P-Reduce's (the same collective).
     assert summary["bytes_per_worker_step"] == pytest.approx(plain["bytes_per_worker_step"],
                                                              rel=0.5)
     assert "overlap" not in plain["workers"][0].get("ripples-smart", {})
-    # The models trained and ended together (the consensus model is the mean of theirs).
-    assert summary["final_accuracy"] > 0.5, summary["final_accuracy"]
-    assert summary["consensus_distance_final"] < 1.0, summary["consensus_distance_final"]
+
+
+@pytest.mark.slow
+def test_the_outer_step_with_bf16_momentum_overlaps_too(tmp_path: Path) -> None:
+    summary = _run(tmp_path, "ripples-random", "--overlap", "--outer-optimizer", "nesterov",
+                   "--outer-compression", "bf16")
+    _check_landed(summary, "ripples-random")

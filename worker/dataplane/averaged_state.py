@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.dataplane.nonfinite import nonfinite_flag, void_if_flagged
+from ripples.worker.dataplane.nonfinite import nonfinite_flag, void_if_flagged, zero_if_flagged
 
 StateSlot = tuple[dict[str, Any], str]
 """(the optimizer's state dict of one parameter, a key in it) naming one state tensor."""
@@ -230,6 +230,17 @@ class AveragedState:
         self._staging, self._storage = self._storage, staged
         self.flat = staged[:-1]
         self._point_views_at(self.flat, copy=False)
+
+    def commit_late(self, snapshot: torch.Tensor) -> None:
+        """Adopt the staged buffer's group average as the state at `snapshot` (what `flat`
+        held when it was staged), keeping what changed since: flat += average − snapshot
+        (a background P-Reduce, worker/dataplane/background.py). Where a member's flag
+        was set, nothing changes. The staging buffer stays this state's."""
+        assert self._staging is not None, "commit_late() without stage()"
+        with torch.no_grad():
+            change = self._staging[:-1].sub_(snapshot)
+            zero_if_flagged(self._staging[-1:], change)
+            self.flat.add_(change)
 
     def abandon(self) -> None:
         """Forget the staging buffer after a failed collective; the state stays put."""

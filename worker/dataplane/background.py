@@ -11,9 +11,12 @@ x_t + u, its own updates since. The mean replaces x_t and the updates stay:
 failed one changes nothing: docs/data-plane.md rule 4). With no step in between it is the
 synchronous P-Reduce's result exactly; otherwise the members' models agree up to the
 steps each took meanwhile, as in the gossip protocols, which apply a communication
-thread's averages the same way. The members' non-finite flags ride the collective as in
-the synchronous form (worker/dataplane/nonfinite.py): a set flag voids the mean for every
-member, on the device.
+thread's averages the same way. With an outer optimizer the group averages the members'
+outer steps staged from x_t (worker/dataplane/outer_state.py): the new anchor replaces
+x_t, the model is that anchor plus the steps taken since, and those steps are the
+pseudo-gradient's at the next synchronisation (`OuterState.commit_late`). The members'
+non-finite flags ride the collective as in the synchronous form (worker/dataplane/
+nonfinite.py): a set flag voids the result for every member, on the device.
 
 The host never waits for the collective to see whether it is done: `poll` asks the
 backend's work object (`is_completed`, a query of its CUDA event on a GPU), and the
@@ -35,29 +38,32 @@ import torch.distributed as dist
 
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.nonfinite import zero_if_flagged
+from ripples.worker.dataplane.outer_state import OuterState
+from ripples.worker.dataplane.preduce import Staged
 
 
 @dataclass(kw_only=True)
 class _InFlight:
     comm: Communicator
-    work: dist.Work
-    staged: torch.Tensor
-    """State/|G| and the flag when started; the group's sum once done."""
+    works: list[dist.Work]
+    """One per staged buffer (with outer compression, two)."""
+    device: torch.device
     deadline: float
     """time.monotonic() past which the collective has failed."""
     timeout_seconds: float
 
 
 class BackgroundAverage:
-    """At most one P-Reduce of a worker's averaged state in flight.
+    """At most one P-Reduce of a worker's averaged state (or outer step) in flight.
 
-    Invariant: while one is in flight, `state`'s staging buffer belongs to its collective
-    and nothing else stages (the protocol lands it before any other collective).
+    Invariant: while one is in flight, the staging buffers belong to its collective and
+    nothing else stages (the protocol lands it before any other collective).
     """
 
-    def __init__(self, state: AveragedState) -> None:
+    def __init__(self, state: AveragedState, outer: OuterState | None = None) -> None:
         self.state = state
+        self.staged: Staged = outer if outer is not None else state
+        self.outer = outer
         self._snapshot: torch.Tensor | None = None
         """x_t: the flat state when the P-Reduce in flight started."""
         self._in_flight: _InFlight | None = None
@@ -67,17 +73,19 @@ class BackgroundAverage:
         return self._in_flight is not None
 
     def start(self, comm: Communicator, timeout_seconds: float) -> None:
-        """Snapshot the state, stage it (state/|G| and the flag) and start the group's SUM;
-        returns without waiting for it."""
+        """Snapshot the state, stage it (state/|G| and the flag, or the outer step's
+        buffers) and start the group's SUMs; returns without waiting for them."""
         assert self._in_flight is None, "a P-Reduce is already in flight"
         flat = self.state.flat
         if self._snapshot is None or self._snapshot.numel() != flat.numel():
             self._snapshot = torch.empty_like(flat)
         with torch.no_grad():
             self._snapshot.copy_(flat)
-        staged = self.state.stage(1.0 / comm.size)
-        work = comm.start_allreduce_sum(staged)
-        self._in_flight = _InFlight(comm=comm, work=work, staged=staged,
+        scale = 1.0 / comm.size
+        buffers = ([self.state.stage(scale)] if self.outer is None
+                   else self.outer.stage(scale))
+        works = [comm.start_allreduce_sum(buffer) for buffer in buffers]
+        self._in_flight = _InFlight(comm=comm, works=works, device=flat.device,
                                     deadline=time.monotonic() + timeout_seconds,
                                     timeout_seconds=timeout_seconds)
 
@@ -87,7 +95,7 @@ class BackgroundAverage:
         deadline) when it failed: the state keeps its local values."""
         flight = self._in_flight
         assert flight is not None, "poll() with no P-Reduce in flight"
-        if not flight.work.is_completed():
+        if not all(work.is_completed() for work in flight.works):
             if time.monotonic() > flight.deadline:
                 self._fail()
                 raise TimeoutError(f"the background P-Reduce on {flight.comm.key} did not "
@@ -104,44 +112,45 @@ class BackgroundAverage:
         after the communicator's timeout, the collective timeout, as under DDP)."""
         flight = self._in_flight
         assert flight is not None, "wait() with no P-Reduce in flight"
-        if flight.staged.device.type == "cuda":
+        if flight.device.type == "cuda":
             self._land(flight)
             return
-        left = max(0.0, flight.deadline - time.monotonic())
+        done = True
         try:
-            done = flight.work.wait(datetime.timedelta(seconds=left))
+            for work in flight.works:
+                left = max(0.0, flight.deadline - time.monotonic())
+                done = done and work.wait(datetime.timedelta(seconds=left)) is not False
         except BaseException:
             self._fail()
             raise
-        if done is False:
+        if not done:
             self._fail()
             raise TimeoutError(f"the background P-Reduce on {flight.comm.key} did not "
                                f"finish in {flight.timeout_seconds:g} s")
         self._land(flight)
 
     def _land(self, flight: _InFlight) -> None:
-        """Apply the group's mean as x ← x + (x̄ − x_t), unless a member's flag was set."""
+        """Apply the group's result to the state as it is now (`commit_late`): x ← x +
+        (x̄ − x_t), or the outer form; nothing where a member's flag was set."""
         try:
-            flight.work.wait()  # done: raises its error; on a GPU, orders this stream after
+            for work in flight.works:  # done: raises its error; on a GPU, orders the
+                work.wait()  # current stream after the collective's
         except BaseException:
             self._fail()
             raise
         self._in_flight = None
-        snapshot, flat = self._snapshot, self.state.flat
+        snapshot = self._snapshot
         assert snapshot is not None
-        if flat.numel() != snapshot.numel():  # the state was rebuilt meanwhile
+        if self.state.flat.numel() != snapshot.numel():  # the state was rebuilt meanwhile
+            self.staged.abandon()
             raise RuntimeError("the averaged state changed size while its P-Reduce was in "
-                               "flight; the group's mean was not applied")
-        with torch.no_grad():
-            delta = flight.staged[:-1].sub_(snapshot)  # the group's mean − x_t
-            zero_if_flagged(flight.staged[-1:], delta)
-            flat.add_(delta)
-        # The staging buffer is the state's again (its next stage overwrites it).
+                               "flight; the group's result was not applied")
+        self.staged.commit_late(snapshot)
 
     def _fail(self) -> None:
         """Forget the collective's buffer, which it may still write into (rule 4)."""
         self._in_flight = None
-        self.state.abandon()
+        self.staged.abandon()
 
     def abandon(self) -> None:
         """Give up on the P-Reduce in flight without waiting (the worker is failing):

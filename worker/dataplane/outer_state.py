@@ -71,7 +71,7 @@ import torch
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.nonfinite import void_if_flagged
+from ripples.worker.dataplane.nonfinite import void_if_flagged, zero_if_flagged
 from ripples.worker.dataplane.preduce import copy_from_donor, copy_model, preduce, reduce_staged
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,9 @@ class OuterState:
         form); a restore or a fresh anchor clears it."""
         self.steps_since_sync = 0
         """Local steps since the last synchronisation (0: nothing to contribute)."""
+        self._staged_steps = 0
+        """Of them, those the synchronisation staged last covers (the rest came after it
+        started: a background P-Reduce, worker/dataplane/background.py)."""
         self._staging: torch.Tensor | None = None
         """[head | rest | m̂] in the flat buffer's dtype (head: φ̂, or Δ in the same-anchor
         form; m̂ only when the momentum travels uncompressed)."""
@@ -177,6 +180,7 @@ class OuterState:
         in bfloat16 (plus the rounding left over from before) with compression.
         """
         self.take_anchor()  # a member that has not stepped yet: its model is its anchor
+        self._staged_steps = self.steps_since_sync
         flat, n = self.state.flat, self.numel
         rest = flat.numel() - n
         self._flag_inline = self.wire_dtype is None or not same_anchor
@@ -192,7 +196,7 @@ class OuterState:
             torch.sub(self.anchor, flat[:n], out=head)  # Δ
             if not same_anchor:
                 moment = staged[n + rest : body] if body > n + rest else torch.empty_like(head)
-                self._provisional_step(head, moment, spend=self.steps_since_sync > 0)
+                self._provisional_step(head, moment, spend=self._staged_steps > 0)
             staged[n : n + rest].copy_(flat[n:])
             staged[:body].mul_(scale)
             self._wire = self._compressed(head if same_anchor else moment, scale,
@@ -223,7 +227,7 @@ class OuterState:
                            dtype=self.wire_dtype, device=values.device)
         if flag is not None:
             wire[-1:].copy_(flag)
-        if not self.steps_since_sync:  # nothing to send: the residual waits for a step
+        if not self._staged_steps:  # nothing to send: the residual waits for a step
             wire[: values.numel()].copy_(values)
             return wire
         if self.residual is None:
@@ -275,7 +279,7 @@ class OuterState:
         rest = staged[n : flat.numel()]
         with torch.no_grad():
             flags = staged[-1:] if self._flag_inline else wire[-1:]  # type: ignore[index]
-            if self._same_anchor and self.steps_since_sync:
+            if self._same_anchor and self._staged_steps:
                 delta = staged[:n]  # the group's Δ̄: every member steps identically
                 if wire is not None:
                     delta.copy_(wire[:n])
@@ -303,8 +307,24 @@ class OuterState:
             flat[:n].copy_(head)
             flat[n:].copy_(rest)
         self._wire = self._pending_residual = None
-        self.steps_since_sync = 0
+        self.steps_since_sync -= self._staged_steps  # 0, but for steps taken since the stage
+        self._staged_steps = 0
         self.anchored = True
+
+    def commit_late(self, snapshot: torch.Tensor) -> None:
+        """Adopt the result of a synchronisation staged when the flat buffer held
+        `snapshot`, after the worker took further steps (a background P-Reduce): the
+        group's anchor, momentum and rest as `commit` adopts them, and the model is the new
+        anchor plus the progress since the stage (x − x_t), which the next
+        synchronisation counts as the steps taken since. Where a member's flag was set,
+        the model, anchor and momentum stay as they are, as with `commit`."""
+        assert self._staging is not None, "commit_late() without stage()"
+        with torch.no_grad():
+            since = torch.sub(self.state.flat, snapshot)
+            flags = self._staging[-1:] if self._flag_inline else self._wire[-1:]  # type: ignore[index]
+            zero_if_flagged(flags, since)
+            self.commit()
+            self.state.flat.add_(since)
 
     def _group_momentum(self, uncompressed: torch.Tensor,
                         wire: torch.Tensor | None) -> torch.Tensor:

@@ -13,9 +13,12 @@ from ripples.worker.dataplane.communicators import Communicator
 
 class Staged(Protocol):
     """What averages through a staging buffer (AveragedState, OuterState): `stage` filled
-    it, `commit` adopts the collective's result, `abandon` forgets it."""
+    it, `commit` adopts the collective's result, `commit_late` adopts it as the result
+    for the state `stage` saw while keeping what changed since (a background P-Reduce),
+    `abandon` forgets it."""
 
     def commit(self) -> None: ...
+    def commit_late(self, snapshot: torch.Tensor) -> None: ...
     def abandon(self) -> None: ...
 
 
