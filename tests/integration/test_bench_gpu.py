@@ -1,0 +1,108 @@
+"""`python -m ripples.bench.gpu` end to end on the CPU (gloo, a tiny GPT): every
+configuration runs in its processes and gets its row; and a configuration's processes
+are stopped, with what they started, at its deadline or at the first failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import wait_for
+
+from ripples.bench import gpu
+from ripples.bench.gpu_rank import build_model
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Processes whose command line holds `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return [pid for pid in found if _alive(pid)]
+
+
+@pytest.mark.slow
+def test_gpu_bench_on_the_cpu_prints_a_row_per_loop_with_numbers(tmp_path: Path) -> None:
+    work, results = tmp_path / "work", tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "ripples.bench.gpu", "--device", "cpu",
+                           "--work-dir", str(work), "--json", str(results)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert not _processes_naming(str(work))  # every rank, worker and coordinator ended
+    configs = gpu.configurations(4, gpu.LOCAL_STEPS["cpu"])
+    overlap = gpu.has_overlap()
+    labels = ["1 process: plain", "1 process: ripples.Optimizer",
+              *(c.label for c in configs.values() if c.kind != "single")]
+    rows = {r["label"]: r for r in json.loads(results.read_text())["rows"]}
+    assert list(rows) == labels
+    for label, row in rows.items():
+        if row["overlap"] and not overlap:  # not in this branch yet: said, not crashed
+            assert row["status"] == "skipped: this ripples has no --overlap"
+            assert re.search(rf"^{re.escape(label)}\s+skipped: this ripples has no --overlap$",
+                             proc.stdout, re.M)
+            continue
+        assert row["status"] == "", row
+        assert re.search(rf"^{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d+x\s+\d+\.\d+\s",
+                         proc.stdout, re.M), (label, proc.stdout)
+        assert row["ms_per_step"] > 0 and row["ratio"] > 0
+        assert row["syncs_per_step"] is None  # counted on a GPU only
+        if row["kind"] == "plain":
+            assert row["ratio"] == 1.0 and row["bytes_per_step"] == 0
+    p4 = 4 * sum(p.numel() for p in build_model(gpu.CPU_SETTINGS).parameters())
+    assert rows["4 ranks: DDP"]["bytes_per_step"] == p4  # its gradients, every step
+    smart = rows["4 ranks: ripples-smart"]
+    # At most a P-Reduce of the parameters, both AdamW moments and the flag every step.
+    assert 0 < smart["bytes_per_step"] <= 3 * p4 + 4
+    local = rows[f"4 ranks: ripples-smart H={gpu.LOCAL_STEPS['cpu']} bf16"]
+    # Every H steps at most: the parameters in float32, the momentum in bfloat16, the flag.
+    assert 0 < local["bytes_per_step"] <= (p4 + p4 // 2 + 4) / gpu.LOCAL_STEPS["cpu"]
+    for row in (smart, local):
+        assert 0 <= row["bookkeeping"] < 1
+    assert rows["1 process: ripples.Optimizer"]["bookkeeping"] is None  # nothing to sync
+    assert "goals (issue 34):" in proc.stdout
+    assert "Ripples' bookkeeping (goal < 3% of a step): 4 ranks: ripples-smart" in proc.stdout
+
+
+def test_a_configuration_is_stopped_with_its_children_at_its_deadline_or_first_failure(
+        tmp_path: Path) -> None:
+    hung_log, failing_log = tmp_path / "hung.log", tmp_path / "failing.log"
+    hang = ("import subprocess, sys, time; "
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+            "print(child.pid, flush=True); time.sleep(300)")
+    hung = gpu.Command([sys.executable, "-c", hang], dict(os.environ), hung_log)
+    started = time.monotonic()
+    assert gpu.run_processes([hung], tmp_path, started + 3) == "timed out"
+    assert time.monotonic() - started < 3 + gpu.STOP_GRACE_SECONDS
+    grandchild = int(hung_log.read_text())
+    wait_for(lambda: not _alive(grandchild), "the hung process's child to be killed", 10)
+    # One that fails (once the hung one has started its child) stops the others at once.
+    fail = (f"import pathlib, time; log = pathlib.Path({str(hung_log)!r})\n"
+            "deadline = time.monotonic() + 60\n"
+            "while not log.read_text() and time.monotonic() < deadline: time.sleep(0.05)\n"
+            "raise SystemExit(3)")
+    failing = gpu.Command([sys.executable, "-c", fail], dict(os.environ), failing_log)
+    started = time.monotonic()
+    failure = gpu.run_processes([hung, failing], tmp_path, started + 120)
+    assert failure == "failing exited with code 3"
+    assert time.monotonic() - started < 60
+    grandchild = int(hung_log.read_text())
+    wait_for(lambda: not _alive(grandchild), "the other process's child to be killed", 10)
