@@ -66,6 +66,11 @@ VARIANTS: dict[str, Variant] = {
     "lpp-sgd-smart": Variant(
         protocol="lpp-sgd", flags=("--lpp-averaging", "ripples-smart"),
         description="LPP-SGD averaging in the smart Group Generator's groups (P-Reduce)"),
+    "ripples-smart-overlap": Variant(
+        protocol="ripples-smart", flags=("--overlap",),
+        description="ripples-smart with each group's P-Reduce in the background, applied "
+                    "at a later step boundary (docs/gpu.md, \"Averaging off the critical "
+                    "path\")"),
     DILOCO_VARIANT: Variant(
         protocol="allreduce", flags=diloco_flags(DILOCO_DEFAULTS),
         description="DiLoCo: allreduce of the pseudo-gradients every H steps and an outer "

@@ -75,6 +75,8 @@ def test_matrix_entries_become_run_commands(tmp_path: Path) -> None:
                                  "--backup-workers", "1", "--max-jump", "4",
                                  "--topology", "ring"]
     assert flags("lpp-sgd-smart") == ["--protocol", "lpp-sgd", "--lpp-averaging", "ripples-smart"]
+    assert flags("ripples-smart-overlap") == ["--protocol", "ripples-smart", "--overlap",
+                                              "--topology", "ring"]
     # DiLoCo in Ripples runs the torchft-diloco peer's H and outer step, its overrides too.
     assert flags("allreduce-diloco") == ["--protocol", "allreduce", "--local-steps", "8",
                                          "--outer-optimizer", "nesterov", "--outer-lr", "0.7",
