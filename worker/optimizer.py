@@ -80,7 +80,8 @@ class Optimizer(torch.optim.Optimizer):
     so schedulers and GradScaler change the wrapped optimizer's values, and become them
     again each time the wrapped optimizer's load_state_dict replaces both (a hook
     registered through its public `register_load_state_dict_post_hook`; the new state
-    tensors rejoin the averaged state there too). `step()` is an ordinary subclass step:
+    tensors rejoin the averaged state there too, and a pre-hook lands a background
+    P-Reduce still in flight before the load). `step()` is an ordinary subclass step:
     torch calls the step hooks around all of it (local step and synchronisation). In a
     distributed run, the model's and the wrapped optimizer's `state_dict()` copy what is
     a view into the averaged state (public state_dict post-hooks: ripples/state_dicts.py),
@@ -157,6 +158,7 @@ class Optimizer(torch.optim.Optimizer):
         # Last: a construction refused above leaves the user's model and optimizer untouched.
         if self._sync is not None:  # their tensors are now views into the averaged state
             compact_state_dicts(model, optimizer)
+        optimizer.register_load_state_dict_pre_hook(self._before_wrapped_load)
         optimizer.register_load_state_dict_post_hook(self._after_wrapped_load)
 
     # ------------------------------------------------------------------ torch.optim API
@@ -165,6 +167,14 @@ class Optimizer(torch.optim.Optimizer):
         load_state_dict, which replaces both)."""
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
+
+    def _before_wrapped_load(self, optimizer: torch.optim.Optimizer,
+                             state_dict: dict[str, Any]) -> None:
+        """Before the wrapped optimizer's load_state_dict replaces its state: a background
+        P-Reduce (--overlap) still in flight lands first, on the state it was started
+        from, rather than on the loaded one."""
+        if self._sync is not None:
+            self._sync.protocol.settle()
 
     def _after_wrapped_load(self, optimizer: torch.optim.Optimizer) -> None:
         """After the wrapped optimizer's load_state_dict, called through this one or on

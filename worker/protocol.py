@@ -231,9 +231,11 @@ class Protocol(abc.ABC):
         still reach the peers (allreduce: DDP's gradient sync in backward)."""
 
     def settle(self) -> None:  # noqa: B027 (optional hook)
-        """The training loop ended without an error: finish what this worker still has
-        in flight with its peers (a background P-Reduce), waiting up to its deadline,
-        before the final average and close()."""
+        """Land what this worker still has in flight with its peers (a background
+        P-Reduce), before the state changes hands: at the end of a training loop that
+        ended without an error (before the final average and close()), and before an
+        optimizer state dict is loaded. On the CPU it waits, up to the collective's
+        deadline; on a GPU it enqueues the landing after the collective."""
 
     def run_training(self, job: TrainingJob) -> str:
         """Runner-only protocols (the registry's library=False: lap-sgd, lpp-sgd) train

@@ -85,10 +85,12 @@ class GroupGeneratorProtocol(Protocol):
                    "a wait (the averaging was off the critical path)."),
         MetricSpec("ripples_worker_overlap_waited_groups", "counter",
                    "--overlap: background P-Reduces the worker waited for (before its "
-                   "next group, or at the stop)."),
+                   "next group, before the optimizer state joins, at a load, or at the "
+                   "stop)."),
         MetricSpec("ripples_worker_overlap_lag_steps", "counter",
                    "--overlap: steps between a background P-Reduce's start and its "
-                   "landing, summed (over the landed groups: the mean lag)."),
+                   "landing at a step boundary, summed (over the landed and waited "
+                   "groups: the mean lag; one landed at the stop or a load adds none)."),
     )
 
     def __init__(self, ctx: ProtocolContext) -> None:
@@ -319,7 +321,7 @@ class GroupGeneratorProtocol(Protocol):
             self._background.start(comm, self.timeout)
         except (RuntimeError, TimeoutError, ValueError) as err:
             seconds = time.perf_counter() - t0
-            fail_group(self.ctx, self.stream, group, key, err, seconds)
+            fail_group(self.ctx, self.stream, group, key, err, seconds, abort=True)
             return seconds, False
         self._started = _Started(group=group, key=key, step=completed, since=t0)
         self._overlap["groups"] += 1

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ripples_cli
+from helpers import REPO, ripples_cli
 
 WORKERS, STEPS, H = 3, 40, 2
 
@@ -58,3 +58,20 @@ def test_the_outer_step_with_bf16_momentum_overlaps_too(tmp_path: Path) -> None:
     summary = _run(tmp_path, "ripples-random", "--overlap", "--outer-optimizer", "nesterov",
                    "--outer-compression", "bf16")
     _check_landed(summary, "ripples-random")
+
+
+@pytest.mark.slow
+def test_a_script_that_reloads_its_optimizer_state_mid_run_lands_its_group_first(
+        tmp_path: Path) -> None:
+    """opt.load_state_dict while a background P-Reduce is in flight: it lands before the
+    load (the optimizer's tensors are replaced), and the run goes on to its budget."""
+    script = REPO / "tests" / "integration" / "scripts" / "local_steps_train.py"
+    proc = ripples_cli("run", "--workers", str(WORKERS), "--protocol", "ripples-smart",
+                       "--overlap", "--iterations", "12", "--output", str(tmp_path), "--",
+                       "python", str(script), "--reload-at", "5", timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for worker in summary["workers"]:
+        overlap = worker["ripples-smart"]["overlap"]
+        assert worker["iterations"] >= 10 and overlap["failed"] == 0, worker
+        assert overlap["landed_in_background"] + overlap["waited"] == overlap["groups"]

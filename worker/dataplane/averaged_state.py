@@ -235,7 +235,8 @@ class AveragedState:
         """Adopt the staged buffer's group average as the state at `snapshot` (what `flat`
         held when it was staged), keeping what changed since: flat += average − snapshot
         (a background P-Reduce, worker/dataplane/background.py). Where a member's flag
-        was set, nothing changes. The staging buffer stays this state's."""
+        was set, nothing changes. The staging buffer stays this state's; `snapshot` is
+        left as it was."""
         assert self._staging is not None, "commit_late() without stage()"
         with torch.no_grad():
             change = self._staging[:-1].sub_(snapshot)

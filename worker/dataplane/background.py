@@ -9,14 +9,15 @@ x_t + u, its own updates since. The mean replaces x_t and the updates stay:
 
 (a snapshot of x_t is kept for it; the collective never touches the live state, so a
 failed one changes nothing: docs/data-plane.md rule 4). With no step in between it is the
-synchronous P-Reduce's result exactly; otherwise the members' models agree up to the
-steps each took meanwhile, as in the gossip protocols, which apply a communication
-thread's averages the same way. With an outer optimizer the group averages the members'
-outer steps staged from x_t (worker/dataplane/outer_state.py): the new anchor replaces
-x_t, the model is that anchor plus the steps taken since, and those steps are the
-pseudo-gradient's at the next synchronisation (`OuterState.commit_late`). The members'
-non-finite flags ride the collective as in the synchronous form (worker/dataplane/
-nonfinite.py): a set flag voids the result for every member, on the device.
+synchronous P-Reduce's result up to rounding (x_t + (x̄ − x_t) is x̄ within an ulp);
+otherwise the members' models agree up to the steps each took meanwhile, as in the
+gossip protocols, which apply a communication thread's averages the same way. With an
+outer optimizer the group averages the members' outer steps staged from x_t
+(worker/dataplane/outer_state.py): the new anchor replaces x_t, the model is that anchor
+plus the steps taken since, and those steps are the pseudo-gradient's at the next
+synchronisation (`OuterState.commit_late`). The members' non-finite flags ride the
+collective as in the synchronous form (worker/dataplane/nonfinite.py): a set flag voids
+the result for every member, on the device.
 
 The host never waits for the collective to see whether it is done: `poll` asks the
 backend's work object (`is_completed`, a query of its CUDA event on a GPU), and the
@@ -84,7 +85,11 @@ class BackgroundAverage:
         scale = 1.0 / comm.size
         buffers = ([self.state.stage(scale)] if self.outer is None
                    else self.outer.stage(scale))
-        works = [comm.start_allreduce_sum(buffer) for buffer in buffers]
+        try:
+            works = [comm.start_allreduce_sum(buffer) for buffer in buffers]
+        except BaseException:  # one of them may be running: its buffers are its own now
+            self.staged.abandon()
+            raise
         self._in_flight = _InFlight(comm=comm, works=works, device=flat.device,
                                     deadline=time.monotonic() + timeout_seconds,
                                     timeout_seconds=timeout_seconds)
@@ -118,8 +123,13 @@ class BackgroundAverage:
         done = True
         try:
             for work in flight.works:
-                left = max(0.0, flight.deadline - time.monotonic())
-                done = done and work.wait(datetime.timedelta(seconds=left)) is not False
+                if not done:
+                    break
+                left = flight.deadline - time.monotonic()
+                if left <= 0:  # (a wait of 0 would be one without a timeout)
+                    done = work.is_completed()
+                    continue
+                done = work.wait(datetime.timedelta(seconds=max(left, 0.001))) is not False
         except BaseException:
             self._fail()
             raise
@@ -146,6 +156,7 @@ class BackgroundAverage:
             raise RuntimeError("the averaged state changed size while its P-Reduce was in "
                                "flight; the group's result was not applied")
         self.staged.commit_late(snapshot)
+        self.state.forget_flag()  # the step's flag describes the state before the landing
 
     def _fail(self) -> None:
         """Forget the collective's buffer, which it may still write into (rule 4)."""

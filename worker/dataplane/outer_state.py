@@ -317,10 +317,11 @@ class OuterState:
         group's anchor, momentum and rest as `commit` adopts them, and the model is the new
         anchor plus the progress since the stage (x − x_t), which the next
         synchronisation counts as the steps taken since. Where a member's flag was set,
-        the model, anchor and momentum stay as they are, as with `commit`."""
+        the model, anchor and momentum stay as they are, as with `commit`. `snapshot`
+        is overwritten (with that progress)."""
         assert self._staging is not None, "commit_late() without stage()"
         with torch.no_grad():
-            since = torch.sub(self.state.flat, snapshot)
+            since = torch.sub(self.state.flat, snapshot, out=snapshot)
             flags = self._staging[-1:] if self._flag_inline else self._wire[-1:]  # type: ignore[index]
             zero_if_flagged(flags, since)
             self.commit()
