@@ -120,7 +120,7 @@ class GroupGeneratorProtocol(Protocol):
         optimizer state), reported with the next step's result."""
         self._overlap = {"groups": 0, "landed_in_background": 0, "waited": 0,
                          "failed": 0, "lag_steps": 0}
-        self._metrics = ctx.metrics.declare(*self.metrics) if overlap else {}
+        self._metrics = ctx.metrics.declare(*self.metrics)  # 0 without --overlap
         """--overlap: groups started in the background, how many of them landed at a
         step boundary without a wait, were waited for or failed, and the steps they
         landed after their start, summed."""

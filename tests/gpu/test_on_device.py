@@ -118,7 +118,9 @@ def test_p_reduce_the_gate_and_the_outer_step_equal_the_cpu_reference(
 
 
 def _run_on_the_gpu(tmp_path: Path, protocol: str, *options: str) -> None:
-    """`ripples run` with two workers sharing the GPU; both end with finite models."""
+    """`ripples run` with two workers sharing the GPU; both end with finite models. (From
+    tmp_path: on a GPU machine the package is installed apart, and the checkout's source
+    folders would shadow it from the checkout's root.)"""
     import subprocess
     import sys
 
@@ -126,7 +128,7 @@ def _run_on_the_gpu(tmp_path: Path, protocol: str, *options: str) -> None:
         [sys.executable, "-m", "ripples.cli", "run", "--workers", "2", "--workers-per-node",
          "2", "--device", "cuda", "--share-gpus", "--protocol", protocol, "--output",
          str(tmp_path), "--quiet", "--timeout-seconds", "240", *options],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         state = torch.load(tmp_path / "workers" / f"rank{rank}.pt")
