@@ -22,7 +22,8 @@ from ripples.worker.metrics import GROUP_SIZE_BUCKETS, ITERATION_BUCKETS, PREDUC
 
 pytestmark = pytest.mark.slow
 
-# Every worker's metrics; a protocol adds its own (hop's, gossip's), none for ripples-smart.
+# Every worker's metrics; a protocol adds its own (hop's, gossip's; ripples-smart's --overlap
+# counters, 0 without it).
 WORKER_METRICS = {
     "ripples_worker_iterations": "counter",
     "ripples_worker_time_seconds": "counter",
@@ -35,6 +36,9 @@ WORKER_METRICS = {
     "ripples_worker_communicator_cache_hits": "counter",
     "ripples_worker_communicator_cache_misses": "counter",
     "ripples_worker_cached_communicators": "gauge",
+    "ripples_worker_overlap_landed_groups": "counter",
+    "ripples_worker_overlap_waited_groups": "counter",
+    "ripples_worker_overlap_lag_steps": "counter",
 }
 COORDINATOR_METRICS = {
     "ripples_coordinator_run_info": "gauge",
