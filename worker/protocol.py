@@ -57,7 +57,8 @@ pauses this long before asking again; training goes on meanwhile."""
 
 __all__ = ["COORDINATOR_RETRY_SECONDS", "GROUP_CHECK_IN_SECONDS", "Protocol",
            "ProtocolContext", "StreamInterrupted", "SyncResult", "TrainingJob",
-           "fail_group", "heal_from_peer", "max_peer_wait_seconds", "run_group_collective"]
+           "fail_group", "group_communicator", "heal_from_peer", "max_peer_wait_seconds",
+           "run_group_collective"]
 
 
 @dataclass(kw_only=True)
@@ -302,12 +303,9 @@ def run_group_collective(
     group: ok, with the squared distance `collective` returns if any; or failed, with the
     communicator dropped and never rebuilt (docs/data-plane.md rule 4).
     Returns (seconds, ok)."""
-    members = list(group.members)
     t0 = time.perf_counter()
     try:
-        comm = ctx.comms.get(key, members.index(ctx.worker_id), len(members),
-                             create=group.create_comm, peers_within=GROUP_CHECK_IN_SECONDS)
-        distance = collective(comm)
+        distance = collective(group_communicator(ctx, group, key))
     except (RuntimeError, TimeoutError, ValueError) as err:
         seconds = time.perf_counter() - t0
         fail_group(ctx, stream, group, key, err, seconds)
@@ -315,6 +313,15 @@ def run_group_collective(
     seconds = time.perf_counter() - t0
     stream.release(group.group_id, ok=True, preduce_seconds=seconds, squared_distance=distance)
     return seconds, True
+
+
+def group_communicator(ctx: ProtocolContext, group: pb.Group, key: str) -> Communicator:
+    """The communicator of a group the coordinator handed out (`key` in the cache, built
+    if the group says so), this worker's rank in it its index among the members; a member
+    that has not checked in within GROUP_CHECK_IN_SECONDS fails it (TimeoutError)."""
+    members = list(group.members)
+    return ctx.comms.get(key, members.index(ctx.worker_id), len(members),
+                         create=group.create_comm, peers_within=GROUP_CHECK_IN_SECONDS)
 
 
 def fail_group(ctx: ProtocolContext, stream: GroupStream, group: pb.Group, key: str,

@@ -35,12 +35,12 @@ from ripples.worker.dataplane.outer_state import (
 from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocol import (
     COORDINATOR_RETRY_SECONDS,
-    GROUP_CHECK_IN_SECONDS,
     Protocol,
     ProtocolContext,
     StreamInterrupted,
     SyncResult,
     fail_group,
+    group_communicator,
     heal_from_peer,
     max_peer_wait_seconds,
     run_group_collective,
@@ -312,13 +312,9 @@ class GroupGeneratorProtocol(Protocol):
         """Start the group's P-Reduce in the background; the group is released when it
         lands (`_land`)."""
         assert self._background is not None and self._started is None
-        members = list(group.members)
         t0 = time.perf_counter()
         try:
-            comm = self.ctx.comms.get(key, members.index(self.ctx.worker_id), len(members),
-                                      create=group.create_comm,
-                                      peers_within=GROUP_CHECK_IN_SECONDS)
-            self._background.start(comm, self.timeout)
+            self._background.start(group_communicator(self.ctx, group, key), self.timeout)
         except (RuntimeError, TimeoutError, ValueError) as err:
             seconds = time.perf_counter() - t0
             fail_group(self.ctx, self.stream, group, key, err, seconds, abort=True)

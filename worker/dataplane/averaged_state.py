@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ripples.v1 import coordinator_pb2 as pb
-from ripples.worker.dataplane.nonfinite import nonfinite_flag, void_if_flagged, zero_if_flagged
+from ripples.worker.dataplane.nonfinite import nonfinite_flag, void_if_flagged
 
 StateSlot = tuple[dict[str, Any], str]
 """(the optimizer's state dict of one parameter, a key in it) naming one state tensor."""
@@ -240,7 +240,7 @@ class AveragedState:
         assert self._staging is not None, "commit_late() without stage()"
         with torch.no_grad():
             change = self._staging[:-1].sub_(snapshot)
-            zero_if_flagged(self._staging[-1:], change)
+            void_if_flagged(self._staging[-1:], change.new_zeros(()), change)
             self.flat.add_(change)
 
     def abandon(self) -> None:

@@ -34,27 +34,16 @@ def nonfinite_flag(values: torch.Tensor) -> torch.Tensor:
 
 
 def void_if_flagged(flags: torch.Tensor, kept: torch.Tensor, result: torch.Tensor) -> None:
-    """In place: `result` becomes `kept` where the group's summed `flags` (a 1-element
-    tensor) is above 0, else stays. On a GPU a select on the device, without a read-back;
-    on the CPU, where reading the flag costs nothing, a copy only when it is set (a
-    select would read both buffers and write one at every P-Reduce)."""
+    """In place: `result` becomes `kept` (a tensor of its shape, or a 0-d one: one value
+    for all of it, as a background P-Reduce's change voids to 0) where the group's summed
+    `flags` (a 1-element tensor) is above 0, else stays. On a GPU a select on the device,
+    without a read-back; on the CPU, where reading the flag costs nothing, a copy only
+    when it is set (a select would read both buffers and write one at every P-Reduce)."""
     if flags.device.type == "cpu":
         if flags.item() > 0:
             result.copy_(kept)
         return
     torch.where(flags > 0, kept, result, out=result)
-
-
-def zero_if_flagged(flags: torch.Tensor, values: torch.Tensor) -> None:
-    """In place: `values` become 0 where the group's summed `flags` is above 0 (a
-    background P-Reduce's change to the state, void); as `void_if_flagged`, a select on
-    a GPU and a read of the flag on the CPU."""
-    if flags.device.type == "cpu":
-        if flags.item() > 0:
-            values.zero_()
-        return
-    torch.where(flags > 0, torch.zeros((), dtype=values.dtype, device=values.device),
-                values, out=values)
 
 
 class NonfiniteWatch:

@@ -71,7 +71,7 @@ import torch
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.nonfinite import void_if_flagged, zero_if_flagged
+from ripples.worker.dataplane.nonfinite import void_if_flagged
 from ripples.worker.dataplane.preduce import copy_from_donor, copy_model, preduce, reduce_staged
 
 logger = logging.getLogger(__name__)
@@ -323,7 +323,7 @@ class OuterState:
         with torch.no_grad():
             since = torch.sub(self.state.flat, snapshot, out=snapshot)
             flags = self._staging[-1:] if self._flag_inline else self._wire[-1:]  # type: ignore[index]
-            zero_if_flagged(flags, since)
+            void_if_flagged(flags, since.new_zeros(()), since)
             self.commit()
             self.state.flat.add_(since)
 
