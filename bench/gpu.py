@@ -1,4 +1,4 @@
-"""What Ripples costs on a GPU, side by side with the plain loop and DDP (issue 34).
+"""What Ripples costs on a GPU, side by side with the plain loop and DDP.
 
     python -m ripples.bench.gpu                      # one GPU: the ~25M GPT, bf16, AdamW
     python -m ripples.bench.gpu --configs single,plain,ddp,smart
@@ -26,8 +26,11 @@ A row per loop: time per step (the median over ranks of each rank's median windo
 ratio to the plain step (one process alone for ``single``, the plain ranks sharing the
 device for the others), the bytes a worker feeds into collectives per step (DDP: the
 gradients; Ripples: `ripples run`'s `bytes_per_worker_step`, warm-up included), host-device
-synchronisations per step (loss read-back apart; on a GPU only), and Ripples' bookkeeping
-per step (StepTimes.other_seconds) as a share of the step. A goal summary follows.
+synchronisations per step by two witnesses, torch's sync debug mode in the timed windows
+and the blocking CUDA calls torch.profiler sees in one more window (loss read-back apart;
+on a GPU only), the host's time inside `optimizer.step()` per step, and Ripples'
+bookkeeping per step (StepTimes.other_seconds) as a share of the step. A goal summary
+follows.
 
 Every configuration runs against a deadline (`--config-timeout-seconds`, and the whole
 script's `--budget-seconds`): one that has not ended by then is killed with every process

@@ -22,6 +22,12 @@ itself; the plain loops do the same). After `warmup_steps`, `windows` windows of
 `window_steps` steps are timed, the device's stream waited for at each window's ends only.
 On a GPU, torch's sync debug mode warns at every host-device synchronisation inside the
 windows; the warnings are counted by where they came from, the loss read-back's apart.
+torch says that mode "does not yet detect all synchronizing operations", so a second
+witness follows the timed windows: one more window under `torch.profiler`, in which the
+CUDA runtime's blocking calls (BLOCKING_CALLS, and synchronous copies) made inside each
+step are counted by name, the loss read-back's apart. Every loop also times its host
+thread inside `optimizer.step()`: a host held there (by a collective's timed wait, say)
+shows in that time, though neither witness counts it as a synchronisation.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import re
 import sys
 import time
 import warnings
@@ -50,6 +57,13 @@ from ripples.worker.optimizer import LOSS_FLUSH_STEPS
 KINDS = ("single", "plain", "ddp", "ripples")
 SYNC_WARNING = "called a synchronizing CUDA operation"
 """How torch's sync debug mode words its warning."""
+BLOCKING_CALLS = frozenset({
+    "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+    "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize"})
+"""CUDA runtime and driver calls that hold the host until the device is done. Besides
+these, every copy without "Async" in its name (cudaMemcpy, cuMemcpyDtoH, ...) blocks."""
+STEP_RANGE, LOSS_READ_RANGE = "ripples_bench.step", "ripples_bench.loss_read"
+"""The profiler ranges the profiled window marks each step and each loss read-back with."""
 
 
 @dataclass(kw_only=True)
@@ -100,6 +114,17 @@ class Measured:
     """Every synchronisation counted, by its warning's first line and its caller."""
     step_times: dict[str, float] | None = None
     """ripples.Optimizer's StepTimes over the timed steps (a Ripples run only)."""
+    step_host_seconds: float = 0.0
+    """The host thread's time inside optimizer.step() over the timed steps."""
+    profiled_steps: int = 0
+    """Steps of the profiled window (after the timed ones)."""
+    blocking_calls: int | None = None
+    """Blocking CUDA calls inside the profiled steps, less the loss read-back's (None: not
+    counted, on the CPU or where the profiler failed)."""
+    loss_read_blocking_calls: int | None = None
+    blocking_sites: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Every blocking call counted, by name (the loss read-back's under "loss read: ...")."""
+    profiler_error: str = ""
 
 
 class SyncCounter:
@@ -148,6 +173,48 @@ class SyncCounter:
         return sum(self.sites.values()) - self.loss_reads
 
 
+def is_blocking_call(name: str) -> bool:
+    """Whether a CUDA runtime or driver call of this name holds the host for the device."""
+    name = re.sub(r"(_v\d+|_ptsz|_ptds)+$", "", name)
+    if name in BLOCKING_CALLS:
+        return True
+    return name.startswith(("cudaMemcpy", "cuMemcpy")) and "Async" not in name
+
+
+@dataclass(frozen=True)
+class TracedCall:
+    """One event of a profile: its name and host time range (microseconds)."""
+
+    name: str
+    start_us: float
+    end_us: float
+
+
+def count_blocking_calls(events: list[TracedCall]) -> tuple[Counter[str], int]:
+    """The blocking calls made inside STEP_RANGE ranges, by name, and how many of them
+    fell inside LOSS_READ_RANGE ranges (included in the counter under "loss read: NAME").
+    Calls outside every step (a window's own waits) are not counted."""
+
+    def ranges(name: str) -> list[tuple[float, float]]:
+        return [(e.start_us, e.end_us) for e in events if e.name == name]
+
+    def inside(event: TracedCall, spans: list[tuple[float, float]]) -> bool:
+        return any(start <= event.start_us and event.end_us <= end for start, end in spans)
+
+    steps, loss_reads = ranges(STEP_RANGE), ranges(LOSS_READ_RANGE)
+    sites: Counter[str] = Counter()
+    loss_read_calls = 0
+    for event in events:
+        if not is_blocking_call(event.name) or not inside(event, steps):
+            continue
+        if inside(event, loss_reads):
+            loss_read_calls += 1
+            sites[f"loss read: {event.name}"] += 1
+        else:
+            sites[event.name] += 1
+    return sites, loss_read_calls
+
+
 class LossReadBack:
     """The plain loops' loss reporting: the device's losses read back once every
     LOSS_FLUSH_STEPS steps, as ripples.Optimizer.report_loss does."""
@@ -175,11 +242,19 @@ class Loop:
     counter: SyncCounter
     stopped: Callable[[], bool] = lambda: False
     """Whether the run stopped this worker (a Ripples run's `opt.stopped`)."""
+    settle: Callable[[], None] = lambda: None
+    """Land whatever collective the loop left in flight (--overlap's background
+    P-Reduce): the profiled window does so before the profiler stops."""
     steps: int = 0
     timed_steps: int = 0
     window_seconds: list[float] = dataclasses.field(default_factory=list)
+    step_host_seconds: float = 0.0
+    profiled_steps: int = 0
+    blocking_sites: Counter[str] | None = None
+    loss_read_blocking_calls: int | None = None
+    profiler_error: str = ""
 
-    def step(self) -> None:
+    def step(self, *, timed: bool = False) -> None:
         tokens = self.batches[self.steps % len(self.batches)]
         self.steps += 1
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -189,8 +264,11 @@ class Loop:
             loss = functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        started = time.perf_counter()
         self.optimizer.step()
-        with self.counter.loss_read():
+        if timed:
+            self.step_host_seconds += time.perf_counter() - started
+        with self.counter.loss_read(), torch.profiler.record_function(LOSS_READ_RANGE):
             self.report(loss.detach())
 
     def warm_up(self, steps: int) -> None:
@@ -208,10 +286,46 @@ class Loop:
             for _ in range(steps):
                 if self.stopped():
                     return
-                self.step()
+                self.step(timed=True)
                 self.timed_steps += 1
         _wait_for_device(self.device)
         self.window_seconds.append((time.perf_counter() - started) / steps)
+
+    def profiled_window(self, steps: int) -> None:
+        """`steps` more steps under torch.profiler (not timed: the profiler slows them),
+        counting the blocking CUDA calls made inside each (on a GPU; on the CPU the
+        window runs, as a check of its path, and nothing is counted). A profiler that
+        fails leaves the count unknown and says why; the steps still run."""
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        _wait_for_device(self.device)
+        try:
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    if self.stopped():
+                        break
+                    with record_function(STEP_RANGE):
+                        self.step()
+                    self.profiled_steps += 1
+                # A collective started under the profiler carries its record of the
+                # profile and closes it when it completes, in the backend's thread: one
+                # completing after the profiler has stopped writes into freed memory (a
+                # segfault, seen with gloo). So it lands here, outside every step.
+                self.settle()
+                _wait_for_device(self.device)
+            events = [TracedCall(e.name, e.time_range.start, e.time_range.end)
+                      for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CPU]
+        except Exception as err:  # the profiler (CUPTI) is a witness, not the benchmark
+            self.profiler_error = f"{type(err).__name__}: {err}"[:300]
+            while self.profiled_steps < steps and not self.stopped():
+                self.step()
+                self.profiled_steps += 1
+            return
+        if cuda:
+            self.blocking_sites, self.loss_read_blocking_calls = count_blocking_calls(events)
 
     def measured(self, rank: int, step_times: dict[str, float] | None = None) -> Measured:
         parameters = list(self.model.parameters())
@@ -224,7 +338,14 @@ class Loop:
                                if p.requires_grad),
             window_seconds=self.window_seconds, timed_steps=self.timed_steps,
             syncs=self.counter.syncs, loss_read_syncs=self.counter.loss_reads,
-            sync_sites=dict(self.counter.sites), step_times=step_times)
+            sync_sites=dict(self.counter.sites), step_times=step_times,
+            step_host_seconds=self.step_host_seconds, profiled_steps=self.profiled_steps,
+            blocking_calls=(None if self.blocking_sites is None or self.loss_read_blocking_calls
+                            is None else sum(self.blocking_sites.values())
+                            - self.loss_read_blocking_calls),
+            loss_read_blocking_calls=self.loss_read_blocking_calls,
+            blocking_sites=dict(self.blocking_sites or {}),
+            profiler_error=self.profiler_error)
 
 
 def _wait_for_device(device: torch.device) -> None:
@@ -260,6 +381,11 @@ def _loop(label: str, settings: RankSettings, device: torch.device, seed: int, *
         loop.optimizer = wrapped
         loop.report = lambda loss: wrapped.report_loss(loss, num_samples=settings.batch_size)
         loop.stopped = lambda: wrapped.stopped
+
+        def settle() -> None:
+            if wrapped._sync is not None:  # the bench reaches in: settle() is not public
+                wrapped._sync.protocol.settle()
+        loop.settle = settle
     return loop
 
 
@@ -286,6 +412,8 @@ def run_single(settings: RankSettings) -> list[Measured]:
     for index in range(settings.windows):
         for loop in loops if index % 2 == 0 else loops[::-1]:
             loop.window(settings.window_steps)
+    for loop in loops:
+        loop.profiled_window(settings.window_steps)
     return [loop.measured(0) for loop in loops]
 
 
@@ -310,6 +438,7 @@ def run_rank(kind: str, settings: RankSettings, rank: int, world_size: int,
     dist.barrier()  # every rank warm: the windows meet the same neighbours
     for _ in range(settings.windows):
         loop.window(settings.window_steps)
+    loop.profiled_window(settings.window_steps)
     dist.destroy_process_group()
     return [loop.measured(rank)]
 
@@ -327,6 +456,7 @@ def run_ripples(settings: RankSettings) -> tuple[int, list[Measured]]:
     for _ in range(settings.windows):
         loop.window(settings.window_steps)
     after = dataclasses.asdict(optimizer.step_times)
+    loop.profiled_window(settings.window_steps)
     return worker.rank, [loop.measured(worker.rank, {k: after[k] - before[k] for k in after})]
 
 

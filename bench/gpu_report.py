@@ -2,8 +2,10 @@
 
 The configurations' processes (bench/gpu_rank.py) write what each training loop measured;
 `rows` turns each loop into a line: time per step, its ratio to the plain step of its
-setting, bytes per step, host syncs per step and Ripples' bookkeeping; `goal_lines` checks
-issue 34's goals against them. Pure: no process, no device.
+setting, bytes per step, host syncs per step by two witnesses (torch's sync debug mode and
+the profiler's blocking CUDA calls), the host's time inside `optimizer.step()` and
+Ripples' bookkeeping; `goal_lines` checks the GPU goals against them. Pure: no process,
+no device.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from dataclasses import dataclass
 from ripples.bench.gpu_rank import Measured, RankSettings
 
 SYNC_GOAL, LOSS_READ_GOAL, BOOKKEEPING_GOAL, OVERLAP_GOAL = 0.0, 1 / 16, 0.03, 1.3
-"""Issue 34's goals: host syncs per step from Ripples, loss read-backs per step, Ripples'
-bookkeeping as a share of a step, and ripples-smart's step with overlap against the
-plain step of the ranks sharing the device."""
+"""The GPU goals: host syncs per step from Ripples (by either witness), loss read-backs
+per step, Ripples' bookkeeping as a share of a step, and ripples-smart's step with
+overlap against the plain step of the ranks sharing the device."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,19 @@ class Row:
     """Host-device synchronisations per step, loss read-back apart (None: not counted,
     on the CPU)."""
     loss_reads_per_step: float | None = None
+    blocking_per_step: float | None = None
+    """The profiler's blocking CUDA calls per step, loss read-back apart (None: not
+    counted, on the CPU or where the profiler failed)."""
+    loss_read_blocking_per_step: float | None = None
+    host_step_ms: float | None = None
+    """The host thread's time inside optimizer.step() per step (a wait on a collective
+    included; DDP's all-reduce runs in backward, outside it)."""
     bookkeeping: float | None = None
     """Ripples' own bookkeeping (StepTimes.other_seconds) as a share of the step."""
     status: str = ""
     sync_sites: dict[str, int] = dataclasses.field(default_factory=dict)
+    blocking_sites: dict[str, int] = dataclasses.field(default_factory=dict)
+    profiler_error: str = ""
 
 
 def _row(label: str, kind: str, outcome: Outcome, measured: list[Measured], ranks: int,
@@ -96,6 +107,20 @@ def _row(label: str, kind: str, outcome: Outcome, measured: list[Measured], rank
         for m in measured:
             for site, count in m.sync_sites.items():
                 row.sync_sites[site] = row.sync_sites.get(site, 0) + count
+    timed = sum(m.timed_steps for m in measured)
+    if timed:
+        row.host_step_ms = 1e3 * sum(m.step_host_seconds for m in measured) / timed
+    profiled = sum(m.profiled_steps for m in measured)
+    errors = {m.profiler_error for m in measured if m.profiler_error}
+    row.profiler_error = "; ".join(sorted(errors))
+    if (device == "cuda" and profiled and not errors
+            and all(m.blocking_calls is not None for m in measured)):
+        row.blocking_per_step = sum(m.blocking_calls or 0 for m in measured) / profiled
+        row.loss_read_blocking_per_step = sum(
+            m.loss_read_blocking_calls or 0 for m in measured) / profiled
+        for m in measured:
+            for site, count in m.blocking_sites.items():
+                row.blocking_sites[site] = row.blocking_sites.get(site, 0) + count
     times = [m.step_times for m in measured if m.step_times is not None]
     if times:
         other = sum(t["other_seconds"] for t in times) / sum(t["steps"] for t in times)
@@ -130,7 +155,8 @@ def _cell(value: float | None, spec: str, width: int, unit: str = "") -> str:
 def format_table(table: list[Row]) -> list[str]:
     width = max(len("configuration"), *(len(r.label) for r in table))
     lines = [f"{'configuration':{width}}  {'ms/step':>9} {'x plain':>8} {'MB/step':>9} "
-             f"{'syncs/step':>10} {'loss reads/step':>15} {'bookkeeping':>11}"]
+             f"{'syncs/step':>10} {'loss reads/step':>15} {'blocking/step':>13} "
+             f"{'host ms in step()':>17} {'bookkeeping':>11}"]
     for r in table:
         if r.status:
             lines.append(f"{r.label:{width}}  {r.status}")
@@ -140,6 +166,8 @@ def format_table(table: list[Row]) -> list[str]:
                      f"{_cell(r.ratio, '.2f', 8, 'x')} {_cell(megabytes, '.3f', 9)} "
                      f"{_cell(r.syncs_per_step, '.3f', 10)} "
                      f"{_cell(r.loss_reads_per_step, '.3f', 15)} "
+                     f"{_cell(r.blocking_per_step, '.3f', 13)} "
+                     f"{_cell(r.host_step_ms, '.2f', 17)} "
                      f"{_cell(r.bookkeeping, '.2%', 11)}")
     return lines
 
@@ -151,15 +179,22 @@ def _check(what: str, checked: list[tuple[str, str, bool]]) -> str:
 
 
 def goal_lines(table: list[Row], device: str) -> list[str]:
-    """Issue 34's goals, checked against the rows that were measured."""
+    """The GPU goals, checked against the rows that were measured."""
     measured = [r for r in table if not r.status]
     ripples_rows = [r for r in measured if r.kind == "ripples"]
-    lines = ["goals (issue 34):"]
+    lines = ["goals:"]
     if device == "cuda":
         lines.append(_check(
             f"host syncs per step from Ripples, loss read-back apart (goal {SYNC_GOAL:g})",
             [(r.label, f"{r.syncs_per_step:.3f}", r.syncs_per_step <= SYNC_GOAL)
              for r in ripples_rows if r.syncs_per_step is not None]))
+        lines.append(_check(
+            f"blocking CUDA calls per step from Ripples in the profiler, loss read-back "
+            f"apart (goal {SYNC_GOAL:g})",
+            [(r.label, f"{r.blocking_per_step:.3f}", r.blocking_per_step <= SYNC_GOAL)
+             for r in ripples_rows if r.blocking_per_step is not None]))
+        lines += [f"  {r.label}: profiler failed: {r.profiler_error}"
+                  for r in ripples_rows if r.profiler_error]
         lines.append(_check(
             "loss read-backs per step (goal <= 1/16)",
             [(r.label, f"{r.loss_reads_per_step:.3f}", r.loss_reads_per_step <= LOSS_READ_GOAL)
@@ -186,13 +221,17 @@ def goal_lines(table: list[Row], device: str) -> list[str]:
 
 def sync_site_lines(table: list[Row], most: int = 4) -> list[str]:
     """Where the synchronisations of each row with some besides the loss read-back's
-    came from."""
+    came from, by either witness."""
     lines = []
     for r in table:
         if r.syncs_per_step:
             lines.append(f"synchronisations of {r.label} (all ranks' timed steps):")
             lines += [f"  {count:5d}  {site}" for site, count in
                       sorted(r.sync_sites.items(), key=lambda item: -item[1])[:most]]
+        if r.blocking_per_step:
+            lines.append(f"blocking CUDA calls of {r.label} (all ranks' profiled steps):")
+            lines += [f"  {count:5d}  {site}" for site, count in
+                      sorted(r.blocking_sites.items(), key=lambda item: -item[1])[:most]]
     return lines
 
 
@@ -200,8 +239,12 @@ FOOTNOTES = (
     "ms/step: the median over ranks of each rank's median window; x plain: over the plain "
     "loop's step (1 process alone, or the ranks sharing the device); MB/step: what a "
     "worker feeds into collectives per step (DDP: its gradients; Ripples: ripples run's "
-    "bytes_per_worker_step, warm-up included); syncs/step: host-device synchronisations, "
-    "the loss read-back's apart; bookkeeping: Ripples' own time in opt.step() "
+    "bytes_per_worker_step, warm-up included); syncs/step: host-device synchronisations "
+    "seen by torch's sync debug mode, the loss read-back's apart; blocking/step: blocking "
+    "CUDA runtime calls (stream, event and device synchronisations, synchronous copies) "
+    "inside a profiled window's steps (torch.profiler), the loss read-back's apart; host "
+    "ms in step(): the host thread's time inside optimizer.step() (a wait on a collective "
+    "included; DDP all-reduces in backward); bookkeeping: Ripples' own time in opt.step() "
     "(StepTimes.other_seconds) as a share of the step.",
     "H=N bf16: --local-steps N --outer-optimizer nesterov --outer-compression bf16 (bf16 "
     "on the wire needs the outer optimizer; the models travel in float32, the outer "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 34's checks on a lent GPU machine, in one call (docs/gpu.md, "Checking on a GPU"):
+# The GPU checks on a lent GPU machine, in one call (docs/gpu.md, "Checking on a GPU"):
 # python -m ripples.bench.gpu (the goals' figures) first, then tests/gpu (marker gpu) for
 # whatever is left of the budget. Everything lands in $OUT as it is made.
 #
@@ -9,8 +9,11 @@
 #   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=560)
 #
 # BUDGET (seconds, default 540) bounds the whole script; BENCH_CONFIGS picks the bench's
-# rows (default: all); TESTS=0 skips the tests; DEVICE=cpu runs the bench on the CPU (a
-# rehearsal of the script where there is no GPU: the tests then skip).
+# rows (default: all) and BENCH_BUDGET its seconds (default 330, or all that is left with
+# TESTS=0); BENCH=0 skips the bench and TESTS=0 the tests (two calls, one each, fit the
+# device's per-call limit better than one); DEVICE=cpu runs the bench on the CPU (a
+# rehearsal of the script where there is no GPU: the tests then skip). The bench's work
+# dir stays outside $OUT (too big to come back); its table and JSON land in $OUT.
 set -u
 T0=$(date +%s)
 BUDGET=${BUDGET:-540}
@@ -32,11 +35,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/setup.tx
 'cuda', torch.cuda.is_available())") >> "$OUT/setup.txt" 2>&1 || { cat "$OUT/setup.txt"; exit 3; }
 cat "$OUT/setup.txt"
 
-(cd /tmp && timeout "$(( $(left) - 30 ))" python3 -m ripples.bench.gpu \
-    ${BENCH_CONFIGS:+--configs "$BENCH_CONFIGS"} ${DEVICE:+--device "$DEVICE"} --work-dir "$OUT/bench-gpu" \
-    --json "$OUT/bench-gpu.json") > "$OUT/bench-gpu.txt" 2>&1
-echo "bench: rc=$? after $(( $(date +%s) - T0 )) s"
-tail -25 "$OUT/bench-gpu.txt"
+if [[ ${BENCH:-1} != 0 ]]; then
+    # The bench's own budget: what the tests leave it (all that is left without them).
+    if [[ ${TESTS:-1} == 0 ]]; then bench_budget=$(( $(left) - 40 )); else bench_budget=330; fi
+    (cd /tmp && timeout "$(( $(left) - 30 ))" python3 -m ripples.bench.gpu \
+        ${BENCH_CONFIGS:+--configs "$BENCH_CONFIGS"} ${DEVICE:+--device "$DEVICE"} \
+        --budget-seconds "${BENCH_BUDGET:-$bench_budget}" --work-dir /tmp/bench-gpu \
+        --json "$OUT/bench-gpu.json") > "$OUT/bench-gpu.txt" 2>&1
+    echo "bench: rc=$? after $(( $(date +%s) - T0 )) s"
+    tail -30 "$OUT/bench-gpu.txt"
+fi
 
 if [[ ${TESTS:-1} != 0 && $(left) -gt 60 ]]; then
     # From /tmp too (the package from /tmp/rp, not the checkout's source folders); pytest

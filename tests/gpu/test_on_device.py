@@ -205,13 +205,16 @@ def test_the_gate_reads_a_gpu_flag_without_waiting_for_the_device() -> None:
     watch = NonfiniteWatch()
     watch.note(0, nonfinite_flag(values))  # the first note allocates its pinned slot
     assert watch.drain() is None
+    # Poisoned before the mode is set: writing a Python scalar into a CUDA tensor is itself
+    # a host-to-device copy, which the mode would count against the gate. Its flag is still
+    # computed (and its note taken) while the stream is busy, below.
+    poisoned = values.clone()
+    poisoned[12345] = float("nan")
     torch.cuda.set_sync_debug_mode("error")  # any host-device sync raises from here on
     try:
         torch.cuda._sleep(200_000_000)  # the stream is busy for a while: nothing is done
         watch.note(1, nonfinite_flag(values))
         assert watch.first_flagged() is None and watch.unread == 1  # not waited for
-        poisoned = values.clone()
-        poisoned[12345] = float("nan")
         watch.note(2, nonfinite_flag(poisoned))
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -65,6 +65,8 @@ def test_gpu_bench_on_the_cpu_prints_a_row_per_loop_with_numbers(tmp_path: Path)
                          proc.stdout, re.M), (label, proc.stdout)
         assert row["ms_per_step"] > 0 and row["ratio"] > 0
         assert row["syncs_per_step"] is None  # counted on a GPU only
+        assert row["blocking_per_step"] is None and not row["profiler_error"]
+        assert row["host_step_ms"] > 0
         if row["kind"] == "plain":
             assert row["ratio"] == 1.0 and row["bytes_per_step"] == 0
     p4 = 4 * sum(p.numel() for p in build_model(gpu.CPU_SETTINGS).parameters())
@@ -78,7 +80,10 @@ def test_gpu_bench_on_the_cpu_prints_a_row_per_loop_with_numbers(tmp_path: Path)
     for row in (smart, local):
         assert 0 <= row["bookkeeping"] < 1
     assert rows["1 process: ripples.Optimizer"]["bookkeeping"] is None  # nothing to sync
-    assert "goals (issue 34):" in proc.stdout
+    profiled = [m for o in json.loads(results.read_text())["outcomes"] for m in o["measured"]]
+    assert profiled and all(m["profiled_steps"] == gpu.CPU_SETTINGS.window_steps
+                            for m in profiled)  # every loop ran its profiled window
+    assert "goals:" in proc.stdout
     assert "Ripples' bookkeeping (goal < 3% of a step): 4 ranks: ripples-smart" in proc.stdout
 
 
