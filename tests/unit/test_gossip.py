@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
+from coordinator_simulation import PROPERTY_SETTINGS, Simulation, SimWorker
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_coordinator_core import PROPERTY_SETTINGS, Simulation, SimWorker
 
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.core import CoordinatorCore, CoordinatorError, Outcome
