@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: on CPU machines 2.13.0 resolves to the CPU wheel (see README).
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,peers]'
+	# setuptools' note on editable installs ("folders ... with the same name as your package
+	# may take precedence") does not apply: package-dir maps every package explicitly, and
+	# its finder serves ripples.* from the checkout's root too (the tests run from there).
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet -e '.[dev,peers]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -27,6 +30,7 @@ check: setup
 	$(BIN)/ruff check .
 	$(BIN)/python tools/typecheck.py
 	$(BIN)/python tools/layers.py --quiet
+	$(BIN)/python tools/house_rules.py --quiet
 
 test: check
 	$(BIN)/python -m pytest

@@ -1,5 +1,5 @@
 """What one synchronisation costs, by form: plain P-Reduce against the outer optimizer's
-forms, fp32 and bf16, beside a training step of the same model (issue 33).
+forms, fp32 and bf16, beside a training step of the same model.
 
 Every member builds the same Transformer LM (examples/transformer_lm.py's TinyGPT) once
 per form and averages it over the group, side by side in one run, interleaved round by

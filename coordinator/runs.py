@@ -4,7 +4,7 @@ Operators (`ripples submit / runs / status / stop / logs / checkpoint`), the das
 a shard's coordinator watching its root call it. Runs queue and one is active at a time
 (coordinator/run_queue.py); a run is named by its id, a unique prefix of one, or a unique
 name. A read-only token may call GetRunStatus, ListRuns, GetLogs and Consensus
-(ripples/security.py).
+(ripples/server_security.py).
 """
 
 from __future__ import annotations

@@ -31,9 +31,11 @@ from ripples.coordinator.service import CoordinatorService
 from ripples.coordinator.state_dir import StateDirLock, check_active_run, check_history
 from ripples.coordinator.worker_gateway import WorkerGateway
 from ripples.http_server import HttpEndpoint, bind
+from ripples.http_tokens import HttpTokenGate
 from ripples.loop_thread import LoopThreadService, serve_until_signal
 from ripples.rpc import SERVER_OPTIONS
-from ripples.security import SERVICES, HttpTokenGate, ServerSecurity
+from ripples.security import SERVICES
+from ripples.server_security import ServerSecurity
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -68,14 +70,14 @@ class ServerConfig:
     """With a state dir that holds a run: its workers are gone too (a total failure); a
     new set registers and continues their ranks (`ripples run --resume`)."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
-    """TLS and tokens of the gRPC service (ripples/security.py; default: neither)."""
+    """TLS and tokens of the gRPC service (ripples/server_security.py; default: neither)."""
 
 
 class Health:
     """gRPC health checking (grpc.health.v1): SERVING for the whole server ("") and for
     each of the coordinator's services while it serves, NOT_SERVING once it stops.
     Probes (Kubernetes' grpc probe, grpc_health_probe) need no token
-    (ripples/security.py)."""
+    (ripples/server_security.py)."""
 
     def __init__(self, server: grpc.aio.Server) -> None:
         from grpc_health.v1 import health, health_pb2_grpc

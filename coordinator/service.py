@@ -5,8 +5,9 @@ each call of the active run to it: coordinator/worker_gateway.py) and keeps the 
 background tasks: the lease reaper, the state saver, a shard's watch of its root. It
 owns the clock and the long-polls of membership (AwaitMembers, AwaitStart); the group
 stream (coordinator/sync_stream.py), the final average (coordinator/final_average.py),
-consensus collection (coordinator/consensus_collector.py) and the status view
-(coordinator/status_view.py) are its parts.
+consensus collection (coordinator/consensus_collector.py), the status view
+(coordinator/status_view.py), the saves of the run's state (coordinator/state_saver.py)
+and the phases the long-polls wait for (coordinator/run_phases.py) are its parts.
 
 All handlers run on one asyncio event loop, so the core is only ever touched by one
 coroutine at a time (the loop is the lock) and each handler's critical section is a
@@ -18,19 +19,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
-from ripples.coordinator import heap, run_graph, snapshot, status_view
+from ripples.coordinator import heap, run_graph, status_view
 from ripples.coordinator.consensus_collector import ConsensusCollector
 from ripples.coordinator.core import CoordinatorCore, CoordinatorError, Deliveries
 from ripples.coordinator.final_average import FinalAverage
 from ripples.coordinator.http import SdTargets
 from ripples.coordinator.metrics import CoordinatorMetrics
 from ripples.coordinator.root_watch import ROOT_POLL_SECONDS, RootWatch
-from ripples.coordinator.state_store import StateStore, StoreWriteError
+from ripples.coordinator.run_phases import RunPhases
+from ripples.coordinator.state_saver import StateSaver, refuse_unless_stored, save_interval
+from ripples.coordinator.state_store import StateStore
 from ripples.coordinator.sync_stream import SyncStreams
 from ripples.coordinator.wire import abort, peer_host, progress_from_proto, schema_from_proto
 from ripples.guarded import guarded_loop
@@ -39,22 +42,6 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-
-STATE_SAVE_SECONDS = 0.5
-"""How often the run's state is saved to the state dir besides membership changes (at
-up to SAVE_WORKERS workers; see save_interval)."""
-SAVE_WORKERS = 5_000
-"""Workers per STATE_SAVE_SECONDS of the state saver's interval: a save's rows cost
-O(workers) of the saver's thread (~1.5 s at 100,000 workers, which shares the
-interpreter with the event loop), so a larger run is saved less often."""
-
-
-def save_interval(num_workers: int) -> float:
-    """Seconds between two periodic saves of a run of `num_workers` workers: 0.5 s up to
-    5,000 workers, then 0.5 s more per 5,000 (10 s at 100,000). A restart loses at most
-    this much of the workers' progress reports, which their next reports restore;
-    membership changes are saved when they happen whatever the size."""
-    return STATE_SAVE_SECONDS * max(1.0, num_workers / SAVE_WORKERS)
 
 T = TypeVar("T")
 
@@ -86,24 +73,21 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         self.core = core
         self.state = state
         self.incarnation = incarnation
-        self._saving: asyncio.Lock | None = None
         self.store_host = store_host
         self.store_port = store_port
         self.clock = clock
-        self._members = asyncio.Event()  # the membership is formed (or the run stopped)
-        self._started = asyncio.Event()
-        self._stopped = asyncio.Event()
+        self.phases = RunPhases(core)
         self._reaper: asyncio.Task[None] | None = None
-        self._saver: asyncio.Task[None] | None = None
+        self._save_loop: asyncio.Task[None] | None = None
         self._root_watch: RootWatch | None = None
         self._root_task: asyncio.Task[None] | None = None
         self.stopped_at_root = False
         """A shard's run stopped because an operator stopped the root's (it ends as
         stopped, as a run an operator stopped here does)."""
-        self._restarts_seen = core.restarts
         self.metrics = CoordinatorMetrics(core, clock)
         self.metrics_address = ""  # the coordinator's own HOST:PORT, set by the server
         self.metrics_targets: dict[int, str] = {}  # worker id -> HOST:PORT
+        self.saver = StateSaver(core, state, clock, lambda: self.metrics_targets)
         self.sync = SyncStreams(core, clock=clock, metrics=self.metrics,
                                 resolve=self._resolve, suspect=self._suspect)
         self.final = FinalAverage(core, clock=clock)
@@ -115,8 +99,8 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         self._reaper = self._guarded("lease-reaper", self._reap_leases,
                                      max(0.05, self.core.settings.lease_seconds / 4))
         if self.state is not None:  # its failures are logged and retried (guarded)
-            self._saver = self._guarded("state-saver", self._save_or_raise,
-                                        save_interval(self.core.settings.num_workers))
+            self._save_loop = self._guarded("state-saver", self.saver.save_or_raise,
+                                            save_interval(self.core.settings.num_workers))
         root = self.core.settings.root
         if root:  # this run is one shard of a sharded job
             self._root_watch = RootWatch(root, self._stop_from_root)
@@ -133,43 +117,15 @@ class CoordinatorService(pb_grpc.WorkerServicer):
             guarded_loop(name, body, interval, on_error=errors.inc))
 
     async def save_state(self) -> None:
-        """Save the run's state to the state dir (if any). A save the disk refuses is
-        logged, and the state saver's next round (every save_interval, backing off
-        while it fails) tries again: the run goes on meanwhile."""
-        try:
-            await self._save_or_raise()
-        except StoreWriteError as err:
-            logger.error("%s; the state saver retries every %.1f s or more", err,
-                         save_interval(self.core.settings.num_workers))
-
-    async def _save_or_raise(self, only: Iterable[int] | None = None) -> None:
-        """Save the run's state (`only`: the run's keys and these workers' records, when
-        nothing else changed); StoreWriteError if the disk refuses. The snapshot's
-        values are copied on the loop (consistent: snapshot.capture), made into rows and
-        written off it; saves never overlap."""
-        if self.state is None:
-            return
-        if self._saving is None:
-            self._saving = asyncio.Lock()
-        async with self._saving:
-            captured = snapshot.capture(self.core, self.clock(), time.time(), only=only)
-            targets = dict(self.metrics_targets)
-            await asyncio.to_thread(self._write, self.state, captured, targets)
-
-    @staticmethod
-    def _write(state: StateStore, captured: snapshot.Captured,
-               targets: dict[int, str]) -> None:
-        """Make a captured snapshot's JSON rows and store those that changed (in the
-        saver's thread: at 100,000 workers this is seconds the event loop is not held)."""
-        data = captured.values()
-        data["metrics_targets"] = {str(k): v for k, v in targets.items()}
-        state.save(data)
+        """Save the run's state to the state dir, if any (a refused save is logged and
+        retried: StateSaver.save)."""
+        await self.saver.save()
 
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
-        if self._saver is not None:
-            self._saver.cancel()
+        if self._save_loop is not None:
+            self._save_loop.cancel()
         if self._root_task is not None:
             self._root_task.cancel()
         if self._root_watch is not None:
@@ -204,40 +160,16 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         self._resolve(deliveries)
         self.final.form(complete_only=True)
 
-    def _note_run_state(self) -> None:
-        """Wake the long-polls whose condition an event just made true (and re-arm them
-        when a restart round opened: registration and start happen again)."""
-        core = self.core
-        if core.restarts > self._restarts_seen:
-            self._restarts_seen = core.restarts
-            logger.warning("restart round %d: %s; every worker restarts from the last "
-                           "checkpoint", core.restarts, core.restart_reason)
-        if core.membership_formed or core.stopped:
-            self._members.set()
-        else:
-            self._members.clear()
-        if core.stopped:
-            self._stopped.set()
-        if core.started_at is not None and not self._started.is_set():
-            logger.info("all %d workers ready: training starts", len(core.live()))
-            note = core.start_models_note()
-            if note:
-                logger.warning("%s", note)
-            self._started.set()
-            heap.settle()
-        elif core.started_at is None and not core.stopped:
-            self._started.clear()
-
     def restored(self, metrics_targets: dict[int, str]) -> None:
         """The run was resumed from its saved state (a coordinator restart): its workers'
         metrics targets, and the long-polls armed as that state says."""
         self.metrics_targets = dict(metrics_targets)
-        self._note_run_state()
+        self.phases.note()
 
     def _resolve(self, deliveries: Deliveries) -> None:
         """An event changed the run: wake the long-polls it concerns, and hand each
         waiting worker the decision the core made for it."""
-        self._note_run_state()
+        self.phases.note()
         self.sync.deliver(deliveries)
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
@@ -253,8 +185,7 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         now = self.clock()
         core, registry = self.core, self.core.registry
         if self.state is not None:  # a disk that takes no write refuses it unchanged
-            await self._refuse_unless_stored(context, asyncio.to_thread(
-                self.state.check_writable))
+            await refuse_unless_stored(context, asyncio.to_thread(self.state.check_writable))
         await self._prepare_graph(request.host)
         formed, restarts = registry.formed, core.restarts
         worker_id = await self._call(context, lambda: core.register(
@@ -278,11 +209,11 @@ class CoordinatorService(pb_grpc.WorkerServicer):
             return True
 
         if alone:  # undone (its id handed out again) if the disk refuses it
-            await self._refuse_unless_stored(context, self._save_or_raise(only=[worker_id]),
-                                             undo)
+            await refuse_unless_stored(context, self.saver.save_or_raise(only=[worker_id]),
+                                       undo)
         else:  # too much changed to undo (the disk took a write just now): retried
             await self.save_state()
-        self._note_run_state()
+        self.phases.note()
         logger.info("registered worker %d (host %s, local rank %d, %s)",
                     worker_id, w.host, w.local_rank, w.device)
         return pb.RegisterReply(worker_id=worker_id, config=self.core.settings.to_proto(),
@@ -308,27 +239,6 @@ class CoordinatorService(pb_grpc.WorkerServicer):
                 run_graph.RankGraph.build, core.settings, len(nodes), nodes)
         except ValueError:
             return  # the forming stops the run, saying why
-
-    async def _refuse_unless_stored(self, context: grpc.aio.ServicerContext,
-                                    write: Awaitable[None],
-                                    undo: Callable[[], bool] = lambda: True) -> None:
-        """Await `write`; if the disk refuses it, `undo` and end the call (full:
-        RESOURCE_EXHAUSTED, a worker retries for its vacancy timeout; read-only or
-        failing: UNAVAILABLE), telling the client the cause and the operator (the log)
-        the file. A registration that can no longer be undone (another one formed the
-        membership with it meanwhile) stands, and the state saver retries its save."""
-        try:
-            await write
-        except StoreWriteError as err:
-            if not undo():
-                logger.error("%s; the registration stands (the membership formed with it) "
-                             "and the state saver retries", err)
-                return
-            logger.error("registration refused: %s", err)
-            await context.abort(
-                grpc.StatusCode[err.status],
-                f"{err.reason}: the registration was not stored, so it is refused (nothing "
-                "changed); the operator must free or fix the state dir's disk")
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatReply:
@@ -372,7 +282,7 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         await self._call(context, lambda: self.core.worker(request.worker_id))
         timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
         try:
-            await asyncio.wait_for(self._members.wait(), timeout)
+            await asyncio.wait_for(self.phases.members.wait(), timeout)
         except TimeoutError:
             live = len(self.core.live())
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
@@ -405,34 +315,25 @@ class CoordinatorService(pb_grpc.WorkerServicer):
         started = await self._call(context, lambda: self.core.mark_ready(
             request.worker_id, request.planned_iterations, self.clock(), schema,
             request.model_fingerprint))
-        self._note_run_state()
+        self.phases.note()
         if started:  # a restarted coordinator must know the run trains (not only 0.5 s later)
             await self.save_state()
         timeout = request.timeout_seconds if request.timeout_seconds > 0 else 60.0
         try:
-            await asyncio.wait_for(self._until_started_or_stopped(), timeout)
+            await asyncio.wait_for(self.phases.until_started_or_stopped(), timeout)
         except TimeoutError:
             live = self.core.live()
             ready = sum(w.ready for w in live)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, (
                 f"{len(live)} of {self.core.settings.num_workers} workers registered and "
                 f"{ready} ready within {timeout:.0f} s; start the missing workers"))
-        if self.core.stopped and not self._started.is_set():
+        if self.core.stopped and not self.phases.started.is_set():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the run stopped before training: {self.core.stop_reason}")
         replacement = self.core.worker(request.worker_id).replacement  # it heals instead
         return pb.AwaitStartReply(elapsed_seconds=self.core.elapsed(self.clock()),
                                   differing_ranks=() if replacement
                                   else self.core.start_differing_ranks)
-
-    async def _until_started_or_stopped(self) -> None:
-        waits = {asyncio.ensure_future(self._started.wait()),
-                 asyncio.ensure_future(self._stopped.wait())}
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in waits:
-                task.cancel()
 
     async def CheckSchema(self, request: pb.CheckSchemaRequest,
                           context: grpc.aio.ServicerContext) -> pb.CheckSchemaReply:

@@ -11,7 +11,7 @@ WAL mode with synchronous=NORMAL: a save is one transaction that a crash of the
 coordinator process never tears (the database is always at the previous or the new
 save); a power loss may lose the last saves, never the file. Saves happen at every
 membership change and twice a second otherwise (less often past 5,000 workers:
-service.save_interval, 10 s at 100,000), so a restart loses at most that much of the
+state_saver.save_interval, 10 s at 100,000), so a restart loses at most that much of the
 progress reports, which the workers' next reports restore. A save writes only the rows
 that changed since the last one: a registration stores the new worker's row and the run's
 changed keys, not every worker again (a whole rewrite took 54 ms per Register at 2,000

@@ -45,6 +45,7 @@ from fastapi.responses import (
 )
 from fastapi.staticfiles import StaticFiles
 
+from ripples.client_security import ClientSecurity, tls_mismatch
 from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.models import LossPoint, RunList, Snapshot, WorkerView
 from ripples.dashboard.sign_in import (
@@ -58,15 +59,9 @@ from ripples.dashboard.sign_in import (
 from ripples.dashboard.view import RunView, disconnected, to_json
 from ripples.guarded import guarded_loop
 from ripples.http_server import HEAD_TIMEOUT_SECONDS
+from ripples.http_tokens import HttpTokenGate, cookie_value, token_matches
 from ripples.rpc import aio_channel, describe_rpc_error, tls_suspected
 from ripples.run_records import agent_summary, summary
-from ripples.security import (
-    ClientSecurity,
-    HttpTokenGate,
-    cookie_value,
-    tls_mismatch,
-    token_matches,
-)
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from ripples.worker.client import CoordinatorCallError
 from ripples.worker.collective_watch import COLLECTIVES, describe_peers, explain_failure
-from ripples.worker.dataplane.outer_state import local_steps, next_multiple
+from ripples.worker.dataplane.local_rounds import local_steps, next_multiple
 from ripples.worker.protocol import ProtocolContext, SyncResult
 
 logger = logging.getLogger(__name__)

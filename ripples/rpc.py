@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from ripples.security import ClientSecurity
+from ripples.client_security import ClientSecurity
 
 ID_SPACE_BITS = 40
 """Group and comm ids of the coordinator's incarnation k (its k-th life, restarted from
@@ -48,7 +48,7 @@ SERVER_OPTIONS: list[tuple[str, int | str]] = [
 
 def coordinator_channel(target: str, security: ClientSecurity | None = None) -> grpc.Channel:
     """A blocking channel to the coordinator at HOST:PORT, with TLS and the token of
-    `security` (default: the environment's, ripples/security.py)."""
+    `security` (default: the environment's, ripples/client_security.py)."""
     security = security if security is not None else ClientSecurity.from_env()
     return security.channel(target, CHANNEL_OPTIONS)
 
@@ -77,7 +77,7 @@ def tls_refused(detail: object) -> bool:
 def tls_suspected(detail: object) -> bool:
     """Whether a failed call's detail is one that TLS set on one side only, or a
     certificate check, produces (a handshake failure, or a socket the server closed):
-    worth asking security.tls_mismatch before saying "unreachable". A network that
+    worth asking client_security.tls_mismatch before saying "unreachable". A network that
     drops packets (a timeout) or a port nobody listens on (refused) is not."""
     return tls_refused(detail) or "socket closed" in str(detail).lower()
 

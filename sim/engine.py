@@ -11,12 +11,13 @@ spec has no such model is not simulated.
 Every worker heartbeats (with its progress) at the run's interval and the lease reaper
 runs, as in the service, so the core's per-worker work is all there. The wall time of
 each core call is measured (this process is single-threaded: it is one core's time).
+The cores and the queues of RPCs in front of them are sim/coordinators.py; what the run
+measured, sim/summary.py.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import os
 import random
 import time
@@ -24,13 +25,14 @@ import tracemalloc
 from collections.abc import Callable
 
 from ripples.coordinator import heap
-from ripples.coordinator.config import MAX_ITERATIONS
 from ripples.coordinator.core import CoordinatorCore, GroupDecision, Outcome, Progress
 from ripples.coordinator.groups import GroupRecord
 from ripples.protocols.registry import get_protocol
 from ripples.sim.config import SimConfig, SimResult
+from ripples.sim.coordinators import ServiceQueues, build_cores
 from ripples.sim.models import ConsensusState, GroupSnapshot, SharedCores
 from ripples.sim.outer_step import OuterStep
+from ripples.sim.summary import summarize
 from ripples.sim.worker_model import SimulatedWorkers, SimWorker
 
 REAP_INTERVAL_SECONDS = 1.0
@@ -85,56 +87,20 @@ class Simulation:
         self.by_wid: list[dict[int, SimWorker]] = []
         """Per core: its worker ids' simulated workers."""
         self.root = -1  # the root core's index (sharded runs)
-        self.rpcs: list[int] = []  # per core: RPCs served
-        self._free_at: list[float] = []  # per core: when it is done with its queue
+        self.queues = ServiceQueues(0, config.service_seconds)
+        """The coordinators' queues of RPCs (sim/coordinators.py)."""
         self._releases: dict[int, tuple[int, int, int]] = {}  # queued: worker, group, core
         self._release_seq = 0
         self.protocol: SimulatedWorkers = simulation()(self)
         """The model of this protocol's workers (its package's sim.py)."""
 
     # ------------------------------------------------------------------ set-up
-    def _build_core(self, num_workers: int, iterations: int, hosts: list[int], *,
-                    root: bool = False) -> CoordinatorCore:
-        """A core with its workers (on `hosts`, one per worker) registered and ready,
-        training started at 0; `root`: the root core of a sharded run."""
-        cfg = self.config
-        core = CoordinatorCore(cfg.settings(num_workers, iterations, root=root), now=0.0)
-        k = cfg.workers_per_host
-        for i, host in enumerate(hosts):
-            core.register(f"h{host}", i % k, "cpu", i + 1, 0.0)
-        for w in core.live():
-            core.mark_ready(w.worker_id, iterations, 0.0)
-        if core.stopped:
-            raise ValueError(f"the simulated run cannot start: {core.stop_reason}")
-        return core
-
     def _setup(self) -> None:
-        cfg = self.config
-        k = cfg.workers_per_host
-        for s, ranks in enumerate(cfg.shard_ranks()):
-            core = self._build_core(len(ranks), cfg.iterations, [r // k for r in ranks])
-            by_rank = sorted(core.live(), key=lambda x: x.rank)
-            index: dict[int, SimWorker] = {}
-            for r, rec in zip(ranks, by_rank, strict=True):
-                w = SimWorker(r, rec.worker_id, r // k, s)
-                self.workers.append(w)
-                index[rec.worker_id] = w
-            self.cores.append(core)
-            self.by_wid.append(index)
-        self.workers.sort(key=lambda w: w.rank)
-        if cfg.shards > 1:  # the root: a core of the shards' heads (their first workers)
-            heads = [min(index.values(), key=lambda w: w.rank) for index in self.by_wid]
-            root = self._build_core(len(heads), MAX_ITERATIONS,  # no budget of its own
-                                    list(range(len(heads))), root=True)
-            self.root = len(self.cores)
-            index = {}
-            for head, rec in zip(heads, sorted(root.live(), key=lambda x: x.rank), strict=True):
-                head.root_wid = rec.worker_id
-                index[rec.worker_id] = head
-            self.cores.append(root)
-            self.by_wid.append(index)
-        self.rpcs = [0] * len(self.cores)
-        self._free_at = [0.0] * len(self.cores)
+        """The cores with their workers (sim/coordinators.py), and their queues."""
+        layout = build_cores(self.config)
+        self.workers, self.cores, self.by_wid = layout.workers, layout.cores, layout.by_wid
+        self.root = layout.root
+        self.queues = ServiceQueues(len(self.cores), self.config.service_seconds)
 
     @property
     def core(self) -> CoordinatorCore:
@@ -147,27 +113,6 @@ class Simulation:
     def _stopped(self) -> bool:
         """A shard that reached its budget ends the run (the shards advance together)."""
         return any(c.stopped for i, c in enumerate(self.cores) if i != self.root)
-
-    def _utilization(self) -> float:
-        """Of the busiest coordinator: its serving time until now over the run's time
-        (what it accepted but had not served by the stop does not count)."""
-        if not self.now or not self.config.service_seconds:
-            return 0.0
-        service = self.config.service_seconds
-        busy = [n * service - max(0.0, free - self.now)
-                for n, free in zip(self.rpcs, self._free_at, strict=True)]
-        return max(busy, default=0.0) / self.now
-
-    def _serve(self, core: int) -> float:
-        """One RPC at `core`: the seconds until it is answered (its queue, then its
-        service time; 0 without a service time)."""
-        self.rpcs[core] += 1
-        service = self.config.service_seconds
-        if not service:
-            return 0.0
-        done = max(self.now, self._free_at[core]) + service
-        self._free_at[core] = done
-        return done - self.now
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SimResult:
@@ -197,7 +142,7 @@ class Simulation:
         cfg = self.config
         own_loop = self.protocol.run()
         if own_loop is not None:
-            return self._result(own_loop, started)
+            return summarize(self, own_loop, started)
         for w in self.workers:
             self.protocol.start(w)
             # Heartbeats spread over one interval, as workers start at different moments.
@@ -225,7 +170,7 @@ class Simulation:
         stop_reason = stopped[0].stop_reason if stopped else (
             f"stalled: no stop within {cfg.max_sim_seconds:g} simulated seconds"
             if events else "stalled: no event left (every worker waits)")
-        return self._result(stop_reason, started)
+        return summarize(self, stop_reason, started)
 
     def sample_interval(self) -> float:
         """The curve's spacing: the run's expected length (unslowed) over `samples`."""
@@ -290,7 +235,7 @@ class Simulation:
         w.listen = listen
         if w.wait_since is None:
             w.wait_since = self.now
-        delay = self._serve(w.core_at)
+        delay = self.queues.serve(w.core_at, self.now)
         if delay:
             w.token += 1  # no timeout runs while the request is queued
             self._push(delay, _SERVED, w.rank, w.token)
@@ -406,7 +351,7 @@ class Simulation:
             w.in_group = False
             # The release goes on the worker's stream: the coordinator takes it when its
             # queue reaches it; the worker goes on without an answer.
-            delay = self._serve(at)
+            delay = self.queues.serve(at, self.now)
             if delay:
                 self._release_seq += 1
                 self._releases[self._release_seq] = (self._wid(w, at), group_id, at)
@@ -431,7 +376,7 @@ class Simulation:
         if w.token != token or w.done:
             return
         at = w.core_at
-        self._serve(at)
+        self.queues.serve(at, self.now)
         t0 = time.perf_counter()
         decision = self.cores[at].abandon_wait(self._wid(w, at), self.now)
         self.core_seconds["group"] += time.perf_counter() - t0
@@ -446,7 +391,7 @@ class Simulation:
             progress = self._progress(w, at)
             # A worker's heartbeat thread sends its next beat an interval after the
             # answer: a busy coordinator slows the beats down, as it does the requests.
-            answered = max(answered, self._serve(at))
+            answered = max(answered, self.queues.serve(at, self.now))
             t0 = time.perf_counter()
             deliveries = self.cores[at].heartbeat(self._wid(w, at), progress, self.now)
             self.core_seconds["heartbeat"] += time.perf_counter() - t0
@@ -465,53 +410,6 @@ class Simulation:
     def _on_sample(self, every: float) -> None:
         self.curve.append((self.now, self.model.distance()))
         self._push(every, _SAMPLE)
-
-    # ------------------------------------------------------------------ the result
-    def _result(self, stop_reason: str, started: float) -> SimResult:
-        cfg = self.config
-        workers = self.workers
-        total = sum(w.iteration for w in workers)
-        mean_iterations = total / len(workers)
-        compute = sum(w.compute_s for w in workers)
-        wait = sum(w.wait_s for w in workers)
-        comm = sum(w.comm_s for w in workers)
-        # Gossip's collectives overlap compute: its fractions are of compute + waits.
-        busy = compute + wait + (0.0 if self.protocol.comm_overlaps_compute else comm)
-        busy = busy or 1.0
-        group_core = self.core_seconds["group"]
-        heartbeat_core = self.core_seconds["heartbeat"]
-        self.curve.append((self.now, self.model.distance()))
-        half = [d for t, d in self.curve if t >= self.now / 2]
-        return SimResult(
-            protocol=cfg.protocol, workers=cfg.workers, scenario=cfg.compute.scenario,
-            stop_reason=stop_reason, sim_seconds=self.now, iterations=total,
-            seconds_per_epoch=(self.now / (mean_iterations / cfg.epoch_iterations)
-                               if mean_iterations else math.inf),
-            seconds_per_iteration=self.now / mean_iterations if mean_iterations else math.inf,
-            compute_fraction=compute / busy, wait_fraction=wait / busy,
-            comm_fraction=comm / busy,
-            compute_seconds_per_iteration=compute / total if total else 0.0,
-            wait_seconds_per_iteration=wait / total if total else 0.0,
-            comm_seconds_per_iteration=comm / total if total else 0.0,
-            averagings_per_iteration=sum(self.group_sizes) / total if total else 0.0,
-            bytes_per_worker_iteration=self.bytes_sent / total if total else 0.0,
-            conflict_fraction=self.num_waits / self.num_requests if self.num_requests else 0.0,
-            group_requests=self.num_requests, groups=len(self.group_sizes),
-            mean_group_size=(sum(self.group_sizes) / len(self.group_sizes)
-                             if self.group_sizes else 0.0),
-            core_seconds=sum(self.core_seconds.values()), group_core_seconds=group_core,
-            decisions_per_second=self.num_requests / group_core if group_core else 0.0,
-            heartbeats_per_second=(self.num_heartbeats / heartbeat_core
-                                   if heartbeat_core else 0.0),
-            core_bytes_per_worker=self.core_bytes_per_worker,
-            shards=cfg.shards,
-            coordinator_rpcs_per_second=max(self.rpcs, default=0) / self.now if self.now else 0.0,
-            coordinator_utilization=self._utilization(),
-            consensus_distance=self.model.distance(),
-            mean_consensus_distance=sum(half) / len(half),
-            optimum_gap=self.model.gap(),
-            consensus_curve=self.curve, wall_seconds=time.perf_counter() - started,
-            events=self.events)
 
 
 def simulate(config: SimConfig) -> SimResult:

@@ -63,7 +63,7 @@ from ripples.worker.checkpoint_content import (
     set_rng_state,
 )
 from ripples.worker.checkpoint_store import NumberedFiles, StoreExchange, agree_on_step
-from ripples.worker.dataplane.outer_state import local_steps, next_multiple
+from ripples.worker.dataplane.local_rounds import local_steps, next_multiple
 from ripples.worker.launch_env import CheckpointInterval
 from ripples.worker.optimizer import Optimizer
 from ripples.worker.sampler import DistributedSampler

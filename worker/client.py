@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from ripples.client_security import ClientSecurity, tls_mismatch
 from ripples.rpc import (
     CoordinatorCallError,
     coordinator_channel,
@@ -17,7 +18,6 @@ from ripples.rpc import (
     tls_refused,
     tls_suspected,
 )
-from ripples.security import ClientSecurity, tls_mismatch
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.collective_watch import end_if_stuck, end_process
@@ -45,7 +45,7 @@ class CoordinatorClient:
 
     def __init__(self, target: str, *, rpc_timeout_seconds: float = 10.0,
                  security: ClientSecurity | None = None) -> None:
-        """`security`: TLS and token (default: the environment's, ripples/security.py)."""
+        """`security`: TLS and token (default: the environment's, ripples/client_security.py)."""
         self.target = target
         self.rpc_timeout = rpc_timeout_seconds
         self.outage_seconds = 0.0

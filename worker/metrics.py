@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ripples.http_server import HEAD_TIMEOUT_SECONDS, connection_cap
-from ripples.security import wsgi_token_gate
+from ripples.http_tokens import wsgi_token_gate
 
 if TYPE_CHECKING:
     from ripples.worker.protocol import SyncResult
@@ -205,7 +205,7 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int, tokens: tuple[str, ...] = ()) -> int:
         """Start the HTTP endpoint (port 0: a free one), which asks for one of `tokens`
-        when given (the run's: ripples/security.py); returns the port."""
+        when given (the run's: ripples/http_tokens.py); returns the port."""
         app = wsgi_token_gate(make_wsgi_app(self.registry), tokens)
         try:
             server = make_server(host, port, app, _ThreadingServer, handler_class=_Quiet)

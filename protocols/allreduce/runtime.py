@@ -50,7 +50,8 @@ from ripples.protocols.lockstep import (
     explained_collective,
 )
 from ripples.worker.collective_watch import COLLECTIVES
-from ripples.worker.dataplane.outer_state import OuterState, local_steps
+from ripples.worker.dataplane.local_rounds import local_steps
+from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.dataplane.preduce import reduce_staged
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 

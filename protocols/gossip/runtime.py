@@ -41,11 +41,9 @@ from ripples.protocols.gossip.state import (
 from ripples.protocols.gossip.variants import VARIANTS
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.outer_state import (
-    OuterState,
-    heal_in_group,
-    local_steps,
-)
+from ripples.worker.dataplane.group_sync import heal_in_group
+from ripples.worker.dataplane.local_rounds import local_steps
+from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.dataplane.preduce import copy_from_donor
 from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocol import (

@@ -25,13 +25,9 @@ from ripples.rpc import ID_SPACE_BITS, CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.background import BackgroundAverage
 from ripples.worker.dataplane.communicators import Communicator
-from ripples.worker.dataplane.outer_state import (
-    OuterState,
-    average_in_group,
-    group_bytes,
-    heal_in_group,
-    local_steps,
-)
+from ripples.worker.dataplane.group_sync import average_in_group, group_bytes, heal_in_group
+from ripples.worker.dataplane.local_rounds import local_steps
+from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocol import (
     COORDINATOR_RETRY_SECONDS,

@@ -11,12 +11,9 @@ import time
 
 from ripples.protocols.lockstep import LockstepStop, explained_collective
 from ripples.static_schedule import static_group_of
-from ripples.worker.dataplane.outer_state import (
-    OuterState,
-    average_in_group,
-    group_bytes,
-    local_steps,
-)
+from ripples.worker.dataplane.group_sync import average_in_group, group_bytes
+from ripples.worker.dataplane.local_rounds import local_steps
+from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult
 
 

@@ -228,7 +228,7 @@ def add_server_security_arguments(parser: argparse.ArgumentParser) -> None:
 def export_client_security(args: argparse.Namespace) -> None:
     """Export a command's client security flags to the environment (for the clients it
     makes and the processes it starts) and check them; ValueError saying what is wrong."""
-    from ripples.security import ClientSecurity, export_client_flags
+    from ripples.client_security import ClientSecurity, export_client_flags
 
     export_client_flags(args.token_file, args.tls_ca, args.tls_client_cert,
                         args.tls_client_key)

@@ -31,7 +31,7 @@ from ripples.cli.run import add_run_arguments, run_option_dests, run_settings
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ripples.coordinator.server import ServerConfig, serve
-    from ripples.security import ServerSecurity
+    from ripples.server_security import ServerSecurity
 
     setup_logging(not args.quiet)
     if args.script:

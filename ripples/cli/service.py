@@ -10,22 +10,27 @@
 
 Each one talks to `--coordinator HOST:PORT` (default: $RIPPLES_COORDINATOR) with the
 client security flags (--token-file, --tls-ca, ...). RUN is a run id, a unique prefix of
-one, or a unique name.
+one, or a unique name. How runs read in a terminal: ripples/cli/run_views.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 from ripples.cli.arguments import add_client_security_arguments, add_coordinator_option
 from ripples.cli.run import SCRIPT_RUN_DEFAULTS, add_run_arguments, run_settings
+from ripples.cli.run_views import (
+    agents_table,
+    progress_line,
+    render_status,
+    runs_table,
+    status_json,
+    task_of,
+)
 from ripples.rpc import CoordinatorCallError
 from ripples.run_records import ENDED, agent_summary, printable, state_name, summary
 from ripples.v1 import coordinator_pb2 as pb
@@ -52,31 +57,6 @@ def _fail(command: str, err: Exception, code: int = 1) -> int:
     return code
 
 
-def _when(unix: float) -> str:
-    if not unix:
-        return "-"
-    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _duration(seconds: float) -> str:
-    if seconds <= 0 or not math.isfinite(seconds):
-        return "-"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
-def _table(rows: list[list[str]]) -> str:
-    rows = [[printable(cell) for cell in row] for row in rows]  # names come from clients
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)
-
-
-def _what(info: pb.RunInfo) -> str:
-    return info.task or " ".join(info.command) or "-"
-
-
 # ---------------------------------------------------------------------------- submit
 def cmd_submit(args: argparse.Namespace) -> int:
     script: list[str] = args.script
@@ -99,7 +79,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             where = ("starts now" if info.state == pb.RUN_STATE_RUNNING
                      else f"queued at place {info.queue_position}")
             print(printable(f"submitted run {info.run_id} ({info.name}): {info.protocol}, "
-                            f"{info.num_workers} workers, {_what(info)}; {where}"),
+                            f"{info.num_workers} workers, {task_of(info)}; {where}"),
                   flush=True)
         if not args.wait:
             return 0
@@ -116,7 +96,7 @@ def _wait(client, run_id: str, as_json: bool) -> int:  # type: ignore[no-untyped
     while True:
         status = client.run_status(run_id)
         info = status.run
-        line = (f"{state_name(info.state)}: {_progress(status)}" if info.state
+        line = (f"{state_name(info.state)}: {progress_line(status)}" if info.state
                 not in ENDED else "")
         if line and line != last:
             print(line, file=sys.stderr, flush=True)
@@ -130,18 +110,6 @@ def _wait(client, run_id: str, as_json: bool) -> int:  # type: ignore[no-untyped
                                                          if info.model_path else "")))
             return 0 if info.state == pb.RUN_STATE_FINISHED else 1
         time.sleep(WAIT_POLL_SECONDS)
-
-
-def _progress(status: pb.RunStatus) -> str:
-    live = [w for w in status.workers if status.stopped or w.state in (
-        pb.WORKER_STATE_REGISTERED, pb.WORKER_STATE_COMPUTING, pb.WORKER_STATE_WAITING,
-        pb.WORKER_STATE_REDUCING)]
-    if not status.started:
-        return f"{len(live)} of {status.config.num_workers} workers registered"
-    iterations = [w.iteration for w in live] or [0]
-    loss = f", loss {status.mean_loss:.4f}" if status.mean_loss else ""
-    return (f"{len(live)} workers, iterations {min(iterations)}-{max(iterations)}{loss}, "
-            f"{_duration(status.elapsed_seconds)}")
 
 
 # ---------------------------------------------------------------------------- runs
@@ -163,34 +131,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not listing.runs:
         print("no runs yet: `ripples submit` adds one")
     else:
-        rows = [["RUN", "NAME", "STATE", "PROTOCOL", "WORKERS", "SUBMITTED", "TRAINED",
-                 "LOSS", "STOP REASON"]]
-        for r in listing.runs:
-            state = state_name(r.state) + (f" #{r.queue_position}" if r.queue_position else "")
-            rows.append([r.run_id, r.name, state, r.protocol, str(r.num_workers),
-                         _when(r.submitted_at), _duration(r.elapsed_seconds),
-                         f"{r.mean_loss:.4f}" if r.mean_loss else "-", r.stop_reason or "-"])
-        print(_table(rows))
+        print(runs_table(listing.runs))
     if listing.agents:
         print()
-        rows = [["AGENT", "HOST", "SLOTS", "DEVICES", "RUN", "PROCESSES", "SEEN"]]
-        for a in listing.agents:
-            rows.append([str(a.agent_id), a.host + (" (draining)" if a.draining else ""),
-                         str(a.slots), ",".join(a.devices), a.run_id or "-",
-                         str(a.processes), f"{a.seen_seconds_ago:.0f}s ago"])
-        print(_table(rows))
+        print(agents_table(listing.agents))
     return 0
 
 
 # ---------------------------------------------------------------------------- status
-_WORKER_STATES = {v: k.removeprefix("WORKER_STATE_").lower()
-                  for k, v in pb.WorkerState.items()}
-_GONE = (pb.WORKER_STATE_LEFT, pb.WORKER_STATE_EXPIRED, pb.WORKER_STATE_FAILED)
-STATUS_MAX_WORKER_ROWS = 32
-"""`ripples status` lists every worker up to this many; past it, a count per state and
-this many rows (a terminal page at 1,000 workers)."""
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     try:
         client = _client(args)
@@ -210,69 +158,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(render_status(status))
     return 0
-
-
-def status_json(status: pb.RunStatus) -> dict[str, object]:
-    return {**summary(status.run), "started": status.started, "stopped": status.stopped,
-            "workers": [{"worker_id": w.worker_id, "rank": w.rank, "host": w.host,
-                         "local_rank": w.local_rank, "state": _WORKER_STATES[w.state],
-                         "iteration": w.iteration, "loss": w.loss, "error": w.error}
-                        for w in status.workers],
-            # `workers` lists the first 2,000 of them: RunStatus.num_worker_rows
-            "num_workers": max(status.num_worker_rows, len(status.workers)),
-            "loss_curve": [[p.seconds, p.loss] for p in status.loss_curve]}
-
-
-def render_status(status: pb.RunStatus) -> str:
-    """The terminal view of a run: what the dashboard's page shows, as text."""
-    info, cfg = status.run, status.config
-    lines = [f"run {info.run_id} ({info.name}): {state_name(info.state)}"]
-    what = info.task or " ".join(info.command)
-    lines.append(f"  {cfg.protocol}, {cfg.num_workers} workers, {what}")
-    lines.append(f"  submitted {_when(info.submitted_at)}, started {_when(info.started_at)}"
-                 + (f", ended {_when(info.ended_at)}" if info.ended_at else ""))
-    if info.state == pb.RUN_STATE_QUEUED:
-        lines.append(f"  queued: place {info.queue_position}")
-    else:
-        lines.append(f"  progress: {_progress(status)}")
-    if status.stop_reason or info.stop_reason:
-        lines.append(f"  stop reason: {info.stop_reason or status.stop_reason}")
-    if status.time_to_target_seconds >= 0:
-        lines.append(f"  target loss reached after {status.time_to_target_seconds:.1f} s")
-    if info.model_path:
-        lines.append(f"  model: {info.model_path}")
-    if status.num_groups_formed:
-        lines.append(f"  groups: {status.num_groups_formed} formed, {status.num_conflicts} "
-                     f"conflicts, {status.num_groups_cancelled} cancelled, "
-                     f"{status.num_groups_failed} failed")
-    if status.num_restarts:
-        lines.append(f"  restart rounds: {status.num_restarts}")
-    if status.num_worker_rows > len(status.workers):
-        lines.append(f"  workers sent: the first {len(status.workers)} of "
-                     f"{status.num_worker_rows} (a status lists at most "
-                     f"{len(status.workers)}); the rows below are of those")
-    if status.workers:
-        rows = [["RANK", "WORKER", "ID", "STATE", "ITERATION", "LOSS", "ERROR"]]
-        shown = sorted(status.workers, key=lambda w: (w.rank, w.worker_id))
-        if len(shown) > STATUS_MAX_WORKER_ROWS:  # the departed and furthest behind first
-            states = Counter(_WORKER_STATES[w.state] for w in shown)
-            lines.append("  workers: " + ", ".join(f"{n} {state}"
-                                                   for state, n in sorted(states.items())))
-            lines.append(f"  listed: {STATUS_MAX_WORKER_ROWS} of {len(shown)}, those that left "
-                         "or failed and those furthest behind first (--json lists every one sent)")
-            shown = sorted(shown, key=lambda w: (w.state not in _GONE, w.iteration,
-                                                 w.worker_id))[:STATUS_MAX_WORKER_ROWS]
-        for w in shown:
-            rows.append([str(w.rank), f"{w.host}/{w.local_rank}", str(w.worker_id),
-                         _WORKER_STATES[w.state], str(w.iteration),
-                         f"{w.loss:.4f}" if w.loss else "-", w.error or ""])
-        lines += ["", *("  " + r for r in _table(rows).splitlines())]
-    if status.loss_curve:
-        curve = status.loss_curve
-        picks = [curve[round(i * (len(curve) - 1) / 4)] for i in range(5)]
-        lines.append("")
-        lines.append("  loss: " + "  ".join(f"{p.seconds:.0f}s {p.loss:.4f}" for p in picks))
-    return "\n".join(map(printable, lines))  # one line each, whatever a name holds
 
 
 # ---------------------------------------------------------------------------- stop, logs
@@ -339,8 +224,9 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from ripples.client_security import ClientSecurity
     from ripples.rpc import CHANNEL_OPTIONS
-    from ripples.security import SERVICES, ClientSecurity
+    from ripples.security import SERVICES
 
     security = dataclasses.replace(ClientSecurity.from_env(), server_name=args.tls_server_name)
     channel = security.channel(args.coordinator, CHANNEL_OPTIONS)

@@ -1,4 +1,4 @@
-"""A worker's NaN in a real headless Chromium (issue 32): a heartbeat whose durations
+"""A worker's NaN in a real headless Chromium: a heartbeat whose durations
 are NaN and infinite, sent over raw gRPC, must not freeze the page at "connecting": it
 shows the run live, the bad numbers as dashes, and no script error."""
 

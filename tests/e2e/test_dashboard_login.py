@@ -16,7 +16,7 @@ from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
-from ripples.security import ServerSecurity
+from ripples.server_security import ServerSecurity
 from tests.pki import READ_TOKEN, TOKEN, Pki, make_pki
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

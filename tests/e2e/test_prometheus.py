@@ -265,9 +265,10 @@ def _variable_sources(dashboard: dict) -> list[tuple[str, str]]:
 def test_prometheus_scrapes_a_run_that_requires_a_token(tmp_path: Path) -> None:
     """A coordinator with a token guards /sd and /metrics, and its workers guard theirs
     with the same token: Prometheus, given the token file, discovers and scrapes them all."""
+    from ripples.client_security import ClientSecurity
     from ripples.coordinator.config import RunSettings
     from ripples.coordinator.server import CoordinatorServer, ServerConfig
-    from ripples.security import ClientSecurity, ServerSecurity
+    from ripples.server_security import ServerSecurity
 
     token = "5e1f0c2b7a9d4e3f8a6b1c0d2e4f6a8b"
     token_file = tmp_path / "prometheus.token"

@@ -1,4 +1,4 @@
-"""Hostile input to the dashboard (issue 32), each case replayed against a real coordinator
+"""Hostile input to the dashboard, each case replayed against a real coordinator
 and a real dashboard on loopback: a worker's NaN reaches no viewer, and the sign-in keeps
 the token out of its cookie, limits guesses and refuses other sites and host names.
 Each case asserts the refusal and that nothing changed (no cookie set, no session made)."""

@@ -1,4 +1,4 @@
-"""Hostile and clumsy input at the network edges (issue 32): HTTP clients that connect
+"""Hostile and clumsy input at the network edges: HTTP clients that connect
 and say nothing, unauthenticated calls with huge messages, clients whose TLS settings
 differ from the coordinator's, and TLS or token files that are the wrong thing. Each
 case against a real coordinator (a `ripples coordinator serve` process where the
@@ -24,11 +24,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ripples.client_security import ClientSecurity
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.http_server import HEAD_TIMEOUT_SECONDS, MAX_CONNECTIONS
 from ripples.rpc import CoordinatorCallError, coordinator_channel
-from ripples.security import ClientSecurity, ServerSecurity
+from ripples.server_security import ServerSecurity
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.client import CoordinatorClient

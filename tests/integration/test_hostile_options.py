@@ -1,4 +1,4 @@
-"""Hostile and clumsy run options, names and ports (issue 32): each case is replayed
+"""Hostile and clumsy run options, names and ports: each case is replayed
 against a real coordinator on loopback (and the real `ripples` CLI where the case is a
 command line), and each asserts the clear refusal AND that nothing changed: the run list
 is as it was and the service still answers."""

@@ -1,4 +1,4 @@
-"""Hostile and clumsy handling of the state dir (issue 32): a second coordinator on the
+"""Hostile and clumsy handling of the state dir: a second coordinator on the
 same dir, a history or run state emptied or deleted, a full disk under Register, a host
 name too long for a file name in PushLogs. Each case ends in a clear refusal that
 changes nothing stored, or is survived with nothing lost. Real `ripples coordinator

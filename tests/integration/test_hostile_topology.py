@@ -1,4 +1,4 @@
-"""Hostile topology input against a real coordinator (issue 32): a full-token holder
+"""Hostile topology input against a real coordinator: a full-token holder
 cannot make the coordinator open a file (its environment, its token) through a run's
 topology, nor freeze its event loop with a FIFO or a huge run. A real coordinator (TLS
 and a token, in this process) on loopback; raw gRPC and the real CLI."""
@@ -14,10 +14,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ripples.client_security import ClientSecurity
 from ripples.coordinator.config import MAX_WORKERS
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.rpc import CoordinatorCallError, coordinator_channel
-from ripples.security import RUNS_SERVICE, ClientSecurity, ServerSecurity
+from ripples.server_security import RUNS_SERVICE, ServerSecurity
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.client import CoordinatorClient

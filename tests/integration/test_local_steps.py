@@ -1,5 +1,5 @@
-"""Local steps and the outer optimizer on real workers (gloo) and a real coordinator
-(issue 33): `allreduce --local-steps H --outer-optimizer nesterov` is DiLoCo (arXiv
+"""Local steps and the outer optimizer on real workers (gloo) and a real coordinator:
+`allreduce --local-steps H --outer-optimizer nesterov` is DiLoCo (arXiv
 2311.08105), so its workers end with the model a single process computes from DiLoCo's
 definition over the same batches: K copies of the model, H AdamW steps each, then the
 outer Nesterov SGD step (torch's, as torchft's DiLoCo) on the mean pseudo-gradient.

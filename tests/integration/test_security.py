@@ -20,10 +20,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from ripples.client_security import ClientSecurity
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.rpc import CoordinatorCallError, aio_channel, coordinator_channel
-from ripples.security import ClientSecurity, ServerSecurity, read_secret
+from ripples.security import read_secret
+from ripples.server_security import ServerSecurity
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 from ripples.worker.client import CoordinatorClient

@@ -1,4 +1,4 @@
-"""Issue 32, a large run must not block the coordinator's event loop: its run status
+"""A large run must not block the coordinator's event loop: its run status
 lists the graph's edges only up to MAX_STATUS_EDGES (and says how many there are), and
 the graph of a run is built ahead, off the loop (run_graph.prepare), so that the
 registration that forms the membership only maps it to worker ids."""

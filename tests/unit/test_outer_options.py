@@ -1,4 +1,4 @@
-"""The run options of local steps and the outer optimizer (issue 33): their defaults are
+"""The run options of local steps and the outer optimizer: their defaults are
 today's run, their values are checked, they reach the workers in RunConfig, and a protocol
 whose runtime has no outer step refuses them at submission, saying why."""
 

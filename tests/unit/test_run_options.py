@@ -1,7 +1,7 @@
 """The one schema of run options (coordinator/config.py, protocols/settings.py): every
 field of a run and of every protocol's settings has a strict type and bounds, and the
 bounds fit the proto field that carries it to the workers (a value the proto cannot hold
-once wedged the service: issue 32)."""
+once wedged the service)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def test_a_status_lists_at_most_its_bound_of_rows_and_counts_them_all(
     """Past MAX_STATUS_WORKERS the status lists the first rows and says how many there
     are (and their mean iteration); a request for all of them gets every row, and the
     CLI says how many rows it was not sent."""
-    from ripples.cli.service import render_status
+    from ripples.cli.run_views import render_status
     from ripples.coordinator import status_view
     monkeypatch.setattr(status_view, "MAX_STATUS_WORKERS", 5)
     service = status_bench.training_service("ripples-smart", 12, run_seconds=10.0)

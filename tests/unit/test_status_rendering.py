@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ripples.cli.service import STATUS_MAX_WORKER_ROWS, render_status
+from ripples.cli.run_views import STATUS_MAX_WORKER_ROWS, render_status
 from ripples.v1 import coordinator_pb2 as pb
 
 

@@ -1,4 +1,4 @@
-"""Hostile topology input (issue 32): a run's topology arrives as edges, never as a path
+"""Hostile topology input: a run's topology arrives as edges, never as a path
 the coordinator would open; a bad edge list is refused naming the line or the pair and
 quoting no more than a short excerpt of it; sizes are bounded before anything is built.
 (tests/integration/test_hostile_topology.py replays the cases against a real coordinator

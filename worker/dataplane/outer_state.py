@@ -35,18 +35,8 @@ sends Δ (P values instead of 2P) and every member takes the identical outer ste
 sum.
 
 What travels (`stage`): the group form sends [φ̂ | rest | m̂], the same-anchor form
-[Δ | rest]. With outer momentum 0 the momentum is never used (m̂ = Δ is multiplied by μ =
-0), so m̂ is not sent. With `compression="bf16"` the gradient-like part travels in
-bfloat16, half the bytes, in a second SUM collective of its own: m̂ in the group form
-and Δ in the same-anchor form. The models and anchors (φ̂) and the rest always travel
-in float32: a model rounded to bfloat16 at every synchronisation would lose its low bits
-for good. Δ's rounding error is fed back (error feedback, EF-SGD): what rounding took
-off this synchronisation's Δ is added to the next one, so over the run every worker's
-progress arrives whole. The momentum's is not: m is a running mean that multiplies each
-rounding error by μ < 1 at every later synchronisation, so the error stays within
-2⁻⁹/(1 − μ) of m. Every member receives the same SUM, so anchors and momenta stay bitwise
-equal among members, compressed or not. The residual is not checkpointed: a resume loses
-at most one round's rounding, below 2⁻⁹ of that round's Δ.
+[Δ | rest]; with `compression="bf16"` the gradient-like part (m̂, or Δ with error
+feedback) travels apart in bfloat16 (worker/dataplane/gradient_wire.py).
 
 The anchor is taken at the first local step (`take_anchor`, called by ripples.Optimizer
 before the step), not when the optimizer is built: a script that loads weights into the
@@ -71,14 +61,11 @@ import torch
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
+from ripples.worker.dataplane.gradient_wire import GradientWire
 from ripples.worker.dataplane.nonfinite import void_if_flagged
-from ripples.worker.dataplane.preduce import copy_from_donor, copy_model, preduce, reduce_staged
+from ripples.worker.dataplane.preduce import copy_from_donor, reduce_staged
 
 logger = logging.getLogger(__name__)
-
-WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
-"""--outer-compression: the dtype the gradient-like part of a synchronisation travels in
-(None: the flat buffer's own, in one collective with the rest)."""
 
 
 class OuterState:
@@ -94,15 +81,11 @@ class OuterState:
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError(f"the outer step needs lr > 0 and 0 <= momentum < 1, got lr "
                              f"{lr:g} and momentum {momentum:g}")
-        if compression not in WIRE_DTYPES:
-            raise ValueError(f"outer compression must be one of {', '.join(WIRE_DTYPES)}, "
-                             f"got {compression!r}")
+        self.gradient_wire = GradientWire(compression, momentum)
+        """How the gradient-like part (m̂, or Δ in the same-anchor form) travels."""
         self.state = state
         self.lr = lr
         self.momentum_factor = momentum
-        self.wire_dtype = WIRE_DTYPES[compression]
-        """The dtype the gradient-like part (m̂, or Δ in the same-anchor form) travels in,
-        apart; None: in the flat buffer's, with the rest."""
         self.numel = sum(p.numel() for p in state.params)
         """The parameters' elements: the head of the flat buffer the outer step covers."""
         with torch.no_grad():
@@ -125,9 +108,6 @@ class OuterState:
         form; m̂ only when the momentum travels uncompressed)."""
         self._wire: torch.Tensor | None = None
         """The compressed part of a synchronisation (m̂, or Δ), or None."""
-        self.residual: torch.Tensor | None = None
-        """Error feedback: what bfloat16 rounding took off the Δ sent so far."""
-        self._pending_residual: torch.Tensor | None = None
         self._same_anchor = False
         self._flag_inline = True
         """Where the staged flag travels: last in the flat-dtype buffer, else last in the
@@ -145,6 +125,11 @@ class OuterState:
             return None
         return cls(state, lr=config.outer_lr, momentum=config.outer_momentum,
                    compression=config.outer_compression or "none")
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """Error feedback: what bfloat16 rounding took off the Δ sent so far."""
+        return self.gradient_wire.residual
 
     def take_anchor(self, seen: torch.Tensor | None = None) -> None:
         """Before a local step: anchor at the parameters as they are (or as `seen`, a
@@ -183,13 +168,13 @@ class OuterState:
         self._staged_steps = self.steps_since_sync
         flat, n = self.state.flat, self.numel
         rest = flat.numel() - n
-        self._flag_inline = self.wire_dtype is None or not same_anchor
-        body = n + rest + (n if self._momentum_travels(same_anchor) else 0)
+        self._flag_inline = self.gradient_wire.flag_inline(same_anchor)
+        body = n + rest + (n if self.gradient_wire.momentum_travels(same_anchor) else 0)
         size = body + (1 if self._flag_inline else 0)
         if self._staging is None or self._staging.numel() != size:
             self._staging = torch.empty(size, dtype=flat.dtype, device=flat.device)
         staged = self._staging
-        self._pending_residual = None
+        self.gradient_wire.pending_residual = None
         with torch.no_grad():
             flag = self.state.take_flag()
             head = staged[:n]
@@ -199,44 +184,14 @@ class OuterState:
                 self._provisional_step(head, moment, spend=self._staged_steps > 0)
             staged[n : n + rest].copy_(flat[n:])
             staged[:body].mul_(scale)
-            self._wire = self._compressed(head if same_anchor else moment, scale,
-                                          same_anchor=same_anchor,
-                                          flag=None if self._flag_inline else flag)
+            self._wire = self.gradient_wire.encode(
+                head if same_anchor else moment, scale, same_anchor=same_anchor,
+                stepped=self._staged_steps > 0, flag=None if self._flag_inline else flag)
             if self._flag_inline:
                 staged[body:].copy_(flag)
         self._same_anchor = same_anchor
         parts = [staged if self._flag_inline else staged[n:], self._wire]
         return [t for t in parts if t is not None and t.numel()]
-
-    def _momentum_travels(self, same_anchor: bool) -> bool:
-        """Whether m̂ is in the flat-dtype buffer (group form, momentum above 0, not
-        compressed)."""
-        return not same_anchor and self.momentum_factor > 0 and self.wire_dtype is None
-
-    def _compressed(self, values: torch.Tensor, scale: float, *, same_anchor: bool,
-                    flag: torch.Tensor | None = None) -> torch.Tensor | None:
-        """With compression, `values` (m̂ unscaled, or Δ already scaled) in bfloat16,
-        scaled, with `flag` after them when given; Δ with error feedback (the residual is
-        adopted at `commit`). None when nothing travels apart."""
-        if self.wire_dtype is None:
-            return None
-        if not same_anchor:
-            return (torch.mul(values, scale).to(self.wire_dtype)
-                    if self.momentum_factor > 0 else None)
-        wire = torch.empty(values.numel() + (0 if flag is None else 1),
-                           dtype=self.wire_dtype, device=values.device)
-        if flag is not None:
-            wire[-1:].copy_(flag)
-        if not self._staged_steps:  # nothing to send: the residual waits for a step
-            wire[: values.numel()].copy_(values)
-            return wire
-        if self.residual is None:
-            self.residual = torch.zeros_like(values)
-        fed = torch.add(values, self.residual, alpha=scale)  # (Δ + e) / |G|
-        rounded = wire[: values.numel()]
-        rounded.copy_(fed)
-        self._pending_residual = fed.sub_(rounded.to(fed.dtype)).div_(scale)
-        return wire
 
     def sent_bytes(self, *, same_anchor: bool = False, flag: bool = True) -> int:
         """The bytes a member feeds into one synchronisation (what `stage` returns): the
@@ -244,14 +199,8 @@ class OuterState:
         at momentum 0; the same-anchor form's Δ, in place of φ̂) in bfloat16 with
         compression, and the non-finite flag (one element of the buffer it ends; not
         `flag`: a gossip exchange, which carries none)."""
-        flat = self.state.flat
-        wire = (flat.dtype if self.wire_dtype is None else self.wire_dtype).itemsize
-        extra = 1 if flag else 0
-        if same_anchor:  # the flag after Δ, in its dtype
-            return ((flat.numel() - self.numel) * flat.element_size()
-                    + (self.numel + extra) * wire)
-        momentum = 0 if self.momentum_factor == 0 else self.numel * wire
-        return (flat.numel() + extra) * flat.element_size() + momentum
+        return self.gradient_wire.sent_bytes(self.state.flat, self.numel,
+                                             same_anchor=same_anchor, flag=flag)
 
     def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
                           spend: bool) -> None:
@@ -283,9 +232,7 @@ class OuterState:
                 delta = staged[:n]  # the group's Δ̄: every member steps identically
                 if wire is not None:
                     delta.copy_(wire[:n])
-                    if self._pending_residual is not None and self.residual is not None:
-                        void_if_flagged(flags, self.residual, self._pending_residual)
-                    self.residual = self._pending_residual
+                    self.gradient_wire.adopt_residual(flags)
                 momentum = torch.mul(self.momentum, self.momentum_factor).add_(delta)
                 delta.add_(momentum, alpha=self.momentum_factor)
                 anchor = torch.add(self.anchor, delta, alpha=-self.lr)
@@ -306,7 +253,7 @@ class OuterState:
             void_if_flagged(flags, flat[n:], rest)
             flat[:n].copy_(head)
             flat[n:].copy_(rest)
-        self._wire = self._pending_residual = None
+        self._wire = self.gradient_wire.pending_residual = None
         self.steps_since_sync -= self._staged_steps  # 0, but for steps taken since the stage
         self._staged_steps = 0
         self.anchored = True
@@ -340,7 +287,7 @@ class OuterState:
     def abandon(self) -> None:
         """Forget the staging buffers after a failed collective; nothing else changed (the
         error feedback's residual included: the Δ it belongs to is still unsent)."""
-        self._staging = self._wire = self._pending_residual = None
+        self._staging = self._wire = self.gradient_wire.pending_residual = None
 
     # ------------------------------------------------------------------ gossip
     def exchange(self, seen: torch.Tensor, comm: Communicator, timeout_seconds: float, *,
@@ -362,7 +309,7 @@ class OuterState:
         n, total = self.numel, seen.numel()
         scale = 1.0 / comm.size
         with torch.no_grad():
-            inline = self._momentum_travels(False)
+            inline = self.gradient_wire.momentum_travels(False)
             staged = torch.empty(total + (n if inline else 0), dtype=seen.dtype,
                                  device=seen.device)
             moment = staged[total:] if inline else torch.empty_like(seen[:n])
@@ -372,7 +319,7 @@ class OuterState:
                 old_anchor = None if spend else self.anchor.clone()
             staged[n:total].copy_(seen[n:])
             staged.mul_(scale)
-            wire = self._compressed(moment, scale, same_anchor=False)
+            wire = self.gradient_wire.encode(moment, scale, same_anchor=False)
         for part in (staged, wire):
             if part is not None:
                 comm.allreduce_sum_(part, timeout_seconds)
@@ -411,7 +358,7 @@ class OuterState:
             flat[:n].copy_(self.anchor)
             flat[n:model_numel].copy_(copied[2 * n :])
         self.anchored, self.in_agreement, self.steps_since_sync = True, False, 0
-        self.residual = None  # the rounding owed was on the old anchor's path
+        self.gradient_wire.residual = None  # the rounding owed was on the old anchor's path
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self, saved: object) -> None:
@@ -430,7 +377,7 @@ class OuterState:
         with torch.no_grad():
             self.momentum.zero_()
         self.anchored, self.in_agreement, self.steps_since_sync = False, False, 0
-        self.residual = None
+        self.gradient_wire.residual = None
 
     def state_dict(self) -> dict[str, Any]:
         """CPU copies of the anchor and momentum, the step count and the outer step's
@@ -462,18 +409,7 @@ class OuterState:
             self.momentum.copy_(saved["momentum"])
             self.steps_since_sync = int(saved["steps_since_sync"])
             self.anchored, self.in_agreement = True, False
-            self.residual = None  # not checkpointed (module docstring)
-
-
-def local_steps(config: pb.RunConfig) -> int:
-    """The run's H: a synchronisation every this many optimizer steps (a RunConfig built
-    by hand has 0: every step)."""
-    return max(1, config.local_steps)
-
-
-def next_multiple(step: int, every: int) -> int:
-    """The first multiple of `every` at or after `step` (a round's end, with every = H)."""
-    return -(-step // every) * every
+            self.gradient_wire.residual = None  # not checkpointed (gradient_wire.py)
 
 
 def outer_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float, *,
@@ -488,28 +424,3 @@ def outer_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float,
     momentum keep their local values."""
     reduce_staged(outer, outer.stage(1.0 / comm.size, same_anchor=same_anchor),
                   lambda staged: comm.allreduce_sum_(staged, timeout_seconds))
-
-
-def average_in_group(state: AveragedState, outer: OuterState | None, comm: Communicator,
-                     timeout_seconds: float) -> None:
-    """A group's synchronisation: with an outer optimizer the members' outer steps
-    (`outer_preduce`), otherwise their models (P-Reduce)."""
-    if outer is None:
-        preduce(state, comm, timeout_seconds)
-    else:
-        outer_preduce(outer, comm, timeout_seconds)
-
-
-def group_bytes(state: AveragedState, outer: OuterState | None) -> int:
-    """What a member feeds into `average_in_group`'s collective."""
-    return state.staged_bytes if outer is None else outer.sent_bytes()
-
-
-def heal_in_group(state: AveragedState, outer: OuterState | None, comm: Communicator,
-                  donor: int, timeout_seconds: float) -> None:
-    """A heal group: the joiner copies the donor's model; with an outer optimizer, its
-    anchor and momentum, and the model becomes the donor's anchor (`OuterState.heal`)."""
-    if outer is None:
-        copy_model(state, comm, donor, timeout_seconds)
-    else:
-        outer.heal(comm, donor, state.model_numel, timeout_seconds)

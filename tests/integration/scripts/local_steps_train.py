@@ -1,4 +1,4 @@
-"""A training script for the tests of local steps (issue 33), on the public API only: a
+"""A training script for the tests of local steps, on the public API only: a
 small MLP (with --batchnorm, a BatchNorm layer whose statistics are averaged too), AdamW,
 and batches that depend on (rank, step) alone, so that a test can replay every worker's
 steps in one process and compare (`batch`, `build_model`). With --checkpoint, a
