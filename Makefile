@@ -32,11 +32,16 @@ check: setup
 	$(BIN)/python tools/layers.py --quiet
 	$(BIN)/python tools/house_rules.py --quiet
 
+# The suite runs in TEST_PROCESSES parallel pytest processes (pytest-xdist): its tests
+# mostly start processes and wait on them, so one more than a 2-core machine's cores
+# keeps both busy. Each leak check looks at its own pytest process's children only.
+TEST_PROCESSES ?= 3
+
 test: check
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES)
 
 test-fast: check
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) -m "not slow"
 
 bench: setup
 	$(BIN)/python -m ripples.bench.preduce

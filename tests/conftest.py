@@ -1,4 +1,5 @@
-"""Fixtures shared by all test tiers: no test may leak a child process."""
+"""Fixtures and hooks shared by all test tiers: no test may leak a child process, and the
+long tests run first."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked `slow` first, each group in its collected order. Run in parallel
+    (`make test`: pytest-xdist), the processes then end on short tests together instead
+    of one waiting for another's last minute-long run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def _children() -> set[int]:

@@ -17,9 +17,13 @@ this process's id, so two test sessions never touch each other's interfaces.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 SUBNET_PREFIX = "10.231"
@@ -61,6 +65,19 @@ def _used_subnets() -> set[int]:
     return used
 
 
+@contextlib.contextmanager
+def _subnet_lock() -> Iterator[None]:
+    """An exclusive lock, across processes, on choosing a subnet (released on exit, also
+    when the process dies)."""
+    path = os.path.join(tempfile.gettempdir(), "ripples-netns-subnets.lock")
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @dataclass(frozen=True)
 class Host:
     """One simulated host: its namespace, its veth ends and its address."""
@@ -83,17 +100,20 @@ class NetnsCluster:
             raise NetnsUnavailable(reason)
         tag = f"rpl{os.getpid() % 100000}"
         self.bridge = f"{tag}br"
-        used = _used_subnets()
-        subnet = next(x for x in range(FIRST_SUBNET, 255) if x not in used)
-        self.subnet = f"{SUBNET_PREFIX}.{subnet}"
-        self.coordinator_address = f"{self.subnet}.1"
         self.hosts: list[Host] = []
         self._tag = tag
         self._made_bridge = False
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            self._made_bridge = True
-            _ip("addr", "add", f"{self.coordinator_address}/24", "dev", self.bridge)
+            # One cluster at a time picks its subnet: two test processes that read the
+            # used subnets together would both take the first free one.
+            with _subnet_lock():
+                used = _used_subnets()
+                subnet = next(x for x in range(FIRST_SUBNET, 255) if x not in used)
+                self.subnet = f"{SUBNET_PREFIX}.{subnet}"
+                self.coordinator_address = f"{self.subnet}.1"
+                _ip("link", "add", self.bridge, "type", "bridge")
+                self._made_bridge = True
+                _ip("addr", "add", f"{self.coordinator_address}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for _ in range(num_hosts):
                 self.add_host()

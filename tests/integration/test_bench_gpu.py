@@ -18,6 +18,8 @@ from helpers import wait_for
 from ripples.bench import gpu
 from ripples.bench.gpu_rank import build_model
 
+RANKS = 2
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -43,12 +45,14 @@ def _processes_naming(text: str) -> list[int]:
 @pytest.mark.slow
 def test_gpu_bench_on_the_cpu_prints_a_row_per_loop_with_numbers(tmp_path: Path) -> None:
     work, results = tmp_path / "work", tmp_path / "bench.json"
+    # Two ranks share the CPU (the GPU preset's four would test nothing more here).
     proc = subprocess.run([sys.executable, "-m", "ripples.bench.gpu", "--device", "cpu",
-                           "--work-dir", str(work), "--json", str(results)],
+                           "--workers", str(RANKS), "--work-dir", str(work),
+                           "--json", str(results)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert not _processes_naming(str(work))  # every rank, worker and coordinator ended
-    configs = gpu.configurations(4, gpu.LOCAL_STEPS["cpu"])
+    configs = gpu.configurations(RANKS, gpu.LOCAL_STEPS["cpu"])
     overlap = gpu.has_overlap()
     labels = ["1 process: plain", "1 process: ripples.Optimizer",
               *(c.label for c in configs.values() if c.kind != "single")]
@@ -70,11 +74,11 @@ def test_gpu_bench_on_the_cpu_prints_a_row_per_loop_with_numbers(tmp_path: Path)
         if row["kind"] == "plain":
             assert row["ratio"] == 1.0 and row["bytes_per_step"] == 0
     p4 = 4 * sum(p.numel() for p in build_model(gpu.CPU_SETTINGS).parameters())
-    assert rows["4 ranks: DDP"]["bytes_per_step"] == p4  # its gradients, every step
-    smart = rows["4 ranks: ripples-smart"]
+    assert rows[f"{RANKS} ranks: DDP"]["bytes_per_step"] == p4  # its gradients, every step
+    smart = rows[f"{RANKS} ranks: ripples-smart"]
     # At most a P-Reduce of the parameters, both AdamW moments and the flag every step.
     assert 0 < smart["bytes_per_step"] <= 3 * p4 + 4
-    local = rows[f"4 ranks: ripples-smart H={gpu.LOCAL_STEPS['cpu']} bf16"]
+    local = rows[f"{RANKS} ranks: ripples-smart H={gpu.LOCAL_STEPS['cpu']} bf16"]
     # Every H steps at most: the parameters in float32, the momentum in bfloat16, the flag.
     assert 0 < local["bytes_per_step"] <= (p4 + p4 // 2 + 4) / gpu.LOCAL_STEPS["cpu"]
     for row in (smart, local):
@@ -84,7 +88,8 @@ def test_gpu_bench_on_the_cpu_prints_a_row_per_loop_with_numbers(tmp_path: Path)
     assert profiled and all(m["profiled_steps"] == gpu.CPU_SETTINGS.window_steps
                             for m in profiled)  # every loop ran its profiled window
     assert "goals:" in proc.stdout
-    assert "Ripples' bookkeeping (goal < 3% of a step): 4 ranks: ripples-smart" in proc.stdout
+    assert ("Ripples' bookkeeping (goal < 3% of a step): "
+            f"{RANKS} ranks: ripples-smart") in proc.stdout
 
 
 def test_a_configuration_is_stopped_with_its_children_at_its_deadline_or_first_failure(
@@ -111,3 +116,12 @@ def test_a_configuration_is_stopped_with_its_children_at_its_deadline_or_first_f
     assert time.monotonic() - started < 60
     grandchild = int(hung_log.read_text())
     wait_for(lambda: not _alive(grandchild), "the other process's child to be killed", 10)
+
+
+def test_a_work_dir_holding_an_earlier_run_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "plain" / "results").mkdir(parents=True)  # an earlier run's configuration
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(["--device", "cpu", "--configs", "single,plain", "--work-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "already holds an earlier run's plain" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from helpers import REPO, ripples_cli, running_coordinator, start_worker
@@ -65,13 +66,14 @@ def test_serve_reports_a_port_in_use() -> None:
     assert "port in use" in proc.stderr
 
 
-def test_run_reports_a_dashboard_port_in_use() -> None:
+def test_run_reports_a_dashboard_port_in_use(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         proc = ripples_cli("run", "--workers", "2", "--dashboard", "--dashboard-port",
-                           str(port), "--quiet", timeout=120)
+                           str(port), "--output", str(tmp_path / "run"), "--quiet",
+                           timeout=120)
     assert proc.returncode == 1
     assert f"cannot listen for the dashboard on 127.0.0.1:{port}" in proc.stderr
     assert "--dashboard-port" in proc.stderr

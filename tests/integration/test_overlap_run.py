@@ -14,6 +14,11 @@ import pytest
 from helpers import REPO, ripples_cli
 
 WORKERS, STEPS, H = 3, 40, 2
+CHANCE = 0.1
+"""The digits task's accuracy by chance (10 classes)."""
+CLOSE_TOGETHER = 5.0
+"""Consensus distance under which the workers' models ended together (a tenth of what
+they reach without averaging)."""
 
 
 def _run(tmp_path: Path, protocol: str, *extra: str) -> dict[str, Any]:
@@ -37,9 +42,14 @@ def _check_landed(summary: dict[str, Any], protocol: str) -> None:
         assert landed == overlap["groups"], overlap
         assert 0 < overlap["lag_steps"] <= H * landed, overlap
         assert worker["request_count"] <= worker["iterations"] // H + 1, worker
-    # The models trained and ended together (the consensus model is the mean of theirs).
-    assert summary["final_accuracy"] > 0.5, summary["final_accuracy"]
-    assert summary["consensus_distance_final"] < 1.0, summary["consensus_distance_final"]
+    # The models trained (well above the 10 classes' chance) and ended together (the
+    # consensus model is the mean of theirs). Measured on this run: without averaging the
+    # workers end about 47 apart (squared, mean over workers), synchronous P-Reduces 0.14,
+    # late landings 0.4-0.6 on an idle machine and 1.0 on a loaded one; a landing that
+    # loses the group's mean or the steps taken meanwhile ends far above CLOSE_TOGETHER.
+    assert summary["final_accuracy"] > 3 * CHANCE, summary["final_accuracy"]
+    assert summary["consensus_distance_final"] < CLOSE_TOGETHER, \
+        summary["consensus_distance_final"]
 
 
 @pytest.mark.slow

@@ -28,6 +28,19 @@ from tests.pki import TOKEN, Pki, make_pki
 RIPPLES = [sys.executable, "-m", "ripples.cli"]
 
 
+UNBOUNDED_ITERATIONS = 10**9
+"""A run the test stops once it has seen what it checks: a budget used as a clock runs
+out early on a loaded machine, or long after the check on an idle one."""
+
+
+def _min_live_iteration(client: CoordinatorClient, run_id: str) -> int:
+    """The least iteration among a run's workers still in it (0 before any)."""
+    workers = [w for w in client.run_status(run_id).workers
+               if w.state not in (pb.WORKER_STATE_EXPIRED, pb.WORKER_STATE_FAILED,
+                                  pb.WORKER_STATE_LEFT)]
+    return min((w.iteration for w in workers), default=0)
+
+
 def _options(**changes: object) -> str:
     options: dict[str, object] = {"num_workers": 2, "task": "digits", "iterations": 50}
     options.update(changes)
@@ -283,20 +296,24 @@ def test_two_agents_run_two_submitted_runs_back_to_back_with_tls_and_a_token(
 
 
 # ---------------------------------------------------------------------------- agents' faults
-def _worker_pid(host: str, local_rank: int) -> int | None:
-    """The pid of the built-in runner worker an agent started for (host, local rank)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def _worker_pid(agent: subprocess.Popen[str], local_rank: int) -> int | None:
+    """The pid of the built-in runner worker `agent` started for `local_rank` (among its
+    own children: another test's processes are never looked at)."""
+    children = []
+    for task in Path(f"/proc/{agent.pid}/task").glob("*"):  # any of its threads may start one
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            children += (task / "children").read_text().split()
+        except OSError:
+            continue
+    for child in children:
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         words = [a.decode(errors="replace") for a in argv]
-        if ("--agent" not in words and "run" in words and "--host" in words
-                and words[words.index("--host") + 1] == host and "--local-rank" in words
+        if ("--agent" not in words and "run" in words and "--local-rank" in words
                 and words[words.index("--local-rank") + 1] == str(local_rank)):
-            return int(entry.name)
+            return int(child)
     return None
 
 
@@ -325,15 +342,15 @@ def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> 
     client = CoordinatorClient(server.address)
     agents = {h: _agent(server.address, h, tmp_path / h) for h in ("node-a", "node-b")}
     try:
-        run = client.submit_run(_options(num_workers=4, iterations=1500, lease_seconds=3.0,
-                                         heartbeat_interval_seconds=0.5))
+        run = client.submit_run(_options(num_workers=4, iterations=UNBOUNDED_ITERATIONS,
+                                         lease_seconds=3.0, heartbeat_interval_seconds=0.5))
 
         def training() -> bool:
             status = client.run_status(run.run_id)
             return status.started and min(w.iteration for w in status.workers) > 20
 
         wait_for(training, "training", 120)
-        victim = _worker_pid("node-a", 1)
+        victim = _worker_pid(agents["node-a"], 1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
 
@@ -346,10 +363,15 @@ def test_agents_restart_a_killed_worker_and_drain_on_sigterm(tmp_path: Path) -> 
         wait_for(replaced, "the replacement training", 120)
         assert _stop(agents["node-b"]) == 0
         assert "drained" in _agent_log(tmp_path / "node-b")
+        # The run goes on with node-a's two workers: then it is stopped.
+        drained_at = _min_live_iteration(client, run.run_id)
+        wait_for(lambda: _min_live_iteration(client, run.run_id) > drained_at + 10,
+                 "node-a's workers to train on", 120)
+        client.stop_run("trained on after the drain", run.run_id)
         wait_for(lambda: client.run_status(run.run_id).run.state != pb.RUN_STATE_RUNNING,
                  "the run's end", 180)
         status = client.run_status(run.run_id)
-        assert status.run.state == pb.RUN_STATE_FINISHED, status.run.stop_reason
+        assert status.run.state == pb.RUN_STATE_STOPPED, status.run.stop_reason
         assert server.service is not None  # the run's records, all five of them
         ended = {(w.host, w.local_rank, w.state.value) for w in
                  server.service.core.workers.values()}
@@ -416,7 +438,7 @@ def test_a_coordinator_killed_and_restarted_keeps_its_runs_agents_and_workers(
     client = CoordinatorClient(address)
     try:
         client.wait_until_reachable(60)
-        first = client.submit_run(_options(iterations=2500), name="first")
+        first = client.submit_run(_options(iterations=UNBOUNDED_ITERATIONS), name="first")
         client.submit_run(_options(iterations=50), name="second")
 
         def training() -> bool:
@@ -432,10 +454,16 @@ def test_a_coordinator_killed_and_restarted_keeps_its_runs_agents_and_workers(
         listing = client.list_runs()
         states = {r.name: r.state for r in listing.runs}
         assert states == {"first": pb.RUN_STATE_RUNNING, "second": pb.RUN_STATE_QUEUED}
+        # The first run trains on after the restart (its workers rode over the outage),
+        # then is stopped; the second runs to its budget.
+        resumed_at = _min_live_iteration(client, first.run_id)
+        wait_for(lambda: _min_live_iteration(client, first.run_id) > resumed_at + 10,
+                 "the first run to train on after the restart", 120)
+        client.stop_run("trained on after the restart", first.run_id)
         wait_for(lambda: all(r.state != pb.RUN_STATE_RUNNING and r.state != pb.RUN_STATE_QUEUED
                              for r in client.list_runs().runs), "both runs' end", 240)
         runs = {r.name: r for r in client.list_runs().runs}
-        assert runs["first"].state == pb.RUN_STATE_FINISHED, runs["first"].stop_reason
+        assert runs["first"].state == pb.RUN_STATE_STOPPED, runs["first"].stop_reason
         assert runs["second"].state == pb.RUN_STATE_FINISHED, runs["second"].stop_reason
         workers = client.run_status(first.run_id).workers
         assert len(workers) == 2 and all(w.state == pb.WORKER_STATE_LEFT for w in workers)
