@@ -346,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         plan_devices(args.workers, settings.torch_device, share_gpus=True)
     except ValueError as err:
         parser.error(str(err))
+    if args.work_dir is not None:
+        earlier = [n for n in names if (args.work_dir / n).exists()]
+        if earlier:  # its results would be read as this run's
+            parser.error(f"--work-dir {args.work_dir} already holds an earlier run's "
+                         f"{', '.join(earlier)}: give a new or empty directory")
     with tempfile.TemporaryDirectory(prefix="ripples-bench-gpu-") as tmp:
         work_dir = (args.work_dir or Path(tmp)).resolve()  # the processes' cwd is theirs
         cfg = GpuBenchConfig(settings=settings, configs=names, workers=args.workers,

@@ -40,7 +40,7 @@ if [[ ${BENCH:-1} != 0 ]]; then
     if [[ ${TESTS:-1} == 0 ]]; then bench_budget=$(( $(left) - 40 )); else bench_budget=330; fi
     (cd /tmp && timeout "$(( $(left) - 30 ))" python3 -m ripples.bench.gpu \
         ${BENCH_CONFIGS:+--configs "$BENCH_CONFIGS"} ${DEVICE:+--device "$DEVICE"} \
-        --budget-seconds "${BENCH_BUDGET:-$bench_budget}" --work-dir /tmp/bench-gpu \
+        --budget-seconds "${BENCH_BUDGET:-$bench_budget}" --work-dir "$(mktemp -d /tmp/bench-gpu.XXXX)" \
         --json "$OUT/bench-gpu.json") > "$OUT/bench-gpu.txt" 2>&1
     echo "bench: rc=$? after $(( $(date +%s) - T0 )) s"
     tail -30 "$OUT/bench-gpu.txt"
