@@ -38,7 +38,7 @@ check: setup
 TEST_PROCESSES ?= 3
 
 test: check
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --durations=10
 
 test-fast: check
 	$(BIN)/python -m pytest -n $(TEST_PROCESSES) -m "not slow"

@@ -6,7 +6,8 @@
 # The machine has Python 3.12 with torch, but not every package Ripples needs: carry them
 # as cp312 wheels in .whl/ (git-ignored; docs/gpu.md names them and the pip command).
 #
-#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#   run(command="BENCH=0 BUDGET=300 bash tools/gpu_check.sh", carry=[".whl"], timeout_s=330)
+#   run(command="TESTS=0 BUDGET=480 bash tools/gpu_check.sh", carry=[".whl"], timeout_s=510)
 #
 # BUDGET (seconds, default 540) bounds the whole script; BENCH_CONFIGS picks the bench's
 # rows (default: all) and BENCH_BUDGET its seconds (default 330, or all that is left with
