@@ -327,6 +327,13 @@ class Loop:
         if cuda:
             self.blocking_sites, self.loss_read_blocking_calls = count_blocking_calls(events)
 
+    def _blocking_calls(self) -> int | None:
+        """The profiled steps' blocking calls less the loss read-back's (None: not
+        counted)."""
+        if self.blocking_sites is None or self.loss_read_blocking_calls is None:
+            return None
+        return sum(self.blocking_sites.values()) - self.loss_read_blocking_calls
+
     def measured(self, rank: int, step_times: dict[str, float] | None = None) -> Measured:
         parameters = list(self.model.parameters())
         return Measured(
@@ -340,9 +347,7 @@ class Loop:
             syncs=self.counter.syncs, loss_read_syncs=self.counter.loss_reads,
             sync_sites=dict(self.counter.sites), step_times=step_times,
             step_host_seconds=self.step_host_seconds, profiled_steps=self.profiled_steps,
-            blocking_calls=(None if self.blocking_sites is None or self.loss_read_blocking_calls
-                            is None else sum(self.blocking_sites.values())
-                            - self.loss_read_blocking_calls),
+            blocking_calls=self._blocking_calls(),
             loss_read_blocking_calls=self.loss_read_blocking_calls,
             blocking_sites=dict(self.blocking_sites or {}),
             profiler_error=self.profiler_error)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ripples.bench.gpu_rank import Measured, RankSettings
@@ -82,6 +84,14 @@ class Row:
     profiler_error: str = ""
 
 
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """The ranks' counts by site, added up."""
+    total: Counter[str] = Counter()
+    for count in counts:
+        total.update(count)
+    return dict(total)
+
+
 def _row(label: str, kind: str, outcome: Outcome, measured: list[Measured], ranks: int,
          device: str) -> Row:
     """One loop's row from what its ranks measured (no ratio yet)."""
@@ -104,9 +114,7 @@ def _row(label: str, kind: str, outcome: Outcome, measured: list[Measured], rank
         steps = sum(m.timed_steps for m in measured)
         row.syncs_per_step = sum(m.syncs for m in measured) / steps
         row.loss_reads_per_step = sum(m.loss_read_syncs for m in measured) / steps
-        for m in measured:
-            for site, count in m.sync_sites.items():
-                row.sync_sites[site] = row.sync_sites.get(site, 0) + count
+        row.sync_sites = _summed(m.sync_sites for m in measured)
     timed = sum(m.timed_steps for m in measured)
     if timed:
         row.host_step_ms = 1e3 * sum(m.step_host_seconds for m in measured) / timed
@@ -118,9 +126,7 @@ def _row(label: str, kind: str, outcome: Outcome, measured: list[Measured], rank
         row.blocking_per_step = sum(m.blocking_calls or 0 for m in measured) / profiled
         row.loss_read_blocking_per_step = sum(
             m.loss_read_blocking_calls or 0 for m in measured) / profiled
-        for m in measured:
-            for site, count in m.blocking_sites.items():
-                row.blocking_sites[site] = row.blocking_sites.get(site, 0) + count
+        row.blocking_sites = _summed(m.blocking_sites for m in measured)
     times = [m.step_times for m in measured if m.step_times is not None]
     if times:
         other = sum(t["other_seconds"] for t in times) / sum(t["steps"] for t in times)
@@ -224,14 +230,15 @@ def sync_site_lines(table: list[Row], most: int = 4) -> list[str]:
     came from, by either witness."""
     lines = []
     for r in table:
-        if r.syncs_per_step:
-            lines.append(f"synchronisations of {r.label} (all ranks' timed steps):")
-            lines += [f"  {count:5d}  {site}" for site, count in
-                      sorted(r.sync_sites.items(), key=lambda item: -item[1])[:most]]
-        if r.blocking_per_step:
-            lines.append(f"blocking CUDA calls of {r.label} (all ranks' profiled steps):")
-            lines += [f"  {count:5d}  {site}" for site, count in
-                      sorted(r.blocking_sites.items(), key=lambda item: -item[1])[:most]]
+        for counted, title, sites in (
+                (r.syncs_per_step, "synchronisations of {} (all ranks' timed steps):",
+                 r.sync_sites),
+                (r.blocking_per_step, "blocking CUDA calls of {} (all ranks' profiled steps):",
+                 r.blocking_sites)):
+            if counted:
+                lines.append(title.format(r.label))
+                lines += [f"  {count:5d}  {site}"
+                          for site, count in Counter(sites).most_common(most)]
     return lines
 
 

@@ -18,6 +18,10 @@ from ripples.coordinator.core import CoordinatorCore
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
+UNBOUNDED_ITERATIONS = 10**9
+"""A budget out of reach, for a run that a test stops once it has seen what it checks: a
+budget used as a clock runs out early on a loaded machine, or long after the check on an
+idle one."""
 
 
 @contextmanager

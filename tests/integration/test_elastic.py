@@ -14,6 +14,7 @@ import torch
 
 from ripples.worker.client import CoordinatorClient
 from tests.integration.helpers import (
+    UNBOUNDED_ITERATIONS,
     finish,
     running_coordinator,
     start_three_then_a_fourth,
@@ -28,18 +29,9 @@ DEADLINE_SECONDS = 180
 
 
 
-UNBOUNDED_ITERATIONS = 10**9
-"""The runs here end when the test has seen what it waits for (a stop), never by a budget
-that a loaded machine could exhaust before a replacement has started up."""
-
-
 def _averaged_in_a_group(core, worker_id: int) -> bool:  # type: ignore[no-untyped-def]
     """Whether `worker_id` took part in a group of the policy (not a heal)."""
     return any(worker_id in g.members and g.heal_donor is None for g in core.recent_groups)
-
-
-def _stop(address: str, reason: str) -> None:
-    CoordinatorClient(address).stop_run(reason)
 
 
 @pytest.mark.parametrize("protocol", ["ripples-smart", "adpsgd", "a2cid2"])
@@ -91,7 +83,7 @@ def test_a_killed_worker_is_replaced_and_the_replacement_heals_and_averages(
             wait_for(lambda: joiner.progress.iteration > start_iteration
                      and _averaged_in_a_group(core, joiner.worker_id),
                      "the replacement to train and average in a group")
-            _stop(address, "the replacement healed and averaged")
+            CoordinatorClient(address).stop_run("the replacement healed and averaged")
             outputs = finish([workers[0], workers[2], replacement], DEADLINE_SECONDS)
         finally:
             for p in workers:
@@ -124,7 +116,7 @@ def test_a_run_grows_beyond_its_workers_up_to_max_workers(tmp_path) -> None:  # 
             assert joiner.rank == 3 and core.registry.size == 4
             wait_for(lambda: _averaged_in_a_group(core, joiner.worker_id),
                      "the joiner to average in a group")
-            _stop(server.address, "the joiner healed and averaged")
+            CoordinatorClient(server.address).stop_run("the joiner healed and averaged")
             outputs = finish(workers, DEADLINE_SECONDS)
         finally:
             for p in workers:

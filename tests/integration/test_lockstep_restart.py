@@ -23,6 +23,7 @@ import torch
 
 from ripples.worker.client import CoordinatorClient
 from tests.integration.helpers import (
+    UNBOUNDED_ITERATIONS,
     explained_on_failure,
     finish,
     running_coordinator,
@@ -35,7 +36,6 @@ pytestmark = pytest.mark.slow
 DEADLINE_SECONDS = 240
 SCRIPTS = Path(__file__).parent / "scripts"
 CHECKPOINT_EVERY = 40
-UNBOUNDED_ITERATIONS = 10**9
 
 
 def _stop_once_trained_on(core, address: str, reason: str) -> None:  # type: ignore[no-untyped-def]

@@ -37,7 +37,7 @@ import pytest
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from tests.integration.helpers import REPO
+from tests.integration.helpers import REPO, UNBOUNDED_ITERATIONS
 from tests.integration.netns import NetnsCluster, NetnsUnavailable
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,6 @@ START_TIMEOUT = 120.0
 """Imports of four torch processes on a loaded two-core machine."""
 EXIT_DEADLINE = 120.0
 CUT_HOST = 1
-UNBOUNDED_ITERATIONS = 10**9
 
 
 def _worker(status: pb.RunStatus, host: str) -> pb.WorkerStatus:

@@ -22,15 +22,10 @@ from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from tests.integration.helpers import REPO, ripples_cli, wait_for
+from tests.integration.helpers import REPO, UNBOUNDED_ITERATIONS, ripples_cli, wait_for
 from tests.pki import TOKEN, Pki, make_pki
 
 RIPPLES = [sys.executable, "-m", "ripples.cli"]
-
-
-UNBOUNDED_ITERATIONS = 10**9
-"""A run the test stops once it has seen what it checks: a budget used as a clock runs
-out early on a loaded machine, or long after the check on an idle one."""
 
 
 def _min_live_iteration(client: CoordinatorClient, run_id: str) -> int:
