@@ -69,6 +69,7 @@ class NetRun:
         self.cluster = cluster
         self.logs = logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.reaped: set[str] = set()  # exits the test waited for
         self.address = ""
         self.client: CoordinatorClient | None = None
 
@@ -131,7 +132,8 @@ class NetRun:
             status = self.status()
             if status is not None and condition(status):
                 return status
-            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            dead = [n for n, p in self.procs.items()
+                    if n not in self.reaped and p.poll() is not None]
             if time.monotonic() > deadline or dead:
                 why = f"{', '.join(dead)} exited" if dead else f"{timeout:.0f} s passed"
                 raise AssertionError(f"{why} while waiting for {what}\n{self.tails()}")
@@ -144,6 +146,7 @@ class NetRun:
         for name in names:
             try:
                 codes[name] = self.procs[name].wait(max(0.1, deadline - time.monotonic()))
+                self.reaped.add(name)  # an exit the test waited for, not a crash
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{name} did not exit within {timeout:.0f} s (a hang)\n"
                                      f"{self.tails()}") from None
@@ -289,8 +292,12 @@ def test_a_link_cut_longer_than_the_lease_expires_the_worker_which_then_exits(
                for line in failure), log[-3000:]
     # The replacement took the cut worker's rank, healed from a survivor and trains.
     rank = _worker(expired, cut_name).rank
+    # It reports the iteration it joined at before its first averaging, so its status
+    # alone cannot tell that it healed; its log says so once a survivor's model landed.
     run.wait_for(lambda s: _worker(s, "host1b").iteration > 0,
-                 "the replacement to train", START_TIMEOUT)
+                 "the replacement to register", START_TIMEOUT)
+    run.wait_for(lambda _: "healed from worker" in run.log("host1b"),
+                 "the replacement to heal from a survivor", START_TIMEOUT)
     run.stop("the replacement trains with the survivors")
     finishers = [*survivors, "host1b"]
     codes = run.wait_exit(finishers, EXIT_DEADLINE)
