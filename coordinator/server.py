@@ -13,7 +13,9 @@ tests).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
 from dataclasses import dataclass, field
 
@@ -33,6 +35,7 @@ from ripples.coordinator.worker_gateway import WorkerGateway
 from ripples.http_server import HttpEndpoint, bind
 from ripples.http_tokens import HttpTokenGate
 from ripples.loop_thread import LoopThreadService, serve_until_signal
+from ripples.netshape import entered
 from ripples.rpc import SERVER_OPTIONS
 from ripples.security import SERVICES
 from ripples.server_security import ServerSecurity
@@ -71,6 +74,11 @@ class ServerConfig:
     new set registers and continues their ranks (`ripples run --resume`)."""
     security: ServerSecurity = field(default_factory=ServerSecurity)
     """TLS and tokens of the gRPC service (ripples/server_security.py; default: neither)."""
+    netns: str = ""
+    """Serve workers that live in this network namespace (a name `ip netns` lists, e.g. a
+    shaped cluster's hub, ripples/netshape.py): the gRPC service and the rendezvous store
+    listen on `host` inside it, and the gRPC service and the metrics endpoint also on
+    127.0.0.1 in this process's own namespace, for local tools (`local_address`)."""
 
 
 class Health:
@@ -102,6 +110,8 @@ class Health:
 def _advertised(config: ServerConfig) -> str:
     if config.advertise_host:
         return config.advertise_host
+    if config.netns:  # an address inside the namespace: no name resolves to it
+        return config.host
     if config.host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
     return socket.gethostname()
@@ -116,6 +126,8 @@ class CoordinatorServer(LoopThreadService):
         super().__init__()
         self.config = config
         self.port = 0
+        self.local_port = 0
+        """With `netns`: the gRPC port on 127.0.0.1 in this process's namespace."""
         self.store_port = 0
         self.metrics_port = 0
         self.queue: RunQueue | None = None
@@ -140,6 +152,9 @@ class CoordinatorServer(LoopThreadService):
         import torch.distributed as dist  # heavy import, only when serving
 
         cfg = self.config
+        if cfg.netns and not os.path.exists(f"/run/netns/{cfg.netns}"):
+            raise OSError(f"no network namespace {cfg.netns!r} (`ip netns list` shows "
+                          "those there are)")
         history = RunHistory(cfg.state_dir or None)
         if cfg.state_dir:  # before anything is written: a refusal leaves the dir as it was
             try:
@@ -153,9 +168,14 @@ class CoordinatorServer(LoopThreadService):
         # workers of a resumed run learn it when they register).
         reuse = bool(cfg.state_dir) and not cfg.resume_workers
         store_port = cfg.store_port or (history.meta("store_port") if reuse else 0)
+        # Sockets opened in the workers' namespace stay there (ripples/netshape.py).
+        def in_workers_net() -> contextlib.AbstractContextManager[None]:
+            return entered(cfg.netns) if cfg.netns else contextlib.nullcontext()
+
         try:
-            self._store = dist.TCPStore(cfg.host, store_port, is_master=True,
-                                        wait_for_workers=False, use_libuv=True)
+            with in_workers_net():
+                self._store = dist.TCPStore(cfg.host, store_port, is_master=True,
+                                            wait_for_workers=False, use_libuv=True)
         except (RuntimeError, OSError) as err:
             history.close()
             raise OSError(f"cannot open the rendezvous store on {cfg.host}:{store_port}: "
@@ -176,13 +196,19 @@ class CoordinatorServer(LoopThreadService):
         health = Health(server)
         address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
         credentials = cfg.security.credentials()
-        try:
-            self.port = (server.add_secure_port(address, credentials) if credentials
-                         else server.add_insecure_port(address))
-        except RuntimeError as err:
-            raise OSError(f"cannot listen on {address}: {err}; is the port in use?") from err
-        metrics_socket = bind(cfg.host, cfg.metrics_port, what="metrics",
-                              option="--metrics-port")
+        def listen(address: str) -> int:
+            try:
+                return (server.add_secure_port(address, credentials) if credentials
+                        else server.add_insecure_port(address))
+            except RuntimeError as err:
+                raise OSError(f"cannot listen on {address}: {err}; is the port in use?"
+                              ) from err
+
+        with in_workers_net():
+            self.port = listen(address)
+        self.local_port = listen("127.0.0.1:0") if cfg.netns else self.port
+        metrics_socket = bind("127.0.0.1" if cfg.netns else cfg.host, cfg.metrics_port,
+                              what="metrics", option="--metrics-port")
         await server.start()
         app = build_app(lambda: queue.active.service.metrics.registry if queue.active else None,
                         queue.discovery)
@@ -191,7 +217,7 @@ class CoordinatorServer(LoopThreadService):
         self.metrics_port = http.port
         if self._lock is not None:  # a second coordinator's refusal names this one
             self._lock.note_address(self.address)
-        queue.metrics_address = f"{_advertised(cfg)}:{http.port}"
+        queue.metrics_address = self.metrics_address
         await http.start()
         try:
             await queue.start(cfg.run)
@@ -237,8 +263,15 @@ class CoordinatorServer(LoopThreadService):
         return f"{host}:{self.port}"
 
     @property
+    def local_address(self) -> str:
+        """Where a tool on this machine reaches the service: `address`, or with `netns`
+        its port on 127.0.0.1 in this process's namespace."""
+        return f"127.0.0.1:{self.local_port}" if self.config.netns else self.address
+
+    @property
     def metrics_address(self) -> str:
-        return f"{_advertised(self.config)}:{self.metrics_port}"
+        host = "127.0.0.1" if self.config.netns else _advertised(self.config)
+        return f"{host}:{self.metrics_port}"
 
 
 def serve(config: ServerConfig) -> int:
@@ -247,7 +280,9 @@ def serve(config: ServerConfig) -> int:
     run = config.run
     what = (f"protocol {run.protocol}, waiting for {run.num_workers} workers" if run
             else "no run yet: `ripples submit` adds one")
-    print(f"ripples coordinator listening on {server.address} ({what}); metrics and "
+    local = (f" in network namespace {config.netns}, and on {server.local_address} here"
+             if config.netns else "")
+    print(f"ripples coordinator listening on {server.address}{local} ({what}); metrics and "
           f"Prometheus discovery on http://{server.metrics_address}/sd", flush=True)
     return serve_until_signal(
         server, lambda: config.exit_when_done and server.run_finished())

@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               metrics_port=args.metrics_port,
                               advertise_host=args.advertise_host, run=run,
                               exit_when_done=args.exit_when_done, state_dir=args.state_dir,
-                              security=security)
+                              security=security, netns=args.netns)
         return serve(config)
     except (ValueError, OSError) as err:
         print(f"ripples coordinator serve: error: {err}", file=sys.stderr)
@@ -129,6 +129,10 @@ def add_coordinator_parser(coord_sub: argparse._SubParsersAction) -> None:
                             "(0: any free port; default: 9400)")
     serve.add_argument("--advertise-host", default="",
                        help="address workers use to reach the store (default: host name)")
+    serve.add_argument("--netns", default="", metavar="NAME",
+                       help="serve workers that live in network namespace NAME (`ip netns "
+                            "list`): listen on --host inside it, and on 127.0.0.1 (a port of "
+                            "its own, printed) here for local tools; docs/network.md")
     serve.add_argument("--state-dir", default="",
                        help="keep the runs in DIR (SQLite: DIR/history.db, the active "
                             "run's state and every run's logs under DIR/runs/); started "

@@ -34,6 +34,7 @@ from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.files import write_atomically
+from ripples.netshape import HUB_ADDRESS, LinkRate, NetworkUnavailable, ShapedCluster
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient
 from ripples.worker.devices import nccl_environment, plan_devices
@@ -78,6 +79,10 @@ class LocalRunConfig:
     GPU, unless `share_gpus`)."""
     share_gpus: bool = False
     """More workers than GPUs: worker i on GPU i mod G, each with its own NCCL_HOSTID."""
+    link_mbit: tuple[float | None, ...] = ()
+    """One rate per rank (Mbit/s each way; None: unshaped): when given, every worker runs
+    in a network namespace of its own, a host on a link of that rate, the coordinator on
+    an unshaped one (ripples/netshape.py). Empty: loopback."""
 
 
 def parse_slowdowns(specs: list[str], num_workers: int) -> dict[int, str]:
@@ -114,6 +119,8 @@ class LocalCluster:
         while the run trains (gossip protocols only: others report no estimate)."""
         self.interrupted = threading.Event()  # Ctrl-C seen: stop the run cleanly
         self._stop_sent = False
+        self.network: ShapedCluster | None = None
+        self.links: list[LinkRate] = []
 
     def _on_signal(self, signum: int, frame: object) -> None:
         """First Ctrl-C (or SIGTERM, SIGHUP): a flag the monitor loop acts on (an
@@ -130,22 +137,30 @@ class LocalCluster:
         # No final average: model.pt is the average of the saved models anyway, and the
         # summary reports how far apart they ended (consensus_distance_final).
         run = cfg.run.replace(final_average=False)
-        self.server = CoordinatorServer(ServerConfig(
-            host="127.0.0.1", port=0, run=run, state_dir=str(self._state_dir),
-            resume_workers=cfg.resume))
-        self.server.start()
-        assert self.server.config.run is not None  # the one-run form: it has a run
-        cfg.run = self.server.config.run  # resumed: the saved run's settings
-        client = CoordinatorClient(self.server.address)
-        dashboard = None
         previous_handlers = {}
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 previous_handlers[signum] = signal.signal(signum, self._on_signal)
         try:
+            self._start_network()
+            self.server = CoordinatorServer(ServerConfig(
+                host=HUB_ADDRESS if self.network else "127.0.0.1", port=0, run=run,
+                state_dir=str(self._state_dir), resume_workers=cfg.resume,
+                netns=self.network.hub if self.network else ""))
+            self.server.start()
+        except BaseException:
+            self._stop_network()
+            for signum, previous in previous_handlers.items():
+                signal.signal(signum, previous)
+            raise
+        assert self.server.config.run is not None  # the one-run form: it has a run
+        cfg.run = self.server.config.run  # resumed: the saved run's settings
+        client = CoordinatorClient(self.server.local_address)
+        dashboard = None
+        try:
             if cfg.dashboard_port is not None:
                 dashboard = DashboardServer(DashboardConfig(
-                    coordinator=self.server.address, host="127.0.0.1",
+                    coordinator=self.server.local_address, host="127.0.0.1",
                     port=cfg.dashboard_port)).start()
                 print(f"dashboard: {dashboard.url}", file=sys.stderr, flush=True)
             if cfg.progress:
@@ -161,7 +176,36 @@ class LocalCluster:
             self.server.stop()
             if dashboard is not None:  # after the coordinator: the page shows it went away
                 dashboard.stop()
+            self._stop_network()
         return self._summarise(status)
+
+    def _start_network(self) -> None:
+        """With link rates: the shaped cluster, one host per worker, each link measured
+        (printed with the progress; in summary.json's `network`)."""
+        cfg = self.config
+        if not cfg.link_mbit:
+            return
+        nodes = cfg.run.num_workers
+        if len(cfg.link_mbit) != nodes:
+            raise ValueError(f"{len(cfg.link_mbit)} link rates for {nodes} workers")
+        try:
+            self.network = ShapedCluster(nodes, cfg.link_mbit)
+        except NetworkUnavailable as err:
+            raise RuntimeError(f"--link-mbit: {err}") from err
+        if cfg.progress:
+            print(f"network: {nodes} hosts, each in a network namespace on a bridge; "
+                  "measuring their links ...", file=sys.stderr, flush=True)
+        self.links = self.network.measure_all(seconds=1.0)
+        if cfg.progress:
+            for link in self.links:
+                print(f"  {link.describe()}", file=sys.stderr, flush=True)
+
+    def _stop_network(self) -> None:
+        if self.network is None:
+            return
+        problems = self.network.destroy()
+        if problems:
+            logger.warning("the shaped network was not all removed: %s", "; ".join(problems))
 
     @property
     def _state_dir(self) -> Path:
@@ -208,7 +252,13 @@ class LocalCluster:
             argv = script_argv(cfg.script) or runner_argv(
                 env, cfg.run.task, quiet=cfg.worker_log_level > logging.INFO)
             child = launch_environment(env, rank=rank, world_size=cfg.run.num_workers)
-            child.update(nccl_environment(devices, rank, tag, loopback=True))
+            if self.network is None:
+                child.update(nccl_environment(devices, rank, tag, loopback=True))
+            else:  # its host's namespace, talking over its link
+                child.update(nccl_environment(devices, rank, tag, loopback=False))
+                interface = self.network.hosts[rank].ifname
+                child.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
+                argv = self.network.argv(rank, *argv)
             self.processes.start(f"worker rank {rank}", argv, child)
 
     def _monitor(self, client: CoordinatorClient) -> pb.RunStatus:
@@ -354,6 +404,9 @@ class LocalCluster:
                 if self.consensus_curve else None),
             "consensus_distance_curve": self.consensus_curve,
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
+            "network": ({"link_mbit": list(cfg.link_mbit),
+                         "measured": [dataclasses.asdict(link) for link in self.links]}
+                        if cfg.link_mbit else None),
             "workers": workers,
         }
         summary.update(self._protocol_summary(workers))

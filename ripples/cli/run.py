@@ -115,6 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         checkpoint: CheckpointOptions = dataclass_from_args(CheckpointOptions, args)
         checkpoint.validate()
         plan_devices(run.num_workers, args.device, share_gpus=args.share_gpus)  # fail early
+        link_mbit = link_rates(args.link_mbit, run.num_workers)
     except ValueError as err:
         print(f"ripples run: error: {err}", file=sys.stderr)
         return 2
@@ -125,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                             worker_log_level=logging.INFO if args.verbose else logging.WARNING,
                             script=tuple(script), checkpoint=checkpoint,
                             resume=args.resume, device=args.device,
-                            share_gpus=args.share_gpus)
+                            share_gpus=args.share_gpus, link_mbit=link_mbit)
     started = time.monotonic()
     try:
         summary = run_local(config)
@@ -137,6 +138,21 @@ def cmd_run(args: argparse.Namespace) -> int:
                          indent=2))
     print("\n".join(result_lines(summary, config.output, time.monotonic() - started)))
     return 130 if summary.get("stop_reason") == INTERRUPTED else 0
+
+
+def link_rates(specs: list[str], num_workers: int) -> tuple[float | None, ...]:
+    """`--link-mbit` values to one rate per worker (empty: no shaping, loopback); a
+    ValueError says why they cannot be used, also where namespaces cannot be made."""
+    if not specs:
+        return ()
+    from ripples.netshape import parse_link_rates, unavailable_reason
+
+    rates = parse_link_rates(specs, num_workers)
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"--link-mbit runs every host in a network namespace of its own, "
+                         f"which cannot be made here: {reason}")
+    return tuple(rates)
 
 
 def result_lines(summary: Mapping[str, Any], output: Path, command_seconds: float) -> list[str]:
@@ -193,6 +209,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="allow more workers than GPUs: worker i on GPU i mod G, each with "
                           "its own NCCL_HOSTID, talking over NCCL's sockets on loopback "
                           "(slower than one worker per GPU; docs/gpu.md)")
+    run.add_argument("--link-mbit", action="append", default=[], metavar="RATE|RANK:RATE",
+                     help="slow links: every worker in a network namespace of its own, a "
+                          "host on a link of RATE Mbit/s each way (tc tbf), the coordinator "
+                          "on an unshaped one; RANK:RATE sets one worker's link (repeat; "
+                          "later ones win). Needs root; docs/network.md")
     run.add_argument("--threads-per-worker", type=int, default=1,
                      help="torch threads per worker process (default: 1)")
     run.add_argument("--timeout-seconds", type=float, default=0.0,

@@ -34,6 +34,9 @@ from ripples.worker.client import CoordinatorClient
         (["--protocol", "lap-sgd", "--lpp-averaging", "gossip"], "unknown lpp_averaging"),
         (["--protocol", "lpp-sgd", "--epochs", "0", "--target-loss", "1"],
          "needs a budget of iterations or epochs"),
+        (["--link-mbit", "fast"], "the rate must be a number of Mbit/s"),
+        (["--link-mbit", "0"], "the rate must be above 0"),
+        (["--link-mbit", "7:10"], "'7' is not a host of this run (0 to 3)"),
     ],
 )
 def test_run_rejects_bad_input(args: list[str], message: str,

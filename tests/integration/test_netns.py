@@ -1,7 +1,8 @@
 """A worker whose link is cut and restored: three simulated hosts (network
-namespaces on a bridge, tests/integration/netns.py), a real coordinator process in the
-root namespace and a real `ripples worker run` process inside each host's namespace, gloo
-bound to the namespace's veth. Host 1's cable is pulled (its veth set down) and plugged
+namespaces on a bridge in a hub namespace, ripples/netshape.py), a real coordinator process
+serving the hub's address (`ripples coordinator serve --netns`, the test talking to it on
+its loopback port) and a real `ripples worker run` process inside each host's namespace,
+gloo bound to the namespace's veth. Host 1's cable is pulled (its veth set down) and plugged
 back in:
 
 - for less than the lease: a third of it, TCP retransmits and nothing fails; 7 s of a
@@ -34,11 +35,11 @@ from pathlib import Path
 
 import pytest
 
+from ripples.netshape import NetworkUnavailable, ShapedCluster
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
 from tests.integration.helpers import REPO, UNBOUNDED_ITERATIONS
-from tests.integration.netns import NetnsCluster, NetnsUnavailable
 
 pytestmark = pytest.mark.slow
 
@@ -62,10 +63,10 @@ def _worker(status: pb.RunStatus, host: str) -> pb.WorkerStatus:
 
 
 class NetRun:
-    """One run on the cluster: the coordinator in the root namespace, workers in host
+    """One run on the cluster: the coordinator serving the hub's address, workers in host
     namespaces; every process's output goes to a log file in `logs`."""
 
-    def __init__(self, cluster: NetnsCluster, logs: Path) -> None:
+    def __init__(self, cluster: ShapedCluster, logs: Path) -> None:
         self.cluster = cluster
         self.logs = logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -88,7 +89,7 @@ class NetRun:
         host = self.cluster.coordinator_address
         proc = self._start("coordinator", [
             sys.executable, "-m", "ripples.cli", "coordinator", "serve", "--host", host,
-            "--port", "0", "--metrics-port", "0", "--advertise-host", host,
+            "--port", "0", "--metrics-port", "0", "--netns", self.cluster.hub,
             "--workers", "3", "--min-workers", "2", "--protocol", "ripples-smart",
             "--task", "digits", "--seed", "1", "--iterations", str(iterations),
             "--lease-seconds", str(lease_seconds),
@@ -96,13 +97,14 @@ class NetRun:
             "--collective-timeout-seconds", str(COLLECTIVE_TIMEOUT_SECONDS),
             "--coordinator-outage-seconds", str(OUTAGE_SECONDS), "--exit-when-done"])
         deadline = time.monotonic() + START_TIMEOUT
-        while not (found := re.search(r"listening on [\d.]+:(\d+) ", self.log("coordinator"))):
+        listening = r"listening on [\d.]+:(\d+) in network namespace \S+, and on ([\d.:]+) here"
+        while not (found := re.search(listening, self.log("coordinator"))):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"the coordinator did not start:\n"
                                      f"{self.log('coordinator')[-3000:]}")
             time.sleep(0.1)
-        self.address = f"{host}:{found.group(1)}"
-        self.client = CoordinatorClient(self.address, rpc_timeout_seconds=5.0)
+        self.address = f"{host}:{found.group(1)}"  # the workers'
+        self.client = CoordinatorClient(found.group(2), rpc_timeout_seconds=5.0)
 
     def start_worker(self, i: int, name: str) -> None:
         host = self.cluster.hosts[i]
@@ -172,10 +174,10 @@ class NetRun:
 
 
 @pytest.fixture
-def cluster() -> Iterator[NetnsCluster]:
+def cluster() -> Iterator[ShapedCluster]:
     try:
-        net = NetnsCluster(3)
-    except NetnsUnavailable as err:
+        net = ShapedCluster(3)
+    except NetworkUnavailable as err:
         pytest.skip(f"network namespaces unavailable: {err}")
     try:
         yield net
@@ -185,7 +187,7 @@ def cluster() -> Iterator[NetnsCluster]:
 
 
 @pytest.fixture
-def run(cluster: NetnsCluster, tmp_path: Path) -> Iterator[NetRun]:
+def run(cluster: ShapedCluster, tmp_path: Path) -> Iterator[NetRun]:
     """A run on the cluster; its processes are killed (before the cluster is deleted)
     whatever the test's outcome."""
     net_run = NetRun(cluster, tmp_path)
@@ -216,7 +218,7 @@ def _start_training(run: NetRun, iterations: int, lease_seconds: float = LEASE_S
                                                         (15.0, 7.0)],
                          ids=["a-third-of-the-lease", "past-the-grpc-keepalive"])
 def test_a_link_cut_shorter_than_the_lease_is_ridden_over(
-        run: NetRun, cluster: NetnsCluster, lease_seconds: float, cut_for: float) -> None:
+        run: NetRun, cluster: ShapedCluster, lease_seconds: float, cut_for: float) -> None:
     cut_id = _start_training(run, iterations=UNBOUNDED_ITERATIONS, lease_seconds=lease_seconds)
     before = run.status()
     assert before is not None and not before.stopped
@@ -257,7 +259,7 @@ def test_a_link_cut_shorter_than_the_lease_is_ridden_over(
 # With a replacement on a fresh host: the same cut without one only skips the join (a run
 # that shrinks and finishes is test_elastic's and the chaos trials').
 def test_a_link_cut_longer_than_the_lease_expires_the_worker_which_then_exits(
-        run: NetRun, cluster: NetnsCluster) -> None:
+        run: NetRun, cluster: ShapedCluster) -> None:
     cut_name = f"host{CUT_HOST}"
     survivors = [f"host{i}" for i in range(3) if i != CUT_HOST]
     cut_id = _start_training(run, iterations=UNBOUNDED_ITERATIONS)
