@@ -23,6 +23,7 @@ from ripples.bench.matrix import (
     diloco_flags,
     takes_topology,
 )
+from ripples.bench.network import link_flags
 from ripples.bench.peers import PEERS
 from ripples.protocols.registry import PROTOCOLS
 from ripples.protocols.spec import Coordination
@@ -63,6 +64,18 @@ class RunRecord:
     others_seconds_per_iteration: float | None = None
     """Wall time over the iterations of an average worker that the scenario does not slow
     in every iteration (all workers in homogeneous and random scenarios)."""
+    compute_utilization: float | None = None
+    """Time in forward, backward and the optimizer over wall time, for an average worker
+    (compute seconds per iteration over seconds per iteration)."""
+    loss_curve_iterations: list[float] = field(default_factory=list)
+    """An average worker's iterations at each point of loss_curve."""
+    equal_steps: float | None = None
+    """The step count at which the runs of the same scenario and repeat are compared:
+    the fewest any of them reached (report.add_equal_step_losses)."""
+    loss_at_equal_steps: float | None = None
+    """The mean training loss when an average worker had taken equal_steps steps."""
+    network: str = "loopback"
+    """The links it ran on (HarnessConfig.network; "custom" with --link-mbit)."""
     bytes_per_worker_step: float | None = None
     """Bytes a worker fed into its synchronisations' collectives per optimizer step, all
     workers' over all their steps (summary.json's; None: not counted, or an older record).
@@ -97,7 +110,7 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
                "--protocol", base_protocol(protocol), *extra,
                "--target-loss", str(cfg.target_loss), "--seed", str(seed),
                "--output", str(out), "--timeout-seconds", str(cfg.run_timeout_seconds),
-               *scenario.slowdown_flags(cfg.workers)]
+               *scenario.slowdown_flags(cfg.workers), *link_flags(cfg.link_rates())]
     if cfg.task in SCRIPT_WORKLOADS:
         return [*command, "--", *SCRIPT_WORKLOADS[cfg.task], "--steps", str(cfg.max_steps),
                 "--seed", str(seed), "--batch-size", str(cfg.batch_size)]
@@ -120,7 +133,7 @@ def run_one(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int) 
     out = cfg.output / "runs" / f"{scenario.name}-{protocol}-{repeat}"
     summary = (peer_summary(cfg, scenario, protocol, repeat, out) if protocol in PEERS
                else run_summary(cfg, scenario, protocol, repeat, out))
-    return record_from_summary(summary, scenario, repeat, protocol)
+    return record_from_summary(summary, scenario, repeat, protocol, cfg.network_name)
 
 
 def peer_summary(cfg: HarnessConfig, scenario: Scenario, peer: str, repeat: int,
@@ -140,7 +153,7 @@ def peer_summary(cfg: HarnessConfig, scenario: Scenario, peer: str, repeat: int,
         max_epochs=cfg.max_epochs, max_steps=cfg.max_steps, target_loss=cfg.target_loss,
         slowdowns=scenario.slowdowns(cfg.workers),
         settings=dict(cfg.peer_settings.get(peer, {})), output=out,
-        timeout_seconds=cfg.run_timeout_seconds))
+        timeout_seconds=cfg.run_timeout_seconds, link_mbit=cfg.link_rates()))
 
 
 def run_summary(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: int,
@@ -162,7 +175,7 @@ def run_summary(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
 
 
 def record_from_summary(summary: dict, scenario: Scenario, repeat: int,
-                        protocol: str | None = None) -> RunRecord:
+                        protocol: str | None = None, network: str = "loopback") -> RunRecord:
     """One run's record from its summary.
 
     Args:
@@ -170,6 +183,7 @@ def record_from_summary(summary: dict, scenario: Scenario, repeat: int,
         scenario: Its scenario (which ranks it slows).
         repeat: The repeat's index.
         protocol: The matrix entry (a variant) when it is not the summary's protocol.
+        network: The links it ran on.
 
     Returns:
         The record, its ratios to allreduce not yet filled in.
@@ -181,14 +195,19 @@ def record_from_summary(summary: dict, scenario: Scenario, repeat: int,
     def per_iteration(key: str) -> float:
         return sum(w[key] for w in workers) / total
 
+    seconds_per_iteration = summary["wall_seconds"] / (total / len(workers))
     return RunRecord(
+        network=network,
+        compute_utilization=(per_iteration("compute_seconds") / seconds_per_iteration
+                             if seconds_per_iteration > 0 else None),
+        loss_curve_iterations=list(summary.get("loss_curve_iterations") or []),
         scenario=scenario.name, protocol=protocol or summary["protocol"], repeat=repeat,
         time_to_target_seconds=summary["time_to_target_seconds"],
         seconds_per_epoch=summary["seconds_per_epoch"],
         iterations_to_target=summary["iterations_to_target"],
         final_loss=summary["final_loss"], final_train_loss=summary["final_train_loss"],
         wall_seconds=summary["wall_seconds"],
-        seconds_per_iteration=summary["wall_seconds"] / (total / len(workers)),
+        seconds_per_iteration=seconds_per_iteration,
         compute_seconds_per_iteration=per_iteration("compute_seconds"),
         wait_seconds_per_iteration=per_iteration("wait_seconds"),
         preduce_seconds_per_iteration=per_iteration("preduce_seconds"),

@@ -57,8 +57,10 @@ from ripples.bench.matrix import (
     parse_peer_settings,
     takes_topology,
 )
+from ripples.bench.network import NETWORKS, SLOW_MBIT, UNEVEN_FAST_MBIT, print_links
 from ripples.bench.peers import PEERS
 from ripples.bench.report import (
+    add_equal_step_losses,
     add_speedups,
     format_markdown,
     format_table,
@@ -81,6 +83,7 @@ __all__ = [
     "HarnessConfig",
     "RunRecord",
     "Variant",
+    "add_equal_step_losses",
     "add_speedups",
     "base_protocol",
     "config_dict",
@@ -195,6 +198,7 @@ def run_matrix(cfg: HarnessConfig, finished: list[RunRecord] | None = None) -> l
                 records.append(rec)
                 ran += 1
     add_speedups(records)
+    add_equal_step_losses(records)
     return records
 
 
@@ -249,6 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-setting", action="append", default=[], metavar="PEER:KEY=VALUE",
                         help="a peer's knob instead of its tuned default (repeatable), e.g. "
                              "hivemind-local:target_batch_size=1024")
+    parser.add_argument("--network", choices=NETWORKS, default=defaults.network,
+                        help="the links every system's workers run on: loopback (default), "
+                             f"slow (every link {SLOW_MBIT:g} Mbit/s each way), uneven (every "
+                             f"link {UNEVEN_FAST_MBIT:g} Mbit/s, the last worker's "
+                             f"{SLOW_MBIT:g}); each worker a host in a network namespace of "
+                             "its own (root; docs/network.md)")
+    parser.add_argument("--link-mbit", action="append", default=[], metavar="RATE|RANK:RATE",
+                        help="any link rates over the preset's: RATE for every worker's, "
+                             "RANK:RATE for one (repeatable)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in OUTPUT/records.jsonl (an interrupted "
                              "bench with the same options) and run only the missing ones")
@@ -269,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         max_epochs=args.max_epochs or base.max_epochs, repeats=args.repeats or base.repeats,
         max_steps=args.max_steps,
         seed=args.seed, output=args.output, topology=args.topology, rate_com=args.rate_com,
-        peer_settings=peer_settings,
+        peer_settings=peer_settings, network=args.network, link_mbit=tuple(args.link_mbit),
     )
     if args.peers:
         cfg.protocols += tuple(installed_peers(exclude=cfg.protocols))
@@ -278,13 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         finished = load_finished(cfg) if args.resume else []
     except ValueError as err:
         parser.error(str(err))
+    print_links(cfg.link_rates())
     records = run_matrix(cfg, finished)
     rows = medians(records)
     print(format_markdown(rows) if args.markdown else format_table(rows))
     path = write_results(cfg, records, rows)
     from ripples.bench.plots import plot_iteration_split, plot_loss_curves
 
-    plots = [plot_loss_curves(records, cfg.output / "loss.png", cfg.target_loss),
+    plots = [plot_loss_curves(records, cfg.output / "loss.png", cfg.target_loss,
+                              title=f"network: {cfg.network_name}"),
              plot_iteration_split(rows, cfg.output / "iteration_split.png")]
     print(f"wrote {path}, {', '.join(str(p) for p in plots)}", file=sys.stderr)
     return 0

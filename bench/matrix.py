@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ripples.bench.network import network_rates
 from ripples.bench.peers import DILOCO_DEFAULTS, PEERS, missing_package
 from ripples.cli.arguments import scalar
 from ripples.coordinator.topology import TOPOLOGIES
@@ -147,6 +148,25 @@ class HarnessConfig:
     gossip protocol of the matrix."""
     peer_settings: dict[str, dict[str, object]] = field(default_factory=dict)
     """peer -> knob -> value, over the peer's tuned defaults (PEERS[peer].defaults)."""
+    network: str = "loopback"
+    """The links every system's workers run on: a preset of bench/network.py's NETWORKS
+    (loopback, slow, uneven)."""
+    link_mbit: tuple[str, ...] = ()
+    """`--link-mbit` values (RATE, RANK:RATE) over the preset's rates."""
+
+    def link_rates(self) -> tuple[float | None, ...]:
+        """One link rate per rank (Mbit/s; None: unshaped); empty on loopback.
+
+        Raises:
+            ValueError: an unknown preset, a malformed rate, or shaped links where
+                namespaces cannot be made.
+        """
+        return network_rates(self.network, self.link_mbit, self.workers)
+
+    @property
+    def network_name(self) -> str:
+        """The preset's name, or "custom" where --link-mbit changed its rates."""
+        return "custom" if self.link_mbit else self.network
 
     def validate(self) -> None:
         """Check the configuration before anything runs.
@@ -183,6 +203,7 @@ class HarnessConfig:
             raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
         if self.workers < 2 or self.repeats < 1 or self.target_loss <= 0 or self.max_epochs <= 0:
             raise ValueError("need workers >= 2, repeats >= 1, target_loss > 0, max_epochs > 0")
+        self.link_rates()
 
 
 # About 5 minutes here: two scenarios, one repeat, an easier target, and the baseline

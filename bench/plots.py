@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from ripples.bench.bench_run import RunRecord
 
 
-def plot_loss_curves(records: list[RunRecord], path: Path, target_loss: float) -> Path:
-    """Training loss vs wall time, one panel per scenario, one line per protocol (repeat 0)."""
+def plot_loss_curves(records: list[RunRecord], path: Path, target_loss: float,
+                     title: str = "") -> Path:
+    """Training loss vs wall time, one panel per scenario, one line per protocol (repeat 0);
+    `title` over the panels (the network the runs had)."""
     scenarios = list(dict.fromkeys(r.scenario for r in records))
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4.5 * len(scenarios), 3.6),
                              squeeze=False, sharey=True)
@@ -30,6 +32,8 @@ def plot_loss_curves(records: list[RunRecord], path: Path, target_loss: float) -
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean training loss")
     axes[0][-1].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -44,6 +44,34 @@ def add_speedups(records: list[RunRecord]) -> None:
             rec.throughput_vs_allreduce = rec.samples_per_second / base
 
 
+def _loss_at(record: RunRecord, steps: float) -> float | None:
+    """The record's mean training loss when an average worker had taken `steps` steps
+    (between two points of its curve: the straight line through them)."""
+    points = list(zip(record.loss_curve_iterations, (p[1] for p in record.loss_curve),
+                      strict=False))
+    for (i0, l0), (i1, l1) in zip(points, points[1:], strict=False):
+        if i0 <= steps <= i1:
+            return l0 if i1 == i0 else l0 + (l1 - l0) * (steps - i0) / (i1 - i0)
+    return points[-1][1] if points and points[-1][0] == steps else None
+
+
+def add_equal_step_losses(records: list[RunRecord]) -> None:
+    """Fill in every record's loss at equal steps, in place: in each scenario and repeat,
+    at the fewest steps any run of it reached (runs stop at the target, so a system
+    that needs more steps per unit of loss is compared where the others are too).
+
+    Args:
+        records: Every run's record (those without an iteration curve are left out).
+    """
+    for rec in records:
+        same = [r for r in records if (r.scenario, r.repeat) == (rec.scenario, rec.repeat)
+                and r.loss_curve_iterations]
+        if not rec.loss_curve_iterations or not same:
+            continue
+        rec.equal_steps = min(r.loss_curve_iterations[-1] for r in same)
+        rec.loss_at_equal_steps = _loss_at(rec, rec.equal_steps)
+
+
 def medians(records: list[RunRecord]) -> list[dict]:
     """The table's rows: medians over repeats.
 
@@ -62,7 +90,8 @@ def medians(records: list[RunRecord]) -> list[dict]:
                "preduce_seconds_per_iteration", "speedup_vs_allreduce",
                "consensus_distance_mean", "consensus_distance_final",
                "others_seconds_per_iteration", "samples_per_second",
-               "throughput_vs_allreduce", "bytes_per_worker_step"]
+               "throughput_vs_allreduce", "bytes_per_worker_step", "compute_utilization",
+               "equal_steps", "loss_at_equal_steps"]
     rows = []
     for scenario, protocol in keys:
         runs = [r for r in records if (r.scenario, r.protocol) == (scenario, protocol)]
@@ -91,6 +120,16 @@ def _fmt(value: object, spec: str) -> str:
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def _percent(value: object) -> str:
+    return "-" if value is None else f"{float(value):.0%}"  # type: ignore[arg-type]
+
+
+def _at_steps(row: dict) -> str:
+    """'LOSS@STEPS' of a row (the median loss at the median equal step count)."""
+    loss, steps = row.get("loss_at_equal_steps"), row.get("equal_steps")
+    return "-" if loss is None or steps is None else f"{loss:.3f}@{steps:.0f}"
 
 
 def format_bytes(value: object) -> str:
@@ -125,7 +164,7 @@ def format_table(rows: list[dict]) -> str:
     lines = [f"{'scenario':<12} {'protocol':<18} {'to target':>10} {'speedup':>8} "
              f"{'s/epoch':>8} {'vs homog':>8} {'others':>7} {'iters':>7} {'s/iter':>7} "
              f"{'compute':>8} {'wait':>6} {'preduce':>8} {'samples/s':>9} {'thruput':>7} "
-             f"{'bytes/step':>10}"
+             f"{'bytes/step':>10} {'util':>5} {'loss@steps':>12}"
              + (f" {'consensus':>10}" if gossip else "")]
     for row in rows:
         lines.append(
@@ -142,7 +181,9 @@ def format_table(rows: list[dict]) -> str:
             f"{_fmt(row['preduce_seconds_per_iteration'], '.3f'):>8} "
             f"{_fmt(row.get('samples_per_second'), '.0f'):>9} "
             f"{_ratio(row.get('throughput_vs_allreduce')):>7} "
-            f"{format_bytes(row.get('bytes_per_worker_step')):>10}"
+            f"{format_bytes(row.get('bytes_per_worker_step')):>10} "
+            f"{_percent(row.get('compute_utilization')):>5} "
+            f"{_at_steps(row):>12}"
             + (f" {_fmt(row.get('consensus_distance_mean'), '.3g'):>10}" if gossip else ""))
     return "\n".join(lines)
 
@@ -160,7 +201,7 @@ def format_markdown(rows: list[dict]) -> str:
     head = ["scenario", "protocol", "to target", "iterations", "s/iter", "compute", "wait",
             "P-Reduce", "speedup vs allreduce", "epoch time vs own homogeneous",
             "others' s/iter vs own homogeneous", "samples/s", "throughput vs allreduce",
-            "bytes per worker per step"]
+            "bytes per worker per step", "compute utilization", "loss at equal steps"]
     head += ["consensus distance (mean)"] if gossip else []
     lines = ["| " + " | ".join(head) + " |",
              "|---|---|" + "---:|" * (len(head) - 2)]
@@ -179,7 +220,8 @@ def format_markdown(rows: list[dict]) -> str:
                  _ratio(row.get("others_iteration_time_vs_homogeneous")),
                  _fmt(row.get("samples_per_second"), ".0f"),
                  _ratio(row.get("throughput_vs_allreduce")),
-                 format_bytes(row.get("bytes_per_worker_step"))]
+                 format_bytes(row.get("bytes_per_worker_step")),
+                 _percent(row.get("compute_utilization")), _at_steps(row)]
         if gossip:
             cells.append(_fmt(row.get("consensus_distance_mean"), ".3g"))
         lines.append("| " + " | ".join(cells) + " |")

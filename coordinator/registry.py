@@ -46,6 +46,7 @@ class Progress:
     checkpoint_step: int = 0  # the newest step it holds a checkpoint of (0: none)
     collective_wait_seconds: float = 0.0  # in its current collective (0: in none)
     preduce_bytes: int = 0  # fed into its synchronisations' collectives, cumulative
+    collective: str = ""  # its current collective, in words ("": in none)
 
 
 class _LiveState:

@@ -37,6 +37,11 @@ def peer_host(peer: str) -> str:
     return ""
 
 
+MAX_COLLECTIVE_CHARS = 200
+"""A worker's words for its current collective are kept up to this long (a status lists
+thousands of workers)."""
+
+
 def progress_from_proto(p: pb.Progress) -> Progress:
     """A worker's reported progress (a loss before the first iteration, or not finite,
     counts as none; a time that is not finite, or negative, as 0: a worker's bad number
@@ -52,6 +57,7 @@ def progress_from_proto(p: pb.Progress) -> Progress:
         checkpoint_step=p.checkpoint_step,
         collective_wait_seconds=_seconds(p.collective_wait_seconds),
         preduce_bytes=p.preduce_bytes,
+        collective=p.collective[:MAX_COLLECTIVE_CHARS],
     )
 
 
@@ -73,6 +79,7 @@ def progress_to_proto(p: Progress) -> pb.Progress:
         checkpoint_step=p.checkpoint_step,
         collective_wait_seconds=p.collective_wait_seconds,
         preduce_bytes=p.preduce_bytes,
+        collective=p.collective,
     )
 
 

@@ -63,6 +63,7 @@ from ripples.worker.checkpoint_content import (
     set_rng_state,
 )
 from ripples.worker.checkpoint_store import NumberedFiles, StoreExchange, agree_on_step
+from ripples.worker.collective_watch import rank_describer
 from ripples.worker.dataplane.local_rounds import local_steps, next_multiple
 from ripples.worker.launch_env import CheckpointInterval
 from ripples.worker.optimizer import Optimizer
@@ -336,7 +337,8 @@ class Checkpointer:
         assert session is not None and session.store is not None
         exchange = StoreExchange(session.store, f"ripples/checkpoint/{session.config.run_id}",
                                   worker.rank, worker.num_workers,
-                                  worker.env.start_timeout_seconds)
+                                  worker.env.start_timeout_seconds,
+                                  rank_describer(session.client))
         assert self._files is not None
         return agree_on_step(exchange, self._files.numbers(), self._files)  # type: ignore[no-any-return]
 

@@ -67,10 +67,13 @@ class StoreExchange:
     """Rounds in which every rank publishes a string and reads everyone's."""
 
     def __init__(self, store: dist.Store, prefix: str, rank: int, num_workers: int,
-                 timeout_seconds: float) -> None:
+                 timeout_seconds: float,
+                 describe: Callable[[list[int]], str] = lambda ranks: "") -> None:
         self.store, self.prefix = store, prefix
         self.rank, self.num_workers = rank, num_workers
         self.timeout = timeout_seconds
+        self.describe = describe
+        """What the given ranks are doing (a timed-out round says what held them)."""
 
     def round(self, name: str, value: str) -> list[str]:
         keys = [f"{self.prefix}/{name}/{r}" for r in range(self.num_workers)]
@@ -79,10 +82,13 @@ class StoreExchange:
             self.store.wait(keys, timedelta(seconds=self.timeout))
         except dist.DistStoreError:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            doing = self.describe(missing)
             raise TimeoutError(
-                f"restoring checkpoints: ranks {missing} did not answer ({name}) within "
-                f"{self.timeout:.0f} s; in a lock-step run every worker calls "
-                "Checkpointer.restore() before its first step") from None
+                f"restoring checkpoints: ranks {missing} did not reach the round ({name}) "
+                f"within {self.timeout:.0f} s (the start timeout)"
+                + (f"; they were: {doing}" if doing else "")
+                + "; in a lock-step run every worker calls Checkpointer.restore() before "
+                "its first step") from None
         return [self.store.get(k).decode() for k in keys]
 
     def publish(self, name: str, data: bytes) -> None:

@@ -24,8 +24,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
+from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
+
+if TYPE_CHECKING:  # the service commands import this module without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,12 @@ TIMEOUT_OPTION = (
 PEER_ERROR_CHARS = 300
 """A failed peer's error is quoted up to its first sentence, at most this long."""
 GONE_STATES = (pb.WORKER_STATE_FAILED, pb.WORKER_STATE_EXPIRED, pb.WORKER_STATE_LEFT)
+
+
+class StatusSource(Protocol):
+    """What can tell the run's status (a CoordinatorClient)."""
+
+    def run_status(self) -> pb.RunStatus: ...
 
 
 class CollectiveWatch:
@@ -114,6 +125,50 @@ def is_timeout(err: BaseException) -> bool:
     """The collective ran out of time (gloo: "Timed out waiting ...ms"), rather than
     failed (a peer's connection closed)."""
     return isinstance(err, TimeoutError) or "timed out" in str(err).lower()
+
+
+def megabytes(tensor: torch.Tensor) -> str:
+    """A tensor's size in words for a collective's description ("0.48 MB")."""
+    return f"{tensor.numel() * tensor.element_size() / 1e6:.3g} MB"
+
+
+def describe_ranks(status: pb.RunStatus | None, ranks: list[int]) -> str:
+    """What the workers of `ranks` were doing, as the coordinator last heard (for a
+    wait on them that ran out): gone and why, inside which collective and for how long,
+    or between steps; empty without a status."""
+    if status is None:
+        return ""
+    parts = []
+    # A rank's newest worker speaks for it (a replacement, not the one it replaced).
+    newest = {w.rank: w for w in sorted(status.workers, key=lambda w: w.worker_id)}
+    for w in sorted(newest.values(), key=lambda w: w.rank):
+        if w.rank not in ranks:
+            continue
+        name = f"rank {w.rank} (worker {w.worker_id}, host {w.host})"
+        if w.state in GONE_STATES:
+            state = pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
+            why = w.error.split(". ")[0][:PEER_ERROR_CHARS] if w.error else ""
+            parts.append(f"{name} {state}" + (f" ({why})" if why else ""))
+        elif w.progress.collective_wait_seconds > 0:
+            what = w.progress.collective or "a collective"
+            parts.append(f"{name} in {what} for {w.progress.collective_wait_seconds:.0f} s")
+        else:
+            parts.append(f"{name} not in a collective, at step {w.progress.iteration}")
+    missing = sorted(set(ranks) - set(newest))
+    if missing:
+        parts.append(f"ranks {missing} not registered with the coordinator")
+    return "; ".join(parts)
+
+
+def rank_describer(client: StatusSource) -> Callable[[list[int]], str]:
+    """`describe_ranks` of the coordinator's status at the moment of asking (what a
+    timed-out wait on some ranks calls to say what held them)."""
+    def describe(ranks: list[int]) -> str:
+        try:
+            return describe_ranks(client.run_status(), ranks)
+        except CoordinatorCallError as err:
+            return f"(the coordinator could not say: {err})"
+    return describe
 
 
 def describe_peers(status: pb.RunStatus | None, worker_id: int) -> str:

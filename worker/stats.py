@@ -68,6 +68,7 @@ class WorkerStats:
         """Progress for a heartbeat; the loss is the mean of the last LOSS_WINDOW iterations
         (NaN while none was reported: the coordinator then counts this worker as not having
         reported one, rather than at loss 0)."""
+        collective, waited = COLLECTIVES.waiting()
         with self.lock:
             return pb.Progress(
                 iteration=self.iteration, loss=self.smoothed_loss(),
@@ -75,6 +76,6 @@ class WorkerStats:
                 wait_seconds=self.wait_seconds, preduce_seconds=self.preduce_seconds,
                 planned_iterations=self.planned_iterations,
                 checkpoint_step=self.checkpoint_step,
-                collective_wait_seconds=COLLECTIVES.waiting()[1],
+                collective_wait_seconds=waited, collective=collective,
                 preduce_bytes=self.preduce_bytes,
             )

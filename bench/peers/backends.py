@@ -6,7 +6,9 @@ own loop: `zero_grad()` before the forward pass and `step()` after the backward 
 Each peer system's knobs come from `PEERS[name].defaults` (the tuning sweep's best,
 docs/benchmarks.md) with the run's overrides.
 
-Everything binds and connects to 127.0.0.1 only.
+Everything binds and connects to 127.0.0.1 only, or on a shaped network (every worker a
+host in a network namespace of its own, ripples/netshape.py) to the worker's own host
+address and the lighthouse's in the hub; nothing reaches beyond the machine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 from ripples.bench.peers.config import PeerRunFiles, PeerWorkerConfig
 from ripples.bench.peers.workloads import PeerWorkload
 from ripples.files import write_atomically
+from ripples.netshape import HUB_ADDRESS, ShapedCluster, entered
 
 RENDEZVOUS_TIMEOUT_SECONDS = 60.0
 """How long a worker waits for its peer system's first member, or a service, to appear."""
@@ -88,33 +91,37 @@ def tensor_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def start_service(peer: str, files: PeerRunFiles, settings: dict[str, Any]
+def start_service(peer: str, files: PeerRunFiles, settings: dict[str, Any],
+                  network: ShapedCluster | None = None
                   ) -> tuple[subprocess.Popen[bytes] | None, dict[str, str]]:
-    """The peer system's own service, if it has one, and how workers reach it."""
+    """The peer system's own service, if it has one, and how workers reach it: on
+    loopback, or on a shaped `network` in its hub (unshaped, as Ripples' coordinator)."""
     if peer not in ("torchft", "torchft-diloco"):
         return None, {}
-    port = free_port()
+    host, netns = (HUB_ADDRESS, network.hub) if network else ("127.0.0.1", "")
+    port = free_port(host, netns)
     log = (files.directory / "lighthouse.log").open("wb")
+    prefix = network.hub_argv() if network else []
     # min_replicas 1: a quorum forms from whoever is there after join_timeout_ms, so a
     # killed replica does not hold the others up (torchft's fault tolerance).
     lighthouse = subprocess.Popen(
-        [_lighthouse_binary(), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
+        [*prefix, _lighthouse_binary(), "--bind", f"{host}:{port}", "--min_replicas", "1",
          "--join_timeout_ms", str(int(settings["join_timeout_ms"])),
          "--quorum_tick_ms", str(int(settings["quorum_tick_ms"])),
          "--heartbeat_timeout_ms", str(int(settings["heartbeat_timeout_ms"]))],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_SECONDS
-    while not _port_open(port):
+    while not _port_open(host, port, netns):
         if lighthouse.poll() is not None:
             raise RuntimeError(f"torchft's lighthouse exited {lighthouse.returncode}: "
                                + (files.directory / "lighthouse.log").read_text()[-2000:])
         if time.monotonic() > deadline:
             lighthouse.kill()
-            raise TimeoutError(f"torchft's lighthouse did not listen on 127.0.0.1:{port} "
+            raise TimeoutError(f"torchft's lighthouse did not listen on {host}:{port} "
                                f"within {RENDEZVOUS_TIMEOUT_SECONDS:.0f} s")
         time.sleep(0.05)
-    return lighthouse, {"lighthouse": f"http://127.0.0.1:{port}"}
+    return lighthouse, {"lighthouse": f"http://{host}:{port}"}
 
 
 def _lighthouse_binary() -> str:
@@ -131,16 +138,24 @@ def _lighthouse_binary() -> str:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def _socket(netns: str) -> socket.socket:
+    """A TCP socket in network namespace `netns` ("": this process's)."""
+    if not netns:
+        return socket.socket()
+    with entered(netns):
+        return socket.socket()
+
+
+def free_port(host: str = "127.0.0.1", netns: str = "") -> int:
+    with _socket(netns) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
+def _port_open(host: str, port: int, netns: str = "") -> bool:
+    with _socket(netns) as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 def _wait_for(path: Path, what: str) -> str:
@@ -172,12 +187,15 @@ def _floating_buffers(model: nn.Module) -> list[Tensor]:
 
 
 # ----------------------------------------------------------------------------- hivemind
-LOOPBACK_P2P: dict[str, Any] = {
-    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
-    "use_ipfs": False,  # never bootstrap from the public IPFS network
-    "use_relay": False, "use_auto_relay": False,  # no libp2p circuit relays
-    "auto_nat": False, "nat_port_map": False,  # no NAT discovery, no UPnP port mapping
-}
+def local_p2p(address: str) -> dict[str, Any]:
+    """hivemind's DHT options: listen on `address` (loopback, or the worker's host on a
+    shaped network), and reach nothing beyond the run's own peers."""
+    return {
+        "host_maddrs": [f"/ip4/{address}/tcp/0"],
+        "use_ipfs": False,  # never bootstrap from the public IPFS network
+        "use_relay": False, "use_auto_relay": False,  # no libp2p circuit relays
+        "auto_nat": False, "nat_port_map": False,  # no NAT discovery, no UPnP port mapping
+    }
 
 
 class HivemindBackend(PeerBackend):
@@ -199,12 +217,12 @@ class HivemindBackend(PeerBackend):
         phase = _Phases(self.who)
         mine = files.rendezvous_file(f"dht.rank{cfg.rank}")
         if cfg.rank == 0 and cfg.incarnation == 0:
-            self.dht = hivemind.DHT(start=True, **LOOPBACK_P2P)
+            self.dht = hivemind.DHT(start=True, **local_p2p(cfg.address))
         else:  # join through the first worker (a replacement of rank 0: through rank 1)
             via = 1 if cfg.rank == 0 else 0
             peers = _wait_for(files.rendezvous_file(f"dht.rank{via}"),
                               f"hivemind worker {via}'s DHT address").split()
-            self.dht = hivemind.DHT(start=True, initial_peers=peers, **LOOPBACK_P2P)
+            self.dht = hivemind.DHT(start=True, initial_peers=peers, **local_p2p(cfg.address))
         write_atomically(mine, "\n".join(str(a) for a in self.dht.get_visible_maddrs()).encode())
         phase.done("joined the DHT")
         model = work.model
@@ -316,14 +334,15 @@ class TorchftBackend(PeerBackend):
         model, inner = work.model, work.make_optimizer(work.params(work.model))
         self.plain_model, self.optimizer = model, inner
         # The replica group's store: one process per group, so this process hosts it,
-        # on a socket bound to loopback (TCPStore's own master binds every address).
+        # on a socket bound to its address (TCPStore's own master binds every address);
+        # the other replicas rendezvous there when this one leads a quorum.
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
+        listener.bind((cfg.address, 0))
         listener.listen(128)
         store_port = listener.getsockname()[1]
         self._listener = listener
-        self.store = dist.TCPStore(host_name="127.0.0.1", port=store_port, is_master=True,
+        self.store = dist.TCPStore(host_name=cfg.address, port=store_port, is_master=True,
                                    wait_for_workers=False, master_listen_fd=listener.fileno())
         timeout = timedelta(seconds=float(settings["timeout_seconds"]))
 
@@ -348,9 +367,9 @@ class TorchftBackend(PeerBackend):
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
             state_dict=state_dict, min_replica_size=1, use_async_quorum=self.sync_every == 0,
             timeout=timeout, quorum_timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_SECONDS),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
+            connect_timeout=timeout, rank=0, world_size=1, store_addr=cfg.address,
             store_port=store_port, lighthouse_addr=cfg.rendezvous["lighthouse"],
-            replica_id=f"rank{cfg.rank}", hostname="127.0.0.1",
+            replica_id=f"rank{cfg.rank}", hostname=cfg.address,
             # DiLoCo: no sync at step 0, as torchft says for replicas seeded alike (they
             # are: the task's seeded model). With it, the first quorum, at the end of the
             # first round, heals every replica but one from that one, discarding their

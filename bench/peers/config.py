@@ -39,6 +39,9 @@ class PeerWorkerConfig:
     until_stopped: bool = False
     """Train until the launcher's stop file, past the step cap (the fault scenario: the
     launcher counts the budget, a replacement's own count starts late)."""
+    addresses: tuple[str, ...] = ()
+    """Each rank's host address on a shaped network (ripples/netshape.py: every worker in
+    a namespace of its own); empty: every worker on 127.0.0.1."""
     rank: int = 0
     incarnation: int = 0
     """0 for the run's workers; k > 0 for the k-th replacement of a killed rank."""
@@ -47,17 +50,24 @@ class PeerWorkerConfig:
     def slowdown(self) -> str:
         return self.slowdowns.get(self.rank, "")
 
+    @property
+    def address(self) -> str:
+        """Where this worker listens and what it announces to its peers."""
+        return self.addresses[self.rank] if self.addresses else "127.0.0.1"
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["slowdowns"] = {str(k): v for k, v in self.slowdowns.items()}
         d["script_args"] = list(self.script_args)
+        d["addresses"] = list(self.addresses)
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any], *, rank: int, incarnation: int = 0) -> PeerWorkerConfig:
         d = {**d, "rank": rank, "incarnation": incarnation,
              "slowdowns": {int(k): v for k, v in d.get("slowdowns", {}).items()},
-             "script_args": tuple(d.get("script_args", ()))}
+             "script_args": tuple(d.get("script_args", ())),
+             "addresses": tuple(d.get("addresses", ()))}
         return cls(**d)
 
 

@@ -38,6 +38,7 @@ from ripples.bench.peers.progress import (
 )
 from ripples.bench.peers.workloads import build_workload
 from ripples.consensus import average_state_dicts
+from ripples.netshape import LinkRate, NetworkUnavailable, ShapedCluster
 
 POLL_SECONDS = 0.1
 EXIT_GRACE_SECONDS = 60.0
@@ -76,6 +77,10 @@ class PeerRunConfig:
     timeout_seconds: float = 900.0
     fault: PeerFault | None = None
     """Run the fault scenario: max_steps per worker, one worker killed and replaced."""
+    link_mbit: tuple[float | None, ...] = ()
+    """One link rate per rank (Mbit/s each way, None: unshaped): every worker a host in a
+    network namespace of its own on that link, the peer's service (torchft's lighthouse)
+    on an unshaped one in the hub (ripples/netshape.py). Empty: loopback."""
 
     @property
     def victim(self) -> int:
@@ -95,6 +100,8 @@ class PeerRun:
         self._live: Replay | None = None
         self._steps: dict[int, int] = {}  # rank -> its latest step (the fault scenario)
         self._victim: subprocess.Popen[bytes] | None = None
+        self.network: ShapedCluster | None = None
+        self.links: list[LinkRate] = []
         self.killed_at: float | None = None
         """When the fault scenario's victim was killed (time.time())."""
         self.replaced_at: float | None = None
@@ -107,14 +114,19 @@ class PeerRun:
             num_workers=cfg.num_workers, seed=cfg.seed, batch_size=cfg.batch_size,
             max_epochs=cfg.max_epochs, max_steps=cfg.max_steps,
             directory=str(cfg.output), rendezvous=rendezvous, slowdowns=cfg.slowdowns,
-            until_stopped=cfg.fault is not None)
+            until_stopped=cfg.fault is not None,
+            addresses=tuple(h.address for h in self.network.hosts) if self.network else ())
 
     def spawn(self, rank: int, incarnation: int = 0) -> None:
         log = (self.cfg.output / f"worker{rank}.{incarnation}.log").open("wb")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        argv = [sys.executable, "-m", "ripples.bench.peers.worker", str(self.files.config),
+                str(rank), str(incarnation)]
+        if self.network is not None:  # its host's namespace (the pid stays the worker's)
+            argv = self.network.argv(rank, *argv)
+            env["GLOO_SOCKET_IFNAME"] = self.network.hosts[rank].ifname
         process = subprocess.Popen(
-            [sys.executable, "-m", "ripples.bench.peers.worker", str(self.files.config),
-             str(rank), str(incarnation)],
+            argv,
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.processes.append((f"rank {rank}" + (f" (replacement {incarnation})"
@@ -125,15 +137,34 @@ class PeerRun:
         shutil.rmtree(cfg.output, ignore_errors=True)
         cfg.output.mkdir(parents=True)
         try:
+            self._start_network()
             settings = {**PEERS[cfg.peer].defaults, **cfg.settings}
-            self.service, rendezvous = start_service(cfg.peer, self.files, settings)
+            self.service, rendezvous = start_service(cfg.peer, self.files, settings,
+                                                     self.network)
             self.files.config.write_text(json.dumps(self.worker_config(rendezvous).to_json()))
             for rank in range(cfg.num_workers):
                 self.spawn(rank)
             self._monitor()
         finally:
             self._stop_everything()
+            if self.network is not None:
+                self.network.destroy()
         return self.summarise()
+
+    def _start_network(self) -> None:
+        """With link rates: the shaped cluster, every link measured and printed."""
+        cfg = self.cfg
+        if not cfg.link_mbit:
+            return
+        if len(cfg.link_mbit) != cfg.num_workers:
+            raise ValueError(f"{len(cfg.link_mbit)} link rates for {cfg.num_workers} workers")
+        try:
+            self.network = ShapedCluster(cfg.num_workers, cfg.link_mbit)
+        except NetworkUnavailable as err:
+            raise RuntimeError(f"{cfg.peer} on shaped links: {err}") from err
+        self.links = self.network.measure_all(seconds=1.0)
+        for link in self.links:
+            print(f"  {cfg.peer} {link.describe()}", file=sys.stderr, flush=True)
 
     def _monitor(self) -> None:
         cfg = self.cfg
@@ -276,6 +307,9 @@ class PeerRun:
             "consensus_distance_final": distance,
             "consensus_distance_mean": None,
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
+            "network": ({"link_mbit": list(cfg.link_mbit),
+                         "measured": [asdict(link) for link in self.links]}
+                        if cfg.link_mbit else None),
             "workers": workers,
         }
         if cfg.fault is not None:

@@ -49,7 +49,7 @@ from ripples.protocols.lockstep import (
     explain_collective_failure,
     explained_collective,
 )
-from ripples.worker.collective_watch import COLLECTIVES
+from ripples.worker.collective_watch import COLLECTIVES, megabytes
 from ripples.worker.dataplane.local_rounds import local_steps
 from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.dataplane.preduce import reduce_staged
@@ -101,10 +101,11 @@ class AllReduceProtocol(Protocol):
         # default): its constructor's collectives (the shape check, the broadcast of rank
         # 0's parameters) run here, where every worker is, and the gradient hooks exist
         # whichever forward the script calls first.
-        with explained_collective(ctx, "DDP's start (its check of the parameters' shapes "
-                                       "and its broadcast of rank 0's values)"):
-            replicate.state(ctx.model).lazy_init()
         state = ctx.state
+        size = megabytes(state.flat[: state.model_numel])
+        with explained_collective(ctx, "DDP's start (its check of the parameters' shapes "
+                                       f"and its broadcast of rank 0's values, {size})"):
+            replicate.state(ctx.model).lazy_init()
         params = sum(p.numel() for p in state.params)
         buffers = sum(b.numel() for b in state.buffers)
         self._buffers = state.flat[params: params + buffers] if buffers else None
@@ -114,8 +115,9 @@ class AllReduceProtocol(Protocol):
         buffers), the common anchor; nothing hooks the backward pass."""
         self.syncs_gradients = False
         state = ctx.state
+        size = megabytes(state.flat[: state.model_numel])
         with torch.no_grad(), explained_collective(ctx, "the broadcast of rank 0's model "
-                                                        "at the start"):
+                                                        f"at the start, {size}"):
             dist.broadcast(state.flat[: state.model_numel], src=0)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

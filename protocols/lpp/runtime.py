@@ -42,6 +42,7 @@ from ripples.protocols.lpp.settings import LppSettings
 from ripples.protocols.lpp.updater import LOSS_SLOTS, SharedState, UpdaterJob, updater_main
 from ripples.worker.checkpoint_store import StoreExchange
 from ripples.worker.client import RestartRequested
+from ripples.worker.collective_watch import rank_describer
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.preduce import DeltaAverager
 from ripples.worker.protocol import Protocol, ProtocolContext, SyncResult, TrainingJob
@@ -233,7 +234,8 @@ class LppProtocol(Protocol):
         if not self.checkpoints.enabled:
             return
         exchange = StoreExchange(ctx.store, f"ripples/checkpoint/{ctx.config.run_id}",
-                                 ctx.rank, ctx.num_workers, START_TIMEOUT_SECONDS)
+                                 ctx.rank, ctx.num_workers, START_TIMEOUT_SECONDS,
+                                 rank_describer(ctx.client))
         self._restored = self.checkpoints.restore(exchange, self.settings.updaters)
         if self._restored is not None:
             self._rounds = self._restored.round

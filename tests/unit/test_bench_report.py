@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ripples.bench import harness
+from ripples.bench.bench_run import RunRecord
 from ripples.sim.scenarios import SCENARIOS
 
 
@@ -162,7 +163,8 @@ def test_markdown_table_has_a_row_per_median_and_marks_missed_targets() -> None:
     lines = harness.format_markdown([row]).splitlines()
     assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "| slow-10x | a2cid2 | not reached (0/2) | - |" in lines[2]
-    assert "| 1.04x | - | - | - | - | 0.5 |" in lines[2]  # ... bytes per step, consensus
+    # ... bytes per step, compute utilization, loss at equal steps, consensus
+    assert "| 1.04x | - | - | - | - | - | - | 0.5 |" in lines[2]
 
 
 def test_a_script_workload_runs_the_script_after_the_run_options(tmp_path: Path) -> None:
@@ -173,3 +175,54 @@ def test_a_script_workload_runs_the_script_after_the_run_options(tmp_path: Path)
     assert options[options.index("--slowdown") + 1] == "0:5"
     assert script[:3] == ["python", "-m", "ripples.examples.transformer_lm"]
     assert script[-6:] == ["--steps", "300", "--seed", "1", "--batch-size", "8"]
+
+
+def _curve_record(protocol: str, points: list[tuple[float, float, float]]) -> RunRecord:
+    record = harness.record_from_summary(
+        {"protocol": protocol, "time_to_target_seconds": points[-1][0],
+         "seconds_per_epoch": 1.0, "iterations_to_target": points[-1][2], "final_loss": None,
+         "final_train_loss": points[-1][1], "wall_seconds": 10.0,
+         "loss_curve": [[t, loss] for t, loss, _ in points],
+         "loss_curve_iterations": [it for _, _, it in points],
+         "workers": [{"rank": r, "iterations": 50, "compute_seconds": 2.5,
+                      "wait_seconds": 0.0, "preduce_seconds": 7.5} for r in range(2)]},
+        SCENARIOS["homogeneous"], 0, network="slow")
+    return record
+
+
+def test_runs_are_compared_at_the_fewest_steps_any_of_them_took() -> None:
+    fast = _curve_record("allreduce", [(1.0, 3.0, 10.0), (2.0, 2.0, 30.0)])
+    slow = _curve_record("ripples-smart", [(1.0, 3.5, 20.0), (3.0, 2.5, 40.0),
+                                           (5.0, 1.0, 90.0)])
+    harness.add_equal_step_losses([fast, slow])
+    assert fast.equal_steps == slow.equal_steps == 30.0
+    assert fast.loss_at_equal_steps == 2.0
+    assert slow.loss_at_equal_steps == pytest.approx(3.0)  # halfway from 20 to 40 steps
+    # A quarter of the wall time in compute: 2.5 s of 10 s per worker.
+    assert fast.compute_utilization == pytest.approx(0.25) and fast.network == "slow"
+    row = harness.medians([fast, slow])[1]
+    assert "3.000@30" in harness.format_table([row]).splitlines()[1]
+    assert "| 25% | 3.000@30 |" in harness.format_markdown([row])
+
+
+def test_a_shaped_network_reaches_every_run_s_command() -> None:
+    from ripples.bench.network import SLOW_MBIT, UNEVEN_FAST_MBIT, link_flags, network_rates
+    from ripples.netshape import unavailable_reason
+
+    with pytest.raises(ValueError, match="unknown network 'lan'"):
+        network_rates("lan", (), 4)
+    assert network_rates("loopback", (), 4) == ()
+    assert link_flags([None, 5.0]) == ["--link-mbit", "1:5"]
+    if unavailable_reason() is not None:  # the refusal, where namespaces cannot be made
+        with pytest.raises(ValueError, match="cannot be made here"):
+            network_rates("slow", (), 4)
+        return
+    assert network_rates("uneven", (), 4) == (UNEVEN_FAST_MBIT,) * 3 + (SLOW_MBIT,)
+    assert network_rates("slow", ("0:2.5",), 3) == (2.5, SLOW_MBIT, SLOW_MBIT)
+    cfg = harness.HarnessConfig(workers=3, network="slow", link_mbit=("2:7",))
+    command = harness.run_command(cfg, SCENARIOS["homogeneous"], "ripples-smart", 0,
+                                  Path("out"))
+    flags = ["--link-mbit", f"0:{SLOW_MBIT:g}", "--link-mbit", f"1:{SLOW_MBIT:g}",
+             "--link-mbit", "2:7"]
+    assert any(command[i:i + 6] == flags for i in range(len(command)))
+    assert cfg.network_name == "custom"

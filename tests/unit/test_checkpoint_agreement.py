@@ -92,3 +92,22 @@ def test_a_rank_without_the_newest_step_takes_it_from_the_lowest_holder(
 def test_a_step_nobody_can_load_fails_every_rank_naming_the_steps() -> None:
     results, errors = _agree({0: [6], 1: [6]}, {(0, 6)})
     assert sorted(errors) == [0, 1] and "no checkpoint step ([6]) loads" in errors[0]
+
+
+def test_a_round_that_runs_out_says_what_held_the_missing_ranks() -> None:
+    # Rank 0 alone reaches the round; ranks 1 and 2 are held in a slow transfer, as on a
+    # slow link: the error names it instead of only the ranks.
+    store = dist.HashStore()
+    asked: list[list[int]] = []
+
+    def describe(ranks: list[int]) -> str:
+        asked.append(ranks)
+        return "rank 1 in the broadcast of rank 0's model, 48 MB for 2 s"
+
+    exchange = StoreExchange(store, "run", 0, 3, 0.5, describe)
+    with pytest.raises(TimeoutError) as caught:
+        exchange.round("steps", "[]")
+    assert asked == [[1, 2]]
+    message = str(caught.value)
+    assert "ranks [1, 2] did not reach the round (steps) within 0 s (the start timeout)" in message
+    assert "they were: rank 1 in the broadcast of rank 0's model, 48 MB for 2 s" in message

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 
 from ripples.coordinator.config import RunSettings
+from ripples.coordinator.wire import MAX_COLLECTIVE_CHARS, progress_from_proto, progress_to_proto
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.collective_watch import (
     TIMEOUT_OPTION,
     CollectiveWatch,
     backend_message,
     describe_peers,
+    describe_ranks,
     explain_failure,
 )
 
@@ -109,3 +111,31 @@ def test_lock_step_protocols_wait_long_for_a_peer_by_default(protocol: str,
 def test_a_negative_collective_timeout_is_refused() -> None:
     with pytest.raises(ValueError, match="collective_timeout_seconds must be at least 0, got -1"):
         RunSettings.build(protocol="allreduce", collective_timeout_seconds=-1)
+
+
+def test_ranks_a_wait_ran_out_on_are_described_by_what_they_were_doing() -> None:
+    held = _worker(3, 1, pb.WORKER_STATE_COMPUTING, waiting=118.4)
+    held.progress.collective = "the broadcast of rank 0's model at the start, 0.482 MB"
+    replaced = _worker(2, 2, pb.WORKER_STATE_EXPIRED, error="lease expired. gone")
+    replacement = _worker(6, 2, pb.WORKER_STATE_COMPUTING, iteration=40)
+    failed = _worker(4, 3, pb.WORKER_STATE_FAILED, error="OSError: disk full. More words")
+    status = pb.RunStatus(workers=[_worker(1, 0, pb.WORKER_STATE_COMPUTING), held, replaced,
+                                   failed, replacement])
+    said = describe_ranks(status, [1, 2, 3, 5])
+    assert said == (
+        "rank 1 (worker 3, host node1) in the broadcast of rank 0's model at the start, "
+        "0.482 MB for 118 s; rank 2 (worker 6, host node2) not in a collective, at step 40; "
+        "rank 3 (worker 4, host node3) failed (OSError: disk full); "
+        "ranks [5] not registered with the coordinator")
+    assert describe_ranks(None, [1]) == ""
+
+
+def test_a_collective_s_words_reach_the_coordinator_with_the_progress() -> None:
+    watch = CollectiveWatch()
+    with watch.inside("DDP's start (its broadcast of rank 0's values, 0.48 MB)"):
+        what, waited = watch.waiting()
+    assert what.startswith("DDP's start") and waited >= 0
+    progress = pb.Progress(collective="x" * 1000, collective_wait_seconds=3.0)
+    kept = progress_from_proto(progress)
+    assert kept.collective == "x" * MAX_COLLECTIVE_CHARS  # bounded: a status lists thousands
+    assert progress_to_proto(kept).collective == kept.collective

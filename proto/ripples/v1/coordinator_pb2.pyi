@@ -250,7 +250,7 @@ class RegisterReply(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., config: _Optional[_Union[RunConfig, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("iteration", "loss", "samples", "compute_seconds", "wait_seconds", "preduce_seconds", "planned_iterations", "checkpoint_step", "collective_wait_seconds", "preduce_bytes")
+    __slots__ = ("iteration", "loss", "samples", "compute_seconds", "wait_seconds", "preduce_seconds", "planned_iterations", "checkpoint_step", "collective_wait_seconds", "preduce_bytes", "collective")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class Progress(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREDUCE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     loss: float
     samples: int
@@ -271,7 +272,8 @@ class Progress(_message.Message):
     checkpoint_step: int
     collective_wait_seconds: float
     preduce_bytes: int
-    def __init__(self, iteration: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., preduce_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., collective_wait_seconds: _Optional[float] = ..., preduce_bytes: _Optional[int] = ...) -> None: ...
+    collective: str
+    def __init__(self, iteration: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., preduce_seconds: _Optional[float] = ..., planned_iterations: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., collective_wait_seconds: _Optional[float] = ..., preduce_bytes: _Optional[int] = ..., collective: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "progress")
