@@ -6,9 +6,12 @@ own loop: `zero_grad()` before the forward pass and `step()` after the backward 
 Each peer system's knobs come from `PEERS[name].defaults` (the tuning sweep's best,
 docs/benchmarks.md) with the run's overrides.
 
-Everything binds and connects to 127.0.0.1 only, or on a shaped network (every worker a
-host in a network namespace of its own, ripples/netshape.py) to the worker's own host
-address and the lighthouse's in the hub; nothing reaches beyond the machine.
+On loopback everything binds and connects to 127.0.0.1. On a shaped network (every
+worker a host in a network namespace of its own, ripples/netshape.py) each worker binds,
+announces and connects at its own host's address (PeerWorkerConfig.address: torchft's
+Manager, replica-group store and checkpoint server, hivemind's DHT), and torchft's
+lighthouse listens in the hub, so that every byte between workers crosses their links.
+Nothing reaches beyond the machine either way.
 """
 
 from __future__ import annotations
@@ -370,6 +373,8 @@ class TorchftBackend(PeerBackend):
             connect_timeout=timeout, rank=0, world_size=1, store_addr=cfg.address,
             store_port=store_port, lighthouse_addr=cfg.rendezvous["lighthouse"],
             replica_id=f"rank{cfg.rank}", hostname=cfg.address,
+            checkpoint_transport=(_checkpoint_transport(cfg.address, timeout)
+                                  if cfg.addresses else None),
             # DiLoCo: no sync at step 0, as torchft says for replicas seeded alike (they
             # are: the task's seeded model). With it, the first quorum, at the end of the
             # first round, heals every replica but one from that one, discarding their
@@ -457,6 +462,20 @@ class TorchftBackend(PeerBackend):
         if self._local_sgd is not None:
             self._local_sgd.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+
+
+def _checkpoint_transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint server (what a healing replica fetches the model from),
+    announced at this worker's `host` address: torchft's own announces the machine's
+    hostname, which inside a host's namespace names nothing there (or its own loopback)."""
+    from torchft.checkpointing import HTTPTransport
+
+    class HostTransport(HTTPTransport):  # type: ignore[misc]
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{host}:{port}/checkpoint/"
+
+    return HostTransport(timeout=timeout, num_chunks=0)
 
 
 def outer_sgd(params: Iterable[torch.nn.Parameter], lr: float,

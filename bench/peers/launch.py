@@ -6,6 +6,12 @@ the bench reports both alike.
 The clock starts when the last worker is ready (its peer system joined), as a Ripples
 run's does when the last worker registers: process start-up and imports are not
 training time in either.
+
+With link rates (PeerRunConfig.link_mbit) the run is what `ripples run --link-mbit` makes
+of a Ripples run: a shaped cluster (ripples/netshape.py), every worker a host in a network
+namespace of its own on a link of its rate, the peer's service in the hub on an unshaped
+one, each link measured before the run and kept in the summary's `network`. A loopback
+run's `network` is None.
 """
 
 from __future__ import annotations
@@ -38,7 +44,12 @@ from ripples.bench.peers.progress import (
 )
 from ripples.bench.peers.workloads import build_workload
 from ripples.consensus import average_state_dicts
-from ripples.netshape import LinkRate, NetworkUnavailable, ShapedCluster
+from ripples.netshape import (
+    LinkRate,
+    NetworkUnavailable,
+    ShapedCluster,
+    unavailable_reason,
+)
 
 POLL_SECONDS = 0.1
 EXIT_GRACE_SECONDS = 60.0
@@ -122,9 +133,12 @@ class PeerRun:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         argv = [sys.executable, "-m", "ripples.bench.peers.worker", str(self.files.config),
                 str(rank), str(incarnation)]
-        if self.network is not None:  # its host's namespace (the pid stays the worker's)
+        if self.network is not None:
+            # Its host's namespace: `ip netns exec` execs the worker, so the pid (and
+            # the session killpg ends) stay the worker's; gloo on the host's link.
             argv = self.network.argv(rank, *argv)
-            env["GLOO_SOCKET_IFNAME"] = self.network.hosts[rank].ifname
+            ifname = self.network.hosts[rank].ifname
+            env.update(GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
         process = subprocess.Popen(
             argv,
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -134,6 +148,7 @@ class PeerRun:
 
     def run(self) -> dict[str, object]:
         cfg = self.cfg
+        self._check_network()
         shutil.rmtree(cfg.output, ignore_errors=True)
         cfg.output.mkdir(parents=True)
         try:
@@ -146,25 +161,46 @@ class PeerRun:
                 self.spawn(rank)
             self._monitor()
         finally:
-            self._stop_everything()
-            if self.network is not None:
-                self.network.destroy()
+            try:
+                self._stop_everything()
+            finally:  # a second Ctrl-C during the grace period leaves no namespace
+                self._stop_network()
         return self.summarise()
 
-    def _start_network(self) -> None:
-        """With link rates: the shaped cluster, every link measured and printed."""
+    def _check_network(self) -> None:
+        """Refuse shaped links that cannot be had here before anything is touched (the
+        message says why; NetworkUnavailable is a RuntimeError, as a failed run's)."""
         cfg = self.cfg
         if not cfg.link_mbit:
             return
         if len(cfg.link_mbit) != cfg.num_workers:
             raise ValueError(f"{len(cfg.link_mbit)} link rates for {cfg.num_workers} workers")
-        try:
-            self.network = ShapedCluster(cfg.num_workers, cfg.link_mbit)
-        except NetworkUnavailable as err:
-            raise RuntimeError(f"{cfg.peer} on shaped links: {err}") from err
+        reason = unavailable_reason()
+        if reason is not None:
+            raise NetworkUnavailable(f"{cfg.peer} on shaped links runs every worker in a "
+                                     f"network namespace of its own, which cannot be made "
+                                     f"here: {reason}")
+
+    def _start_network(self) -> None:
+        """With link rates: the shaped cluster (one host per rank), every link measured
+        and printed, before the peer's service or any worker starts."""
+        cfg = self.cfg
+        if not cfg.link_mbit:
+            return
+        self.network = ShapedCluster(cfg.num_workers, cfg.link_mbit)
         self.links = self.network.measure_all(seconds=1.0)
         for link in self.links:
             print(f"  {cfg.peer} {link.describe()}", file=sys.stderr, flush=True)
+
+    def _stop_network(self) -> None:
+        """Delete the shaped cluster (after its processes were killed: a namespace whose
+        name is gone lives on while a process is still in it)."""
+        if self.network is None:
+            return
+        problems = self.network.destroy()
+        if problems:
+            print(f"the shaped network was not all removed: {'; '.join(problems)}",
+                  file=sys.stderr, flush=True)
 
     def _monitor(self) -> None:
         cfg = self.cfg
