@@ -58,9 +58,10 @@ def test_a_peer_trains_over_shaped_links_and_leaves_no_namespace(
     network = summary["network"]
     assert network["link_mbit"] == list(RATES)
     for link, rate in zip(network["measured"], RATES, strict=True):
-        # At least half the rate (a loaded machine reads late), never well above it.
-        assert 0.5 * rate <= link["up_mbit"] <= 1.25 * rate, network
-        assert 0.5 * rate <= link["down_mbit"] <= 1.25 * rate, network
+        # Within [0.5, 1.5] of the rate: a loaded machine reads the probe late, either
+        # way (test_netshape.py says how far); an unshaped link is a thousand times faster.
+        assert 0.5 * rate <= link["up_mbit"] <= 1.5 * rate, network
+        assert 0.5 * rate <= link["down_mbit"] <= 1.5 * rate, network
     # Each worker bound and announced its own host's address, not loopback (which, in
     # a namespace of its own, no other worker reaches).
     addresses = json.loads((tmp_path / "worker-config.json").read_text())["addresses"]
