@@ -14,7 +14,7 @@ Why 20 Mbit/s is `slow`: measured here on 8 workers (2 cores), a ring all-reduce
 2(N-1)/N of the payload on each worker's link each step, sent and received: the
 Transformer LM's 0.48 MB payload is 6.8 Mbit per step, 0.34 s at 20 Mbit/s against 0.086 s
 of compute (80% of allreduce's step communicating); synthetic-cnn's 1.1 MB is 15.3 Mbit,
-0.77 s against 0.135 s (85%). The issue's bar is two thirds. `uneven` keeps one host at
+0.77 s against 0.135 s (85%); the preset asks for at least two thirds. `uneven` keeps one host at
 that rate and gives the others ten times more: a slow host among fast ones, where a
 synchronous system runs at the slowest link's pace.
 """
