@@ -132,6 +132,13 @@ def megabytes(tensor: torch.Tensor) -> str:
     return f"{tensor.numel() * tensor.element_size() / 1e6:.3g} MB"
 
 
+def _gone(name: str, w: pb.WorkerStatus) -> str:
+    """A worker that left the run, its state and the first sentence of its error."""
+    state = pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
+    why = w.error.split(". ")[0][:PEER_ERROR_CHARS] if w.error else ""
+    return f"{name} {state}" + (f" ({why})" if why else "")
+
+
 def describe_ranks(status: pb.RunStatus | None, ranks: list[int]) -> str:
     """What the workers of `ranks` were doing, as the coordinator last heard (for a
     wait on them that ran out): gone and why, inside which collective and for how long,
@@ -146,9 +153,7 @@ def describe_ranks(status: pb.RunStatus | None, ranks: list[int]) -> str:
             continue
         name = f"rank {w.rank} (worker {w.worker_id}, host {w.host})"
         if w.state in GONE_STATES:
-            state = pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
-            why = w.error.split(". ")[0][:PEER_ERROR_CHARS] if w.error else ""
-            parts.append(f"{name} {state}" + (f" ({why})" if why else ""))
+            parts.append(_gone(name, w))
         elif w.progress.collective_wait_seconds > 0:
             what = w.progress.collective or "a collective"
             parts.append(f"{name} in {what} for {w.progress.collective_wait_seconds:.0f} s")
@@ -184,9 +189,7 @@ def describe_peers(status: pb.RunStatus | None, worker_id: int) -> str:
             continue
         name = f"worker {w.worker_id} (rank {w.rank}, host {w.host})"
         if w.state in GONE_STATES:
-            state = pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
-            why = w.error.split(". ")[0][:PEER_ERROR_CHARS] if w.error else ""
-            gone.append(f"{name} {state}" + (f" ({why})" if why else ""))
+            gone.append(_gone(name, w))
         elif w.progress.collective_wait_seconds == 0:
             busy.append(f"{name}, done with step {w.progress.iteration}")
     parts = []
