@@ -79,17 +79,14 @@ def link_flags(rates: Sequence[float | None]) -> list[str]:
     return flags
 
 
-def print_links(rates: Sequence[float | None], seconds: float = 1.0) -> list[dict[str, object]]:
+def print_links(rates: Sequence[float | None], seconds: float = 1.0) -> None:
     """Build the links once, measure each one both ways, print the rates (stderr) and
-    tear them down; returns the measurements (results.json keeps them)."""
-    from dataclasses import asdict
-
+    tear them down (each run measures its own again: its summary's `network`)."""
     if not rates:
-        return []
+        return
     print(f"network: {len(rates)} hosts on shaped links; measuring them ...",
           file=sys.stderr, flush=True)
     with ShapedCluster(len(rates), rates) as cluster:
         measured = cluster.measure_all(seconds)
     for link in measured:
         print(f"  {link.describe()}", file=sys.stderr, flush=True)
-    return [asdict(link) for link in measured]

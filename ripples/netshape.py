@@ -45,7 +45,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 __all__ = [
     "HUB_ADDRESS",
@@ -55,6 +55,7 @@ __all__ = [
     "NetworkUnavailable",
     "ShapedCluster",
     "entered",
+    "network_record",
     "parse_link_rates",
     "sweep_stale",
     "unavailable_reason",
@@ -375,6 +376,15 @@ def _stream_mbit(sender_ns: str, receiver_ns: str, seconds: float,
             stop.set()
             thread.join(5.0)
         return counted * 8 / 1e6 / max(span, 1e-3)
+
+
+def network_record(rates: Sequence[float | None], links: Sequence[LinkRate]
+                   ) -> dict[str, object] | None:
+    """A run summary's `network`: the rates asked for and the links as measured (None
+    on loopback: no rates)."""
+    if not rates:
+        return None
+    return {"link_mbit": list(rates), "measured": [asdict(link) for link in links]}
 
 
 def parse_link_rates(specs: Sequence[str], num_hosts: int) -> list[float | None]:

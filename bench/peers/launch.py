@@ -48,6 +48,7 @@ from ripples.netshape import (
     LinkRate,
     NetworkUnavailable,
     ShapedCluster,
+    network_record,
     unavailable_reason,
 )
 
@@ -343,9 +344,7 @@ class PeerRun:
             "consensus_distance_final": distance,
             "consensus_distance_mean": None,
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
-            "network": ({"link_mbit": list(cfg.link_mbit),
-                         "measured": [asdict(link) for link in self.links]}
-                        if cfg.link_mbit else None),
+            "network": network_record(cfg.link_mbit, self.links),
             "workers": workers,
         }
         if cfg.fault is not None:

@@ -34,7 +34,13 @@ from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.dashboard.config import DashboardConfig
 from ripples.dashboard.server import DashboardServer
 from ripples.files import write_atomically
-from ripples.netshape import HUB_ADDRESS, LinkRate, NetworkUnavailable, ShapedCluster
+from ripples.netshape import (
+    HUB_ADDRESS,
+    LinkRate,
+    NetworkUnavailable,
+    ShapedCluster,
+    network_record,
+)
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient
 from ripples.worker.devices import nccl_environment, plan_devices
@@ -404,9 +410,7 @@ class LocalCluster:
                 if self.consensus_curve else None),
             "consensus_distance_curve": self.consensus_curve,
             "slowdowns": {str(r): s for r, s in cfg.slowdowns.items()},
-            "network": ({"link_mbit": list(cfg.link_mbit),
-                         "measured": [dataclasses.asdict(link) for link in self.links]}
-                        if cfg.link_mbit else None),
+            "network": network_record(cfg.link_mbit, self.links),
             "workers": workers,
         }
         summary.update(self._protocol_summary(workers))
