@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ripples.bench.matrix import (
+    OUTER_EXTRAS,
     OUTER_VARIANTS,
     SCRIPT_WORKLOADS,
     VARIANTS,
@@ -100,6 +101,7 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
     extra = list(VARIANTS[protocol].flags) if protocol in VARIANTS else []
     if protocol in OUTER_VARIANTS:  # the peer's H and outer step, overrides included
         extra = list(diloco_flags(cfg.peer_settings.get("torchft-diloco", {})))
+        extra += OUTER_EXTRAS.get(protocol, ((), ""))[0]
     if takes_topology(protocol) and cfg.topology != "complete":
         extra += ["--topology", cfg.topology]
     if PROTOCOLS[base_protocol(protocol)].role.coordination is Coordination.GOSSIP:

@@ -44,11 +44,25 @@ DILOCO_VARIANT = "allreduce-diloco"
 gives it the peer's H and outer step, --peer-setting overrides included."""
 OUTER_VARIANTS: dict[str, str] = {DILOCO_VARIANT: "allreduce",
                                   "ripples-smart-outer": "ripples-smart",
+                                  "ripples-smart-int8": "ripples-smart",
+                                  "ripples-smart-link": "ripples-smart",
                                   "ripples-random-outer": "ripples-random",
                                   "adpsgd-outer": "adpsgd"}
 """Variants with local steps and the outer Nesterov step (docs/local-steps.md), each on
 its protocol, all with the torchft-diloco peer's H and outer step (its --peer-setting
 overrides included), so that every such row runs the same H, outer lr and momentum."""
+
+_INT8 = ("--outer-compression", "int8")
+OUTER_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
+    "ripples-smart-int8": (_INT8, ", the anchors' low bits in one byte a parameter "
+                                  "(--outer-compression int8)"),
+    "ripples-smart-link": ((*_INT8, "--sync-share", "0.1"),
+                           ", int8, and rounds sized to the link: H to 8H steps, so that "
+                           "synchronising takes at most a tenth of the time (--sync-share "
+                           "0.1)"),
+}
+"""Outer variants with flags of their own after the shared H and outer step: their
+flags and the description's ending."""
 
 VARIANTS: dict[str, Variant] = {
     "a2cid2-no-momentum": Variant(
@@ -81,7 +95,8 @@ VARIANTS: dict[str, Variant] = {
         protocol=protocol, flags=diloco_flags(DILOCO_DEFAULTS),
         description=f"{protocol} with local steps and the outer Nesterov step in its "
                     "groups (the torchft-diloco peer's H and outer step, its --peer-setting "
-                    "overrides too; docs/local-steps.md)")
+                    "overrides too; docs/local-steps.md)"
+                    + OUTER_EXTRAS.get(name, ((), ""))[1])
        for name, protocol in OUTER_VARIANTS.items() if name != DILOCO_VARIANT},
 }
 MATRIX_PROTOCOLS: tuple[str, ...] = (*PROTOCOLS, *VARIANTS)

@@ -69,9 +69,15 @@ TOPOLOGY_FILE_REFUSED = (
 
 OUTER_OPTIMIZERS = ("none", "nesterov")
 """What a synchronisation applies (RunSettings.outer_optimizer)."""
-OUTER_COMPRESSIONS = ("none", "bf16")
+OUTER_COMPRESSIONS = ("none", "bf16", "int8")
 """How the gradient-like part of an outer synchronisation travels
-(RunSettings.outer_compression)."""
+(RunSettings.outer_compression); int8 is the modular wire of the groups
+(worker/dataplane/modular_wire.py)."""
+INT8_COORDINATIONS = (Coordination.GROUPS, Coordination.STATIC)
+"""Where outer_compression int8 applies: a group's synchronisation, in an all-gather,
+which pays in small groups. Over every worker (allreduce) an all-gather brings each one
+N − 1 payloads against a ring all-reduce's 2 (N − 1)/N; a gossip exchange has no int8
+wire."""
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.5
 """The outer Nesterov step's defaults: DiLoCo's learning rate (arXiv 2311.08105) and a
@@ -151,9 +157,11 @@ class RunSettings:
     """Outer optimizer nesterov: its momentum, below 1 (0.5; DiLoCo's 0.9 suits long
     runs with large H: docs/local-steps.md)."""
     outer_compression: str = "none"
-    """Outer optimizer nesterov: none, or bf16: the pseudo-gradients (allreduce) and the
+    """Outer optimizer nesterov: none; bf16: the pseudo-gradients (allreduce) and the
     outer momentum (the group form) travel in bfloat16, the pseudo-gradients with error
-    feedback; models and anchors stay float32 (docs/local-steps.md, "Compression")."""
+    feedback, models and anchors in float32; int8 (the groups of ripples-smart,
+    ripples-random, ripples-static): the anchors' low bits and the momentum travel in
+    one byte each, the model never rounded (docs/local-steps.md, "Compression")."""
     collective_timeout_seconds: float = 0.0
     """Bound on one collective: a peer that has not reached it by then fails it. 0: 1800 s
     (torch's default) for lock-step protocols (allreduce, ripples-static), where every
@@ -351,6 +359,7 @@ class RunSettings:
             self.settings(settings_cls).validate()
             self.settings(settings_cls).check_run(self.run_facts())
         self.settings(GroupGeneratorSettings).check_overlap(self.run_facts())
+        self.settings(GroupGeneratorSettings).check_sync_share(self.run_facts())
         if self.inter_period < 1:
             raise ValueError(f"inter_period must be at least 1, got {self.inter_period}")
         if self.root:
@@ -368,6 +377,18 @@ class RunSettings:
             raise ValueError(f"root (a shard of a sharded job) needs protocol "
                              f"{' or '.join(shardable)}, not {self.protocol}")
         self._validate_topology()
+
+    def _validate_int8(self, spec: ProtocolSpec) -> None:
+        """outer_compression int8: only the groups' synchronisation, in the foreground."""
+        if spec.role.coordination not in INT8_COORDINATIONS:
+            raise ValueError(
+                f"outer_compression int8 is for the groups of ripples-smart, ripples-random "
+                f"and ripples-static, not {self.protocol}: it travels in an all-gather, "
+                "which pays in small groups (over every worker each would receive N - 1 "
+                "payloads; use bf16 there), and a gossip exchange has no int8 wire")
+        if self.settings(GroupGeneratorSettings).overlap:
+            raise ValueError("outer_compression int8 synchronises in the foreground: "
+                             "leave out overlap, or use bf16 with it")
 
     def _validate_outer_steps(self, spec: ProtocolSpec) -> None:
         """local_steps and the outer optimizer: their values, and whether the protocol
@@ -392,6 +413,8 @@ class RunSettings:
             raise ValueError(f"outer_compression must be one of "
                              f"{', '.join(OUTER_COMPRESSIONS)}, got "
                              f"{printable(self.outer_compression[:20])!r}")
+        if self.outer_compression == "int8":
+            self._validate_int8(spec)
         if (self.local_steps == 1 and self.outer_optimizer == "none") or not spec.no_local_steps:
             return
         takers = [s.name for s in PROTOCOLS.values() if not s.no_local_steps]

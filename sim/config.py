@@ -88,6 +88,10 @@ class SimConfig:
             raise ValueError("shards and inter_period must be at least 1")
         if not self.service_seconds >= 0:
             raise ValueError("service_seconds must not be negative")
+        if self.run_options.get("sync_share"):
+            raise ValueError("the simulator does not size rounds to a link (sync_share): "
+                             "its workers have no links, only compute times; leave it out "
+                             "and set local_steps")
         if self.shards > 1:
             shardable = [n for n in sim_protocols() if PROTOCOLS[n].shardable]
             if self.protocol not in shardable:

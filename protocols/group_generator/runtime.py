@@ -3,7 +3,9 @@
 With local steps (`--local-steps H`) a worker asks for groups after every H-th step only:
 its rounds are H steps long, and a group whose members are between two of their rounds
 waits for them (their request counters, which the smart policy's filter compares, count
-rounds). With `--outer-optimizer nesterov` a group averages its members' outer steps
+rounds). With `--sync-share F` each worker sizes its own rounds to its link instead, H to
+8H steps (worker/dataplane/local_rounds.py, `RoundSizer`).
+With `--outer-optimizer nesterov` a group averages its members' outer steps
 (worker/dataplane/outer_state.py) instead of their models: each member keeps its own
 anchor and momentum between groups, and a group leaves every member with the group's.
 
@@ -26,7 +28,7 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.background import BackgroundAverage
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.group_sync import average_in_group, group_bytes, heal_in_group
-from ripples.worker.dataplane.local_rounds import local_steps
+from ripples.worker.dataplane.local_rounds import RoundSizer, local_steps
 from ripples.worker.dataplane.outer_state import OuterState
 from ripples.worker.metrics import MetricSpec
 from ripples.worker.protocol import (
@@ -106,8 +108,18 @@ class GroupGeneratorProtocol(Protocol):
         """A wait that ran out (RETRY) ends the round with no group, rather than asking
         again: a head's rounds at the root, which never hold its shard up for long."""
         self.local_steps = local_steps(ctx.config)
+        settings = GroupGeneratorSettings.of_config(ctx.config)
+        self._sizer = (RoundSizer(self.local_steps, settings.sync_share)
+                       if settings.sync_share else None)
+        """sync_share: rounds sized to the link (None: every round is H steps)."""
+        self._round_end: int | None = None
+        """Sized rounds: the step the current round ends at (None: the first multiple
+        of H)."""
+        self._last_round: tuple[int, float] | None = None
+        """Sized rounds: the step the last round ended at and when (perf_counter)."""
+        self._logged_round = self.local_steps
         self.outer = OuterState.of_config(ctx.state, ctx.config)
-        overlap = GroupGeneratorSettings.of_config(ctx.config).overlap
+        overlap = settings.overlap
         self._background = BackgroundAverage(ctx.state, self.outer) if overlap else None
         """--overlap: where the group's P-Reduce runs (None: in the step, synchronously)."""
         self._started: _Started | None = None
@@ -153,11 +165,13 @@ class GroupGeneratorProtocol(Protocol):
         landed, self._landed_early = self._landed_early, SyncResult()
         if self._started is not None:
             self._land(landed, completed, wait=False)
-        if completed % self.local_steps:  # inside a round of local steps
+        if not self._round_ends(completed):  # inside a round of local steps
             return landed
         root, link = self._root, self.ctx.root
         if root is None or link is None or completed % link.inter_period:
+            started = time.perf_counter()
             result = self._round(completed)
+            self._size_next_round(completed, started)
             return landed.merged(result)
         # A shard's head: this round is at the root, with other shards' heads.
         if root.ctx.stop_requested.is_set():  # the root's run stopped, or the root is lost
@@ -180,6 +194,31 @@ class GroupGeneratorProtocol(Protocol):
         # No root group this time (none formed, the root is unreachable): the shard's.
         shard = self._round(completed)
         return dataclasses.replace(shard, wait_seconds=shard.wait_seconds + result.wait_seconds)
+
+    def _round_ends(self, completed: int) -> bool:
+        """Whether step `completed` ends a round: every multiple of H, or with sized
+        rounds the step the current one was sized to end at."""
+        if self._sizer is None or self._round_end is None:
+            return completed % self.local_steps == 0
+        return completed >= self._round_end
+
+    def _size_next_round(self, completed: int, started: float) -> None:
+        """Sized rounds: the next round's length from this round's synchronisation
+        (since `started`) and its steps' time (since the last round ended). Logged when
+        it moved by half or more since last logged."""
+        if self._sizer is None:
+            return
+        now, last = time.perf_counter(), self._last_round
+        if last is not None and completed > last[0]:
+            step = (started - last[1]) / (completed - last[0])
+            steps = self._sizer.next_round(now - started, step)
+            if not 2 / 3 < steps / self._logged_round < 3 / 2:
+                logger.info("rounds of %d steps from step %d (were %d): a synchronisation "
+                            "took %.2f s, a step %.3f s", steps, completed,
+                            self._logged_round, now - started, step)
+                self._logged_round = steps
+        self._last_round = (completed, now)
+        self._round_end = completed + self._sizer.steps
 
     def _leave_root(self, *, error: str = "", reason: str = "") -> None:
         """End the head's part in the root's run; it averages in its shard alone."""
@@ -273,7 +312,7 @@ class GroupGeneratorProtocol(Protocol):
                     self._outage_since = completed
                     logger.warning("training on without averaging while the coordinator is "
                                    "unreachable (from step %d): %s", completed, err)
-                round_steps = self.local_steps
+                round_steps = self.local_steps if self._sizer is None else self._sizer.steps
                 if self._outage_steps + round_steps <= self.ctx.config.outage_local_steps:
                     self._outage_steps += round_steps
                     return None

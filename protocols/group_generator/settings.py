@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from ripples.protocols.settings import ProtocolSettings, RunFacts
 
 OVERLAP_PROTOCOLS = ("ripples-random", "ripples-smart")
-"""The protocols whose P-Reduce may run in the background (overlap)."""
+"""The protocols whose P-Reduce may run in the background (overlap), and whose rounds
+may be sized to the link (sync_share)."""
+MAX_SYNC_SHARE = 0.9
+"""The largest sync_share: above it a round would be mostly waiting."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +32,17 @@ class GroupGeneratorSettings(ProtocolSettings):
     the averaging leaves the critical path, and the model takes the group's average one
     or more steps late (docs/gpu.md, "Averaging off the critical path")."""
 
+    sync_share: float = 0.0
+    """ripples-random, ripples-smart: rounds sized to the link. Each worker lengthens its
+    rounds of local steps, from --local-steps H up to 8H, until its synchronisations
+    (the wait for its group and the collectives) take at most this share of its time,
+    from what it measured over its last rounds; 0: every round is H steps
+    (docs/local-steps.md, "Rounds sized to the link")."""
+
     def validate(self) -> None:
+        if not 0 <= self.sync_share <= MAX_SYNC_SHARE:
+            raise ValueError(f"sync_share must be from 0 (off) to {MAX_SYNC_SHARE:g}, got "
+                             f"{self.sync_share:g}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2, got {self.group_size}")
         if self.c_thres < 1:
@@ -48,3 +61,20 @@ class GroupGeneratorSettings(ProtocolSettings):
         if run.sharded:
             raise ValueError("overlap is not for a shard of a sharded job yet (its head "
                              "also averages at the root, on the same state)")
+
+    def check_sync_share(self, run: RunFacts) -> None:
+        """Raise ValueError if the run cannot size its rounds to the link (checked for
+        every protocol, as overlap is)."""
+        if not self.sync_share:
+            return
+        if run.protocol not in OVERLAP_PROTOCOLS:
+            raise ValueError(f"sync_share is for {' and '.join(OVERLAP_PROTOCOLS)}, not "
+                             f"{run.protocol} (their workers choose when to ask for a "
+                             "group; the others synchronise on a schedule of their own)")
+        if self.overlap:
+            raise ValueError("sync_share sizes rounds to synchronisations in the "
+                             "foreground; with overlap they are hidden already: leave "
+                             "out one of them")
+        if run.sharded:
+            raise ValueError("sync_share is not for a shard of a sharded job (its head's "
+                             "rounds at the root follow inter_period)")

@@ -33,6 +33,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from ripples.coordinator.registry import WorkerRecord
 from ripples.static_schedule import static_group_of
 from ripples.worker.client import CoordinatorClient
+from ripples.worker.dataplane.modular_wire import sent_bytes as modular_sent_bytes
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "local_steps_train.py"
 WORKERS, H, STEPS = 2, 4, 10  # the stop (10) is no multiple of H: one more sync there
@@ -226,6 +227,8 @@ def _four_workers_with_outer_steps(protocol: str, out: Path, compression: str = 
     model = _script().build_model(batchnorm=True)
     params = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    if compression == "int8":  # the modular wire: a byte a parameter, the rest in float32
+        return summary, modular_sent_bytes(params, buffers, 4)
     # The flat buffer, the momentum (float32 or bfloat16) and the non-finite flag (one
     # float32 element after the flat buffer).
     return summary, 4 * (params + buffers) + (2 if compression == "bf16" else 4) * params + 4
@@ -233,13 +236,14 @@ def _four_workers_with_outer_steps(protocol: str, out: Path, compression: str = 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("protocol", "compression"),
-                         [("ripples-smart", "none"), ("ripples-random", "bf16")])
+                         [("ripples-smart", "none"), ("ripples-random", "bf16"),
+                          ("ripples-smart", "int8")])
 def test_group_generator_protocols_take_local_steps_and_the_outer_step(
         protocol: str, compression: str, tmp_path: Path) -> None:
     """Four workers, H = 4, the outer Nesterov step in the Group Generator's groups: the
     run ends at its budget, every worker asks for groups once per round of H steps, and
     its groups' bytes are the outer form's (2P plus the buffers; 1.5P plus the buffers
-    with the momentum in bf16)."""
+    with the momentum in bf16; about a byte a parameter plus the buffers with int8)."""
     summary, per_group = _four_workers_with_outer_steps(protocol, tmp_path, compression)
     for worker in summary["workers"]:
         # A worker asks for groups once per round of H steps, and is in at most one
@@ -250,6 +254,27 @@ def test_group_generator_protocols_take_local_steps_and_the_outer_step(
         assert sent > 0 and sent % per_group == 0, (sent, per_group)
         assert sent // per_group <= 4 * worker["iterations"] // H
     assert 0 < summary["bytes_per_worker_step"] <= 4 * per_group / H
+
+
+@pytest.mark.slow
+def test_rounds_sized_to_the_link_grow_from_h_within_8h(tmp_path: Path) -> None:
+    """--sync-share 0.01 with the int8 wire: a synchronisation (a coordinator round trip
+    and three collectives) takes far more than a hundredth of the test script's tiny
+    steps, so each worker lengthens its rounds past H, never past 8H (it asks for
+    fewer groups than a round of H would, and at least one per 8H steps), and the run
+    ends at its budget."""
+    iterations, h = 160, 2
+    proc = ripples_cli("run", "--workers", "3", "--protocol", "ripples-smart",
+                       "--iterations", str(iterations), "--local-steps", str(h),
+                       "--outer-optimizer", "nesterov", "--outer-compression", "int8",
+                       "--sync-share", "0.01", "--seed", "1", "--output", str(tmp_path),
+                       "--", "python", str(SCRIPT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary: dict[str, Any] = json.loads((tmp_path / "summary.json").read_text())
+    assert "iteration budget reached" in summary["stop_reason"], summary["stop_reason"]
+    for worker in summary["workers"]:
+        rounds, steps = worker["request_count"], worker["iterations"]
+        assert steps // (8 * h) - 1 <= rounds < steps // h, worker
 
 
 @pytest.mark.slow

@@ -43,8 +43,8 @@ def test_the_defaults_are_todays_run_and_travel_to_the_workers() -> None:
      "outer_optimizer nesterov"),
     ({"outer_compression": "bf16"}, "outer_compression are for outer_optimizer nesterov; "
      ".* would lose their low bits in bf16"),
-    ({"outer_optimizer": "nesterov", "outer_compression": "int8"},
-     "outer_compression must be one of none, bf16, got 'int8'"),
+    ({"outer_optimizer": "nesterov", "outer_compression": "int4"},
+     "outer_compression must be one of none, bf16, int8, got 'int4'"),
 ])
 def test_a_bad_value_is_refused_naming_the_option(options: dict[str, object],
                                                  expected: str) -> None:

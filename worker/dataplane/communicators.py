@@ -46,6 +46,21 @@ class Communicator:
         work = self.backend.allreduce([tensor])  # type: ignore[union-attr]  # missing from torch stubs
         self._wait(work, "all-reduce", timeout_seconds)
 
+    def allreduce_max_(self, tensor: torch.Tensor, timeout_seconds: float) -> None:
+        """Take the elementwise largest of `tensor` across the members, in place."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # RedOpType is accepted
+        work = self.backend.allreduce([tensor], options)  # type: ignore[union-attr]  # missing from torch stubs
+        self._wait(work, "all-reduce (max)", timeout_seconds)
+
+    def allgather(self, tensor: torch.Tensor, timeout_seconds: float) -> list[torch.Tensor]:
+        """Every member's `tensor` (same shape and dtype everywhere), in member order,
+        in fresh buffers."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
+        work = self.backend.allgather([gathered], [tensor])  # type: ignore[union-attr]  # missing from torch stubs
+        self._wait(work, "all-gather", timeout_seconds)
+        return gathered
+
     def start_allreduce_sum(self, tensor: torch.Tensor) -> dist.Work:
         """Start summing `tensor` across the members in place; the caller waits on the
         work it returns (worker/dataplane/background.py) with a deadline of its own."""

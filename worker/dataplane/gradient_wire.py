@@ -23,9 +23,11 @@ import torch
 
 from ripples.worker.dataplane.nonfinite import void_if_flagged
 
-WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16,
+                                              "int8": None}
 """--outer-compression: the dtype the gradient-like part of a synchronisation travels in
-(None: the flat buffer's own, in one collective with the rest)."""
+(None: the flat buffer's own, in one collective with the rest; int8 has a wire of its own,
+worker/dataplane/modular_wire.py, and uses this one only for what it never sends)."""
 
 
 class GradientWire:

@@ -36,7 +36,9 @@ sum.
 
 What travels (`stage`): the group form sends [φ̂ | rest | m̂], the same-anchor form
 [Δ | rest]; with `compression="bf16"` the gradient-like part (m̂, or Δ with error
-feedback) travels apart in bfloat16 (worker/dataplane/gradient_wire.py).
+feedback) travels apart in bfloat16 (worker/dataplane/gradient_wire.py). With
+`compression="int8"` the group form travels on a wire of its own instead: φ̂'s low bits
+in a byte each, the momentum kept local (worker/dataplane/modular_wire.py).
 
 The anchor is taken at the first local step (`take_anchor`, called by ripples.Optimizer
 before the step), not when the optimizer is built: a script that loads weights into the
@@ -62,6 +64,8 @@ from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.gradient_wire import GradientWire
+from ripples.worker.dataplane.modular_wire import ModularWire, modular_preduce
+from ripples.worker.dataplane.modular_wire import sent_bytes as modular_bytes
 from ripples.worker.dataplane.nonfinite import void_if_flagged
 from ripples.worker.dataplane.preduce import copy_from_donor, reduce_staged
 
@@ -83,6 +87,9 @@ class OuterState:
                              f"{lr:g} and momentum {momentum:g}")
         self.gradient_wire = GradientWire(compression, momentum)
         """How the gradient-like part (m̂, or Δ in the same-anchor form) travels."""
+        self.modular = ModularWire(state.flat.device) if compression == "int8" else None
+        """With int8, the group form's wire (worker/dataplane/modular_wire.py); None: the
+        SUM collectives of `stage`."""
         self.state = state
         self.lr = lr
         self.momentum_factor = momentum
@@ -164,6 +171,9 @@ class OuterState:
         `same_anchor=True` (every member's φ and m bitwise equal): [Δ | rest], Δ apart
         in bfloat16 (plus the rounding left over from before) with compression.
         """
+        if self.modular is not None:
+            raise ValueError("with --outer-compression int8 a group synchronises through "
+                             "modular_preduce (an all-gather), not a SUM collective")
         self.take_anchor()  # a member that has not stepped yet: its model is its anchor
         self._staged_steps = self.steps_since_sync
         flat, n = self.state.flat, self.numel
@@ -181,7 +191,7 @@ class OuterState:
             torch.sub(self.anchor, flat[:n], out=head)  # Δ
             if not same_anchor:
                 moment = staged[n + rest : body] if body > n + rest else torch.empty_like(head)
-                self._provisional_step(head, moment, spend=self._staged_steps > 0)
+                self.provisional_step(head, moment, spend=self._staged_steps > 0)
             staged[n : n + rest].copy_(flat[n:])
             staged[:body].mul_(scale)
             self._wire = self.gradient_wire.encode(
@@ -198,11 +208,15 @@ class OuterState:
         flat buffer's size, with the gradient-like part (the group form's momentum, none
         at momentum 0; the same-anchor form's Δ, in place of φ̂) in bfloat16 with
         compression, and the non-finite flag (one element of the buffer it ends; not
-        `flag`: a gossip exchange, which carries none)."""
+        `flag`: a gossip exchange, which carries none); with int8, the payload of
+        worker/dataplane/modular_wire.py."""
+        if self.modular is not None:
+            flat = self.state.flat
+            return modular_bytes(self.numel, flat.numel() - self.numel, flat.element_size())
         return self.gradient_wire.sent_bytes(self.state.flat, self.numel,
                                              same_anchor=same_anchor, flag=flag)
 
-    def _provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
+    def provisional_step(self, delta_then_anchor: torch.Tensor, moment: torch.Tensor, *,
                           spend: bool) -> None:
         """In place: Δ becomes φ̂ = φ − η (Δ + μ m̂), and `moment` gets m̂ = μ m + Δ; or,
         not `spend`ing (no local step since the last synchronisation, or progress kept for
@@ -305,6 +319,9 @@ class OuterState:
         its momentum is applied once per round of its own. The staging buffer is fresh
         each time (a failed collective may write into it later: rule 4); on failure the
         anchor and momentum keep their values."""
+        if self.modular is not None:
+            raise ValueError("a gossip exchange has no int8 wire (--outer-compression int8 "
+                             "is for the Group Generator's and the static schedule's groups)")
         self.take_anchor(seen)
         n, total = self.numel, seen.numel()
         scale = 1.0 / comm.size
@@ -315,7 +332,7 @@ class OuterState:
             moment = staged[total:] if inline else torch.empty_like(seen[:n])
             with self._lock:
                 torch.sub(self.anchor, seen[:n], out=staged[:n])
-                self._provisional_step(staged[:n], moment, spend=spend)
+                self.provisional_step(staged[:n], moment, spend=spend)
                 old_anchor = None if spend else self.anchor.clone()
             staged[n:total].copy_(seen[n:])
             staged.mul_(scale)
@@ -422,5 +439,8 @@ def outer_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float,
     One SUM collective on the outer state's staging buffer, pre-scaled by 1/|G| as in
     `preduce`; on any error the staging buffer is abandoned and the model, anchor and
     momentum keep their local values."""
+    if outer.modular is not None and not same_anchor:
+        modular_preduce(outer, comm, timeout_seconds)
+        return
     reduce_staged(outer, outer.stage(1.0 / comm.size, same_anchor=same_anchor),
                   lambda staged: comm.allreduce_sum_(staged, timeout_seconds))

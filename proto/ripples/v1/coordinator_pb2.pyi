@@ -170,16 +170,18 @@ class RunConfig(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., protocol: _Optional[str] = ..., task: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., iterations: _Optional[int] = ..., epochs: _Optional[float] = ..., target_loss: _Optional[float] = ..., seed: _Optional[int] = ..., collective_timeout_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., lease_seconds: _Optional[float] = ..., checkpoint_interval: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., average_optimizer_state: _Optional[bool] = ..., topology: _Optional[str] = ..., group_generator: _Optional[_Union[GroupGeneratorSettings, _Mapping]] = ..., gossip: _Optional[_Union[GossipSettings, _Mapping]] = ..., hop: _Optional[_Union[HopSettings, _Mapping]] = ..., lpp: _Optional[_Union[LppSettings, _Mapping]] = ..., coordinator_outage_seconds: _Optional[float] = ..., final_average: _Optional[bool] = ..., outage_local_steps: _Optional[int] = ..., root: _Optional[str] = ..., inter_period: _Optional[int] = ..., local_steps: _Optional[int] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., outer_compression: _Optional[str] = ...) -> None: ...
 
 class GroupGeneratorSettings(_message.Message):
-    __slots__ = ("group_size", "c_thres", "inter_intra", "overlap")
+    __slots__ = ("group_size", "c_thres", "inter_intra", "overlap", "sync_share")
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     C_THRES_FIELD_NUMBER: _ClassVar[int]
     INTER_INTRA_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SHARE_FIELD_NUMBER: _ClassVar[int]
     group_size: int
     c_thres: int
     inter_intra: bool
     overlap: bool
-    def __init__(self, group_size: _Optional[int] = ..., c_thres: _Optional[int] = ..., inter_intra: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    sync_share: float
+    def __init__(self, group_size: _Optional[int] = ..., c_thres: _Optional[int] = ..., inter_intra: _Optional[bool] = ..., overlap: _Optional[bool] = ..., sync_share: _Optional[float] = ...) -> None: ...
 
 class GossipSettings(_message.Message):
     __slots__ = ("rate_com", "momentum", "adpsgd_mode")
