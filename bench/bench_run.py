@@ -107,7 +107,8 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
     if PROTOCOLS[base_protocol(protocol)].role.coordination is Coordination.GOSSIP:
         extra += ["--rate-com", f"{cfg.rate_com:g}"]
     seed = cfg.seed + repeat
-    command = [sys.executable, "-m", "ripples.cli", "run", "--quiet", "--device", "cpu",
+    device = ["--device", cfg.device, *(["--share-gpus"] if cfg.device == "cuda" else [])]
+    command = [sys.executable, "-m", "ripples.cli", "run", "--quiet", *device,
                "--workers", str(cfg.workers), "--workers-per-node", str(cfg.workers_per_node),
                "--protocol", base_protocol(protocol), *extra,
                "--target-loss", str(cfg.target_loss), "--seed", str(seed),

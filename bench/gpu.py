@@ -3,6 +3,7 @@
     python -m ripples.bench.gpu                      # one GPU: the ~25M GPT, bf16, AdamW
     python -m ripples.bench.gpu --configs single,plain,ddp,smart
     python -m ripples.bench.gpu --device cpu         # gloo, a tiny GPT: that it runs (CI)
+    python -m ripples.bench.gpu --to-loss            # time to a loss: DDP against Ripples
 
 Configurations (`--configs`, comma-separated), each in processes of its own
 (bench/gpu_rank.py is what they run):
@@ -31,6 +32,14 @@ and the blocking CUDA calls torch.profiler sees in one more window (loss read-ba
 on a GPU only), the host's time inside `optimizer.step()` per step, and Ripples'
 bookkeeping per step (StepTimes.other_seconds) as a share of the step. A goal summary
 follows.
+
+`--to-loss` asks another question: how soon each way reaches a loss, not what a step
+costs. It runs `ripples bench` (bench/harness.py) on the device: the bench's Transformer
+LM with AdamW, `--workers` workers sharing the GPU, to `--target-loss`, one run each of
+allreduce (DDP), ripples-smart and its best local-step form on slow links
+(ripples-smart-int8: H = 8, the outer Nesterov step, the groups' int8 wire), each within
+a third of `--budget-seconds`; the bench's table (time to the target, compute
+utilization, bytes per step, loss at equal steps) and its loss-against-time plot.
 
 Every configuration runs against a deadline (`--config-timeout-seconds`, and the whole
 script's `--budget-seconds`): one that has not ended by then is killed with every process
@@ -299,6 +308,33 @@ def run(cfg: GpuBenchConfig) -> list[Outcome]:
     return outcomes
 
 
+TO_LOSS_PROTOCOLS = ("allreduce", "ripples-smart", "ripples-smart-int8")
+"""`--to-loss`: DDP, ripples-smart, and its best local-step form (docs/benchmarks.md,
+"Slow links")."""
+TO_LOSS_TARGET = {"cuda": 2.2, "cpu": 5.0}
+"""`--to-loss`'s default target: the bench's LM target, or on the CPU one its first
+steps reach (what the CPU mode is for is running every part end to end)."""
+TO_LOSS_MAX_STEPS = {"cuda": 800, "cpu": 40}
+
+
+def to_loss(args: argparse.Namespace, work_dir: Path) -> int:
+    """`--to-loss`: the bench's LM on the device, DDP against Ripples, to a loss."""
+    from ripples.bench.harness import run_bench
+    from ripples.bench.matrix import HarnessConfig
+
+    cfg = HarnessConfig(
+        workers=args.workers, workers_per_node=args.workers, protocols=TO_LOSS_PROTOCOLS,
+        scenarios=("homogeneous",), task="transformer-lm", repeats=1,
+        target_loss=args.target_loss or TO_LOSS_TARGET[args.device],
+        max_steps=args.max_steps or TO_LOSS_MAX_STEPS[args.device], output=work_dir,
+        run_timeout_seconds=max(MIN_CONFIG_SECONDS,
+                                args.budget_seconds / len(TO_LOSS_PROTOCOLS)),
+        device=args.device)
+    cfg.validate()
+    records = run_bench(cfg, markdown=True)
+    return 0 if all(r.time_to_target_seconds is not None for r in records) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ripples.bench.gpu",
                                      description=__doc__.split("\n\n")[0])
@@ -324,7 +360,30 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: a temporary directory, removed at the end)")
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the rows and the raw measurements here")
+    parser.add_argument("--to-loss", action="store_true",
+                        help="time to a loss instead: DDP, ripples-smart and "
+                             "ripples-smart-int8 on the bench's LM, a third of "
+                             "--budget-seconds each (the bench's results, plots and runs "
+                             "go to --work-dir)")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="--to-loss: the target (default: 2.2 on cuda, 5.0 on cpu)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="--to-loss: each run's step cap (default: 800 on cuda, 40 on cpu)")
     args = parser.parse_args(argv)
+    if args.to_loss:
+        if args.workers < 2:
+            parser.error("--workers must be at least 2")
+        if args.json is not None or args.configs != parser.get_default("configs"):
+            parser.error("--to-loss runs its own three protocols and writes the bench's "
+                         "results.json to --work-dir: leave out --configs and --json")
+        if args.work_dir is not None and (args.work_dir / "results.json").exists():
+            parser.error(f"--work-dir {args.work_dir} already holds an earlier bench's "
+                         "results: give a new or empty directory")
+        try:
+            with tempfile.TemporaryDirectory(prefix="ripples-bench-gpu-") as tmp:
+                return to_loss(args, (args.work_dir or Path(tmp)).resolve())
+        except ValueError as err:
+            parser.error(str(err))
     preset = RankSettings() if args.device == "cuda" else CPU_SETTINGS
     settings = dataclasses.replace(preset, **{
         f.name: getattr(args, f.name) for f in dataclasses.fields(RankSettings)

@@ -42,6 +42,7 @@ from ripples.bench.bench_run import (
     run_summary,
 )
 from ripples.bench.matrix import (
+    DEVICES,
     MATRIX_PROTOCOLS,
     PEER_NAMES,
     QUICK,
@@ -262,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-mbit", action="append", default=[], metavar="RATE|RANK:RATE",
                         help="any link rates over the preset's: RATE for every worker's, "
                              "RANK:RATE for one (repeatable)")
+    parser.add_argument("--device", choices=DEVICES, default=defaults.device,
+                        help="where Ripples' workers train: cpu (default), or cuda, every "
+                             "worker on this machine's GPUs, sharing them (the peers: "
+                             "CPU only)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in OUTPUT/records.jsonl (an interrupted "
                              "bench with the same options) and run only the missing ones")
@@ -283,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps,
         seed=args.seed, output=args.output, topology=args.topology, rate_com=args.rate_com,
         peer_settings=peer_settings, network=args.network, link_mbit=tuple(args.link_mbit),
+        device=args.device,
     )
     if args.peers:
         cfg.protocols += tuple(installed_peers(exclude=cfg.protocols))
@@ -291,18 +297,26 @@ def main(argv: list[str] | None = None) -> int:
         finished = load_finished(cfg) if args.resume else []
     except ValueError as err:
         parser.error(str(err))
+    run_bench(cfg, finished, markdown=args.markdown)
+    return 0
+
+
+def run_bench(cfg: HarnessConfig, finished: list[RunRecord] | None = None, *,
+              markdown: bool = False) -> list[RunRecord]:
+    """Run a validated configuration's matrix (but the `finished` runs), print its table
+    and write results.json and the plots; the records, finished ones included."""
     print_links(cfg.link_rates())
-    records = run_matrix(cfg, finished)
+    records = run_matrix(cfg, finished or [])
     rows = medians(records)
-    print(format_markdown(rows) if args.markdown else format_table(rows))
+    print(format_markdown(rows) if markdown else format_table(rows))
     path = write_results(cfg, records, rows)
     from ripples.bench.plots import plot_iteration_split, plot_loss_curves
 
-    plots = [plot_loss_curves(records, cfg.output / "loss.png", cfg.target_loss,
-                              title=f"network: {cfg.network_name}"),
+    title = f"network: {cfg.network_name}" + (", GPU" if cfg.device == "cuda" else "")
+    plots = [plot_loss_curves(records, cfg.output / "loss.png", cfg.target_loss, title=title),
              plot_iteration_split(rows, cfg.output / "iteration_split.png")]
     print(f"wrote {path}, {', '.join(str(p) for p in plots)}", file=sys.stderr)
-    return 0
+    return records
 
 
 if __name__ == "__main__":

@@ -168,6 +168,10 @@ class HarnessConfig:
     (loopback, slow, uneven)."""
     link_mbit: tuple[str, ...] = ()
     """`--link-mbit` values (RATE, RANK:RATE) over the preset's rates."""
+    device: str = "cpu"
+    """Where Ripples' workers train: cpu, or cuda (`ripples run --device cuda
+    --share-gpus`: every worker on the machine's GPUs, several to a GPU where there are
+    fewer GPUs than workers, NCCL between them). The peers train on the CPU only."""
 
     def link_rates(self) -> tuple[float | None, ...]:
         """One link rate per rank (Mbit/s; None: unshaped); empty on loopback.
@@ -195,6 +199,7 @@ class HarnessConfig:
         if unknown:
             raise ValueError(f"unknown protocol(s) {unknown}; choose from "
                              f"{', '.join(MATRIX_PROTOCOLS + PEER_NAMES)}")
+        self._validate_device()
         missing = {p: m for p in self.protocols if p in PEERS
                    for m in [missing_package(p)] if m}
         if missing:
@@ -219,6 +224,24 @@ class HarnessConfig:
         if self.workers < 2 or self.repeats < 1 or self.target_loss <= 0 or self.max_epochs <= 0:
             raise ValueError("need workers >= 2, repeats >= 1, target_loss > 0, max_epochs > 0")
         self.link_rates()
+
+    def _validate_device(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "cpu":
+            return
+        peers = [p for p in self.protocols if p in PEERS]
+        if peers:
+            raise ValueError(f"device cuda runs Ripples' protocols only: the peers "
+                             f"({', '.join(peers)}) train on the CPU in the bench")
+        import torch  # only here: the CPU bench never needs to ask
+
+        if not torch.cuda.is_available():
+            raise ValueError("device cuda: this machine has no CUDA device torch can use")
+
+
+DEVICES = ("cpu", "cuda")
+"""Where the bench's Ripples workers may train (HarnessConfig.device)."""
 
 
 # About 5 minutes here: two scenarios, one repeat, an easier target, and the baseline

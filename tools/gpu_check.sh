@@ -15,6 +15,10 @@
 # device's per-call limit better than one); DEVICE=cpu runs the bench on the CPU (a
 # rehearsal of the script where there is no GPU: the tests then skip). The bench's work
 # dir stays outside $OUT (too big to come back); its table and JSON land in $OUT.
+# TO_LOSS=1 runs the bench's --to-loss mode instead of its step rows (DDP against Ripples
+# to a loss; its table, results.json and loss.png land in $OUT):
+#
+#   run(command="TO_LOSS=1 TESTS=0 BUDGET=420 bash tools/gpu_check.sh", carry=[".whl"], timeout_s=450)
 set -u
 T0=$(date +%s)
 BUDGET=${BUDGET:-540}
@@ -36,7 +40,15 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/setup.tx
 'cuda', torch.cuda.is_available())") >> "$OUT/setup.txt" 2>&1 || { cat "$OUT/setup.txt"; exit 3; }
 cat "$OUT/setup.txt"
 
-if [[ ${BENCH:-1} != 0 ]]; then
+if [[ ${TO_LOSS:-0} != 0 ]]; then
+    loss_dir=$(mktemp -d /tmp/bench-loss.XXXX)
+    (cd /tmp && timeout "$(( $(left) - 30 ))" python3 -m ripples.bench.gpu --to-loss \
+        ${DEVICE:+--device "$DEVICE"} --budget-seconds "$(( $(left) - 60 ))" \
+        --work-dir "$loss_dir/work") > "$OUT/bench-loss.txt" 2>&1
+    echo "bench --to-loss: rc=$? after $(( $(date +%s) - T0 )) s"
+    cp "$loss_dir/work/results.json" "$loss_dir/work/loss.png" "$OUT/" 2>/dev/null
+    tail -12 "$OUT/bench-loss.txt"
+elif [[ ${BENCH:-1} != 0 ]]; then
     # The bench's own budget: what the tests leave it (all that is left without them).
     if [[ ${TESTS:-1} == 0 ]]; then bench_budget=$(( $(left) - 40 )); else bench_budget=330; fi
     (cd /tmp && timeout "$(( $(left) - 30 ))" python3 -m ripples.bench.gpu \

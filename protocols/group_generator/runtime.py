@@ -424,8 +424,17 @@ class GroupGeneratorProtocol(Protocol):
         return group_bytes(state, outer)
 
     def record(self) -> dict[str, object]:
-        """With --overlap: how its background P-Reduces went (`_overlap`)."""
-        return {"overlap": dict(self._overlap)} if self.overlaps else {}
+        """With --overlap: how its background P-Reduces went (`_overlap`); with the int8
+        wire, the blocks it voided for a wrong decode and its width factor at the end;
+        with sized rounds, the length its rounds had at the end."""
+        record: dict[str, object] = {"overlap": dict(self._overlap)} if self.overlaps else {}
+        wire = self.outer.modular if self.outer is not None else None
+        if wire is not None:  # read once, at the end
+            record["int8"] = {"voided_blocks": int(wire.voided_blocks),
+                              "width": float(wire.width)}
+        if self._sizer is not None:
+            record["round_steps"] = self._sizer.steps
+        return record
 
     def close(self) -> None:
         if self._started is not None:  # failing, or stopped without on_stop: no wait

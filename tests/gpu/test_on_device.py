@@ -7,7 +7,8 @@ GPU machines this project is lent.
 - P-Reduce in groups of 2, 3 and 4 ranks equals the mean computed on the CPU;
 - a member with a NaN voids its group for every member (the non-finite flag rides the
   collective), and the next group without it averages as before;
-- the outer step's synchronisation equals the CPU's;
+- the outer step's synchronisation equals the CPU's, and on the int8 wire leaves every
+  member the same bits within half its step of it;
 - a checkpoint of the averaged state round-trips;
 - on a GPU, every library protocol (and ripples-smart with `--overlap`) runs a few steps
   of a real `ripples run` with two workers sharing the GPU (`--share-gpus`), and so do
@@ -84,8 +85,19 @@ def _member(rank: int, port: int, config: tuple[str, int], out: mp.Queue) -> Non
     outer_preduce(outer, comm, TIMEOUT)
     checkpoint = {k: v.cpu() for k, v in outer.state_dict().items()
                   if isinstance(v, torch.Tensor)}
+    # The outer step on the int8 wire (an all-gather and two MAX collectives), from one
+    # shared start as in a run (its members agree on the high bits).
+    wired_state = AveragedState(_model(0).to(device))
+    wired = OuterState(wired_state, lr=0.7, momentum=0.5, compression="int8")
+    with torch.no_grad():
+        wired.take_anchor()
+        wired_state.flat.mul_(1.0 + 0.1 * rank)
+    wired.record_step()
+    outer_preduce(wired, comm, TIMEOUT)
+    assert wired.modular is not None
     out.put((rank, averaged, kept, outer_state.flat.cpu().tolist(),
-             {k: v.tolist() for k, v in checkpoint.items()}))
+             {k: v.tolist() for k, v in checkpoint.items()},
+             (wired_state.flat.cpu().tolist(), int(wired.modular.voided_blocks))))
 
 
 @pytest.mark.slow
@@ -97,7 +109,7 @@ def test_p_reduce_the_gate_and_the_outer_step_equal_the_cpu_reference(
         _member, size, (device, size), replies=size, timeout_seconds=TIMEOUT)}
     initial = [AveragedState(_model(r)).flat for r in range(size)]
     mean = sum(initial) / size
-    for rank, (averaged, kept, _, _) in results.items():
+    for rank, (averaged, kept, _, _, _) in results.items():
         torch.testing.assert_close(torch.tensor(averaged), mean, rtol=1e-6, atol=1e-6)
         assert kept, f"rank {rank} adopted a group result that had a NaN member"
     # The outer step: the CPU's own arithmetic on the same inputs (outer_state.py's
@@ -115,6 +127,19 @@ def test_p_reduce_the_gate_and_the_outer_step_equal_the_cpu_reference(
     anchors_saved = [torch.tensor(results[r][3]["anchor"]) for r in range(size)]
     for saved in anchors_saved:
         torch.testing.assert_close(saved, flats[0][:n], rtol=0, atol=0)
+    # The int8 wire: the same bits on every member, within half a step of the float
+    # average (the width is at most 8 x (1.05 + 1) x the largest pseudo-gradient, or its
+    # floor: worker/dataplane/modular_wire.py), no block voided.
+    wired = [torch.tensor(results[r][4][0]) for r in range(size)]
+    assert all(results[r][4][1] == 0 for r in range(size))
+    for other in wired[1:]:
+        torch.testing.assert_close(other, wired[0], rtol=0, atol=0)
+    start = initial[0][:n]
+    deltas = torch.stack([-0.1 * r * start for r in range(size)])  # φ − x, each member
+    shared = start - 0.7 * (1 + 0.5) * deltas.mean(0)
+    largest = float(deltas.abs().max())
+    step = (8 * 2.05 * largest + 2 ** -12 * float(shared.abs().max() + largest)) / 512
+    assert 0 < float((wired[0][:n] - shared).abs().max()) <= step * 1.01
 
 
 def _run_on_the_gpu(tmp_path: Path, protocol: str, *options: str) -> None:

@@ -125,3 +125,29 @@ def test_a_work_dir_holding_an_earlier_run_is_refused(
         gpu.main(["--device", "cpu", "--configs", "single,plain", "--work-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "already holds an earlier run's plain" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_to_loss_on_the_cpu_runs_ddp_and_ripples_to_the_target(tmp_path: Path) -> None:
+    """--to-loss: the bench's LM, one run each of allreduce, ripples-smart and
+    ripples-smart-int8, every one to the (CPU) target within its step cap: the bench's
+    table, results and loss plot in the work dir."""
+    work = tmp_path / "work"
+    proc = subprocess.run([sys.executable, "-m", "ripples.bench.gpu", "--to-loss",
+                           "--device", "cpu", "--workers", str(RANKS), "--work-dir",
+                           str(work)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    results = json.loads((work / "results.json").read_text())
+    protocols = [r["protocol"] for r in results["medians"]]
+    assert protocols == list(gpu.TO_LOSS_PROTOCOLS)
+    for row in results["medians"]:
+        assert row["reached_target"] == 1 and row["time_to_target_seconds"] > 0, row
+    assert (work / "loss.png").stat().st_size > 0
+    for protocol in gpu.TO_LOSS_PROTOCOLS:
+        assert re.search(rf"^\| homogeneous \| {re.escape(protocol)} \| \d+\.\d+ s \|",
+                         proc.stdout, re.M), proc.stdout
+    again = subprocess.run([sys.executable, "-m", "ripples.bench.gpu", "--to-loss",
+                            "--device", "cpu", "--work-dir", str(work)],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert again.returncode == 2 and "already holds an earlier bench's results" in again.stderr

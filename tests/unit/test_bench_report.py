@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ripples.bench import harness
 from ripples.bench.bench_run import RunRecord
@@ -122,11 +123,20 @@ def test_the_others_iteration_time_leaves_out_the_deterministic_straggler() -> N
     ({"topology": "torus"}, "unknown topology 'torus'"),
     ({"rate_com": 0.0}, "rate_com must be in (0, 100]"),
     ({"protocols": ("a2cid2-no-nothing",)}, "a2cid2-no-momentum"),
+    ({"device": "tpu"}, "device must be one of cpu, cuda, got 'tpu'"),
+    ({"device": "cuda", "protocols": ("allreduce", "torchft")},
+     "device cuda runs Ripples' protocols only: the peers (torchft) train on the CPU"),
 ])
 def test_harness_config_names_what_is_wrong(change: dict, message: str) -> None:
     with pytest.raises(ValueError) as exc:
         harness.HarnessConfig(**change).validate()
     assert message in str(exc.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_the_gpu_bench_is_refused_where_there_is_no_gpu() -> None:
+    with pytest.raises(ValueError, match="device cuda: this machine has no CUDA device"):
+        harness.HarnessConfig(device="cuda", protocols=("allreduce",)).validate()
 
 
 def test_resume_accepts_a_bench_from_before_an_option_existed(tmp_path: Path) -> None:

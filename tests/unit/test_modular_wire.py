@@ -6,6 +6,8 @@ Real gloo groups (threads of this process), as in test_outer_state.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -36,6 +38,13 @@ def _big_model() -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(40, 3))
 
 
+def _models(build: Callable[[], torch.nn.Module], size: int) -> list[torch.nn.Module]:
+    """One model per member, built here before the members' threads start: torch's
+    global generator, which seeds them, is shared by every thread, and members seeding it
+    side by side would start from different models."""
+    return [build() for _ in range(size)]
+
+
 def _provisional(outer: OuterState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This member's φ̂ and m̂ as the synchronisation will stage them, and the bound of
     its proposed width's step (its largest |φ̂ − φ| + |φ − x|), computed on copies."""
@@ -53,8 +62,10 @@ def test_members_leave_with_the_same_bits_within_half_a_step_of_the_float_averag
     within s/2 of the mean of the provisional anchors, and its own provisional momentum;
     the rest (BatchNorm's buffers) is averaged in float32."""
 
+    models = _models(_big_model, 3)
+
     def member(rank: int, comm: Communicator) -> list[torch.Tensor]:
-        model = _big_model()
+        model = models[rank]
         with torch.no_grad():  # different anchors: a model of its own
             for p in model.parameters():
                 p.add_(0.01 * (rank + 1))
@@ -92,8 +103,10 @@ def test_a_block_whose_members_disagree_past_the_width_is_kept_by_every_member()
     block, averages the others, and widens."""
     second = slice(BLOCK, 2 * BLOCK)
 
+    models = _models(_big_model, 2)
+
     def member(rank: int, comm: Communicator) -> list[torch.Tensor]:
-        model = _big_model()
+        model = models[rank]
         state = AveragedState(model)
         outer = OuterState(state, lr=LR, momentum=MU, compression="int8")
         _local_steps(model, outer, 2, seed=rank)
@@ -123,8 +136,10 @@ def test_a_member_with_a_nan_voids_the_synchronisation_for_every_member() -> Non
     """The non-finite flag travels with the rest: where a member's model holds a NaN,
     every member keeps its model, anchor, momentum and width, bit for bit."""
 
+    models = _models(lambda: _model(0), 2)
+
     def member(rank: int, comm: Communicator) -> bool:
-        model = _model(0)
+        model = models[rank]
         state = AveragedState(model)
         outer = OuterState(state, lr=LR, momentum=MU, compression="int8")
         _local_steps(model, outer, 3, seed=rank)
