@@ -160,8 +160,9 @@ class RunSettings:
     """Outer optimizer nesterov: none; bf16: the pseudo-gradients (allreduce) and the
     outer momentum (the group form) travel in bfloat16, the pseudo-gradients with error
     feedback, models and anchors in float32; int8 (the groups of ripples-smart,
-    ripples-random, ripples-static): the anchors' low bits and the momentum travel in
-    one byte each, the model never rounded (docs/local-steps.md, "Compression")."""
+    ripples-random, ripples-static): the anchors' low bits travel in a byte each, the
+    model is never rounded and the momentum stays local (docs/local-steps.md, "The
+    groups' int8 wire")."""
     collective_timeout_seconds: float = 0.0
     """Bound on one collective: a peer that has not reached it by then fails it. 0: 1800 s
     (torch's default) for lock-step protocols (allreduce, ripples-static), where every

@@ -45,6 +45,15 @@ def _models(build: Callable[[], torch.nn.Module], size: int) -> list[torch.nn.Mo
     return [build() for _ in range(size)]
 
 
+def _int8_member(model: torch.nn.Module, steps: int, seed: int
+                 ) -> tuple[AveragedState, OuterState]:
+    """A member's state and int8 outer state over `model`, after `steps` local steps."""
+    state = AveragedState(model)
+    outer = OuterState(state, lr=LR, momentum=MU, compression="int8")
+    _local_steps(model, outer, steps, seed=seed)
+    return state, outer
+
+
 def _provisional(outer: OuterState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This member's φ̂ and m̂ as the synchronisation will stage them, and the bound of
     its proposed width's step (its largest |φ̂ − φ| + |φ − x|), computed on copies."""
@@ -69,9 +78,7 @@ def test_members_leave_with_the_same_bits_within_half_a_step_of_the_float_averag
         with torch.no_grad():  # different anchors: a model of its own
             for p in model.parameters():
                 p.add_(0.01 * (rank + 1))
-        state = AveragedState(model)
-        outer = OuterState(state, lr=LR, momentum=MU, compression="int8")
-        _local_steps(model, outer, 3, seed=rank)
+        state, outer = _int8_member(model, 3, seed=rank)
         anchor_hat, moment, step = _provisional(outer)
         rest = state.flat[outer.numel :].clone()
         outer_preduce(outer, comm, TIMEOUT)
@@ -107,9 +114,7 @@ def test_a_block_whose_members_disagree_past_the_width_is_kept_by_every_member()
 
     def member(rank: int, comm: Communicator) -> list[torch.Tensor]:
         model = models[rank]
-        state = AveragedState(model)
-        outer = OuterState(state, lr=LR, momentum=MU, compression="int8")
-        _local_steps(model, outer, 2, seed=rank)
+        state, outer = _int8_member(model, 2, seed=rank)
         if rank == 1:
             with torch.no_grad():
                 outer.anchor[second] += 10.0
@@ -140,9 +145,7 @@ def test_a_member_with_a_nan_voids_the_synchronisation_for_every_member() -> Non
 
     def member(rank: int, comm: Communicator) -> bool:
         model = models[rank]
-        state = AveragedState(model)
-        outer = OuterState(state, lr=LR, momentum=MU, compression="int8")
-        _local_steps(model, outer, 3, seed=rank)
+        state, outer = _int8_member(model, 3, seed=rank)
         if rank == 1:
             with torch.no_grad():
                 state.flat[2] = float("nan")

@@ -94,7 +94,8 @@ class ModularWire:
         """This member's factor: its proposed width over its block's outer step."""
         self.weights = checksum_weights(device)
         self.voided_blocks = torch.zeros((), dtype=torch.int64, device=device)
-        """Blocks voided so far for a wrong decode (read by tests and the worker's log)."""
+        """Blocks voided so far for a wrong decode (read once at the end, for the
+        worker's record in summary.json)."""
 
 
 def blocks(values: torch.Tensor) -> torch.Tensor:
