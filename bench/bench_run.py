@@ -16,12 +16,15 @@ from pathlib import Path
 
 from ripples.bench.matrix import (
     OUTER_EXTRAS,
+    OUTER_ROUNDS,
     OUTER_VARIANTS,
     SCRIPT_WORKLOADS,
+    STRETCH_VARIANT,
     VARIANTS,
     HarnessConfig,
     base_protocol,
     diloco_flags,
+    stretch_flags,
     takes_topology,
 )
 from ripples.bench.network import link_flags
@@ -100,8 +103,11 @@ def run_command(cfg: HarnessConfig, scenario: Scenario, protocol: str, repeat: i
     """
     extra = list(VARIANTS[protocol].flags) if protocol in VARIANTS else []
     if protocol in OUTER_VARIANTS:  # the peer's H and outer step, overrides included
-        extra = list(diloco_flags(cfg.peer_settings.get("torchft-diloco", {})))
+        extra = list(diloco_flags(cfg.peer_settings.get("torchft-diloco", {}),
+                                  OUTER_ROUNDS.get(protocol, 1)))
         extra += OUTER_EXTRAS.get(protocol, ((), ""))[0]
+    if protocol == STRETCH_VARIANT:  # √N of this bench's workers
+        extra = list(stretch_flags(cfg.workers))
     if takes_topology(protocol) and cfg.topology != "complete":
         extra += ["--topology", cfg.topology]
     if PROTOCOLS[base_protocol(protocol)].role.coordination is Coordination.GOSSIP:

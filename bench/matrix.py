@@ -9,6 +9,7 @@ schedule and the command line bench/harness.py's, the table bench/report.py's.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,14 +31,29 @@ class Variant:
     description: str
 
 
-def diloco_flags(settings: dict[str, object]) -> tuple[str, ...]:
+def diloco_flags(settings: dict[str, object], rounds: int = 1) -> tuple[str, ...]:
     """The `ripples run` flags of DiLoCo with torchft-diloco's knobs (sync_every, outer_lr,
-    outer_momentum; the others are ignored)."""
+    outer_momentum; the others are ignored), with rounds of `rounds` times its H."""
     knobs = {**DILOCO_DEFAULTS, **{k: v for k, v in settings.items() if k in DILOCO_DEFAULTS}}
-    return ("--local-steps", str(knobs["sync_every"]), "--outer-optimizer", "nesterov",
+    steps = int(knobs["sync_every"]) * rounds
+    return ("--local-steps", str(steps), "--outer-optimizer", "nesterov",
             "--outer-lr", f"{float(knobs['outer_lr']):g}",  # type: ignore[arg-type]
             "--outer-momentum", f"{float(knobs['outer_momentum']):g}")  # type: ignore[arg-type]
 
+
+def stretch_flags(workers: int) -> tuple[str, ...]:
+    """The `ripples run` flags of the all-worker form without local steps, its averaged
+    step stretched by √N: the models averaged after each worker's own optimizer step,
+    every step, with the outer lr √workers and no momentum. Each worker's AdamW step
+    follows its own batch's noise as much as the gradient; the noise cancels in the
+    average, which shortens the step by up to √N (docs/local-steps.md, "Loss per step on
+    equal workers, with AdamW")."""
+    return ("--local-steps", "1", "--outer-optimizer", "nesterov",
+            "--outer-lr", f"{math.sqrt(workers):.4g}", "--outer-momentum", "0")
+
+
+STRETCH_VARIANT = "allreduce-stretch"
+"""The variant bench_run.run_command gives `stretch_flags` of the bench's workers."""
 
 DILOCO_VARIANT = "allreduce-diloco"
 """The variant that runs torchft-diloco's algorithm in Ripples: bench_run.run_command
@@ -45,6 +61,7 @@ gives it the peer's H and outer step, --peer-setting overrides included."""
 OUTER_VARIANTS: dict[str, str] = {DILOCO_VARIANT: "allreduce",
                                   "ripples-smart-outer": "ripples-smart",
                                   "ripples-smart-int8": "ripples-smart",
+                                  "ripples-smart-int8-overlap": "ripples-smart",
                                   "ripples-smart-link": "ripples-smart",
                                   "ripples-random-outer": "ripples-random",
                                   "adpsgd-outer": "adpsgd"}
@@ -56,6 +73,10 @@ _INT8 = ("--outer-compression", "int8")
 OUTER_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
     "ripples-smart-int8": (_INT8, ", the anchors' low bits in one byte a parameter "
                                   "(--outer-compression int8)"),
+    "ripples-smart-int8-overlap": ((*_INT8, "--overlap"),
+                                   ", int8, rounds of 2H steps, each synchronised in the "
+                                   "background while the next round's steps run "
+                                   "(--overlap)"),
     "ripples-smart-link": ((*_INT8, "--sync-share", "0.1"),
                            ", int8, and rounds sized to the link: H to 8H steps, so that "
                            "synchronising takes at most a tenth of the time (--sync-share "
@@ -63,6 +84,10 @@ OUTER_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 """Outer variants with flags of their own after the shared H and outer step: their
 flags and the description's ending."""
+OUTER_ROUNDS: dict[str, int] = {"ripples-smart-int8-overlap": 2}
+"""Outer variants whose rounds are a multiple of the shared H: a synchronisation in the
+background hides behind the next round's compute, and more of it hides behind a longer
+round (at H from 4 to 16 the LM ends at the same loss: docs/local-steps.md)."""
 
 VARIANTS: dict[str, Variant] = {
     "a2cid2-no-momentum": Variant(
@@ -86,6 +111,11 @@ VARIANTS: dict[str, Variant] = {
         description="ripples-smart with each group's P-Reduce in the background, applied "
                     "at a later step boundary (docs/gpu.md, \"Averaging off the critical "
                     "path\")"),
+    STRETCH_VARIANT: Variant(
+        protocol="allreduce", flags=stretch_flags(8),
+        description="allreduce of the models after every step, the average stretched by "
+                    "√N (--local-steps 1 --outer-optimizer nesterov --outer-lr √N "
+                    "--outer-momentum 0; docs/local-steps.md)"),
     DILOCO_VARIANT: Variant(
         protocol="allreduce", flags=diloco_flags(DILOCO_DEFAULTS),
         description="DiLoCo: allreduce of the pseudo-gradients every H steps and an outer "

@@ -380,16 +380,13 @@ class RunSettings:
         self._validate_topology()
 
     def _validate_int8(self, spec: ProtocolSpec) -> None:
-        """outer_compression int8: only the groups' synchronisation, in the foreground."""
+        """outer_compression int8: only the groups' synchronisation."""
         if spec.role.coordination not in INT8_COORDINATIONS:
             raise ValueError(
                 f"outer_compression int8 is for the groups of ripples-smart, ripples-random "
                 f"and ripples-static, not {self.protocol}: it travels in an all-gather, "
                 "which pays in small groups (over every worker each would receive N - 1 "
                 "payloads; use bf16 there), and a gossip exchange has no int8 wire")
-        if self.settings(GroupGeneratorSettings).overlap:
-            raise ValueError("outer_compression int8 synchronises in the foreground: "
-                             "leave out overlap, or use bf16 with it")
 
     def _validate_outer_steps(self, spec: ProtocolSpec) -> None:
         """local_steps and the outer optimizer: their values, and whether the protocol

@@ -165,7 +165,9 @@ def _run_on_the_gpu(tmp_path: Path, protocol: str, *options: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("protocol", ["ripples-smart", "ripples-random", "ripples-static",
                                       "allreduce", "adpsgd", "a2cid2",
-                                      "ripples-smart --overlap --local-steps 2"])
+                                      "ripples-smart --overlap --local-steps 2",
+                                      "ripples-smart --overlap --local-steps 2 "
+                                      "--outer-optimizer nesterov --outer-compression int8"])
 def test_every_library_protocol_trains_on_a_shared_gpu(protocol: str, tmp_path: Path) -> None:
     name, *options = protocol.split()
     _run_on_the_gpu(tmp_path, name, *options, "--", "python", PROBE, "--steps", "20")
@@ -181,8 +183,9 @@ def test_lap_and_lpp_updaters_share_a_cuda_model(protocol: str, tmp_path: Path) 
     _run_on_the_gpu(tmp_path, protocol, "--task", "digits", "--iterations", "60")
 
 
-def _background_member(rank: int, port: int, _config: None, out: mp.Queue) -> None:
-    """A background P-Reduce among 3 ranks on the GPU, with an update made while it is in
+def _background_member(rank: int, port: int, form: str, out: mp.Queue) -> None:
+    """A background P-Reduce among 3 ranks on the GPU (`form`: of the state, or the int8
+    wire's outer step from one shared start), with an update made while it is in
     flight, started and landed with any host-device synchronisation an error."""
     from ripples.worker.dataplane.background import BackgroundAverage
 
@@ -190,15 +193,24 @@ def _background_member(rank: int, port: int, _config: None, out: mp.Queue) -> No
     device = _device("cuda", rank)
     factory = CommunicatorFactory(connect_store("127.0.0.1", port, TIMEOUT), device, TIMEOUT)
     comm = factory.build("background", rank, 3, peers_within=TIMEOUT)
-    state = AveragedState(_model(rank).to(device))
+    state = AveragedState(_model(0 if form == "int8" else rank).to(device))
+    outer = None
+    if form == "int8":
+        outer = OuterState(state, lr=0.7, momentum=0.5, compression="int8")
+        with torch.no_grad():
+            outer.take_anchor()
+            state.flat.mul_(1.0 + 0.01 * rank)  # a made-up round of local progress
+        outer.record_step()
     started_from = state.flat.cpu().clone()
     update = torch.full_like(state.flat, 1e-3 * (rank + 1))
-    background = BackgroundAverage(state)
+    background = BackgroundAverage(state, outer)
     background.start(comm, TIMEOUT)  # the first: NCCL sets its communicator up
     background.wait()
     torch.cuda.synchronize()
     with torch.no_grad():
         state.flat.copy_(started_from.to(device))
+    if outer is not None:
+        outer.record_step()  # the round again, from the anchor the first one left
     torch.cuda.set_sync_debug_mode("error")
     try:
         background.start(comm, TIMEOUT)
@@ -207,16 +219,26 @@ def _background_member(rank: int, port: int, _config: None, out: mp.Queue) -> No
         background.wait()  # on a GPU: enqueued after the collective, no host wait
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    out.put((rank, started_from.tolist(), state.flat.cpu().tolist()))
+    anchor = [] if outer is None else outer.anchor.cpu().tolist()
+    out.put((rank, started_from.tolist(), state.flat.cpu().tolist(), anchor))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_background_p_reduce_lands_on_the_gpu_without_a_host_sync() -> None:
+@pytest.mark.parametrize("form", ["state", "int8"])
+def test_a_background_p_reduce_lands_on_the_gpu_without_a_host_sync(form: str) -> None:
     results = {rank: rest for rank, *rest in run_members(
-        _background_member, 3, None, replies=3, timeout_seconds=TIMEOUT)}
-    mean = sum(torch.tensor(start) for start, _ in results.values()) / 3
-    for rank, (_, end) in results.items():
+        _background_member, 3, form, replies=3, timeout_seconds=TIMEOUT)}
+    if form == "int8":  # every member's anchor the same bits; the update on top of it
+        anchors = [torch.tensor(results[r][2]) for r in range(3)]
+        n = anchors[0].numel()
+        for rank, (_, end, anchor) in results.items():
+            assert torch.equal(torch.tensor(anchor), anchors[0])
+            torch.testing.assert_close(torch.tensor(end)[:n], anchors[0] + 1e-3 * (rank + 1),
+                                       rtol=1e-5, atol=1e-5)
+        return
+    mean = sum(torch.tensor(start) for start, _, _ in results.values()) / 3
+    for rank, (_, end, _) in results.items():
         torch.testing.assert_close(torch.tensor(end), mean + 1e-3 * (rank + 1),
                                    rtol=1e-5, atol=1e-5)
 

@@ -2,7 +2,8 @@
 between member processes: the group's mean lands as x ← x + (x̄_t − x_t), keeping what
 each member trained meanwhile; the outer step lands on its new anchor with those steps on
 top; a member's NaN voids it for every member; a collective a peer never joins fails at
-its deadline without touching the state."""
+its deadline without touching the state; the int8 wire's outer step lands late as its
+foreground form would, with the steps taken meanwhile on top."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ripples.worker.dataplane.communicators import (
     CommunicatorFactory,
     connect_store,
 )
-from ripples.worker.dataplane.outer_state import OuterState
+from ripples.worker.dataplane.outer_state import OuterState, outer_preduce
 
 DEADLINE_SECONDS = 60.0
 
@@ -139,9 +140,64 @@ def test_the_outer_step_lands_late_with_the_steps_taken_meanwhile_on_its_new_anc
         assert steps == 1
 
 
-def _stalled_pair(rank: int, port: int, _config: None, out: mp.Queue) -> None:
+def _int8_member(rank: int, port: int, _config: None, out: mp.Queue) -> None:
+    """The int8 wire's synchronisation twice from the same state: in the foreground, and
+    in the background with a step taken while its three collectives run."""
+    torch.set_num_threads(1)
+    store = connect_store("127.0.0.1", port, 30)
+    cache = CommunicatorCache(CommunicatorFactory(store, torch.device("cpu"), 30,
+                                                  gloo_hostname="127.0.0.1"))
+    results = []
+    for form in ("foreground", "background"):
+        state = AveragedState(_model(0))  # one start: the anchors agree in their high bits
+        outer = OuterState(state, lr=0.7, momentum=0.5, compression="int8")
+        with torch.no_grad():
+            outer.take_anchor()
+            state.flat.mul_(1.0 + 0.01 * rank)  # the round's local progress
+        outer.record_step()
+        comm = cache.get(f"int8/{form}", rank, 3, create=True)
+        polls = 0
+        if form == "foreground":
+            outer_preduce(outer, comm, DEADLINE_SECONDS)
+        else:
+            background = BackgroundAverage(state, outer)
+            background.start(comm, DEADLINE_SECONDS)
+            with torch.no_grad():
+                state.flat.add_(_update(rank, state.numel))  # a step taken meanwhile
+            outer.record_step()
+            polls = _land(background)
+        assert outer.modular is not None
+        results.append((state.flat.tolist(), outer.anchor.tolist(), outer.steps_since_sync,
+                        int(outer.modular.voided_blocks), polls))
+    out.put((rank, results))
+    cache.close()
+
+
+def test_the_int8_wire_lands_late_with_the_foreground_s_anchor_and_the_steps_taken_since(
+        ) -> None:
+    """In the background the int8 wire's three collectives each start when the one
+    before is seen done, and the result is the foreground's, bit for bit in the anchor,
+    with the step taken meanwhile on top of the model."""
+    results = dict(run_members(_int8_member, 3, None, replies=3, timeout_seconds=120))
+    n = sum(p.numel() for p in _model(0).parameters())
+    anchors = [torch.tensor(results[r][1][1]) for r in range(3)]
+    for rank, (foreground, background) in results.items():
+        fg_flat, fg_anchor, fg_steps, fg_voided, _ = foreground
+        bg_flat, bg_anchor, bg_steps, bg_voided, polls = background
+        assert (fg_steps, bg_steps, fg_voided, bg_voided) == (0, 1, 0, 0)
+        assert torch.equal(torch.tensor(bg_anchor), torch.tensor(fg_anchor))
+        assert torch.equal(torch.tensor(bg_anchor), anchors[0])  # every member's
+        assert not torch.equal(anchors[0], AveragedState(_model(0)).flat[:n])  # it moved
+        update = _update(rank, len(bg_flat))
+        torch.testing.assert_close(torch.tensor(bg_flat), torch.tensor(fg_flat) + update,
+                                   rtol=1e-6, atol=1e-6)
+        assert polls >= 1
+
+
+def _stalled_pair(rank: int, port: int, form: str, out: mp.Queue) -> None:
     """Member 1 builds the communicator but never joins the collective: member 0's
-    background P-Reduce must fail at its deadline and leave its state as it was."""
+    background P-Reduce (`form`: of the state, or the int8 wire's outer step) must fail
+    at its deadline and leave its state as it was."""
     torch.set_num_threads(1)
     store = connect_store("127.0.0.1", port, 60)
     cache = CommunicatorCache(CommunicatorFactory(store, torch.device("cpu"), 60,
@@ -152,8 +208,10 @@ def _stalled_pair(rank: int, port: int, _config: None, out: mp.Queue) -> None:
         out.put((rank, "", 0.0, True))
         return
     state = AveragedState(_model(rank))
+    outer = (OuterState(state, lr=0.7, momentum=0.5, compression="int8")
+             if form == "int8" else None)
     before = state.flat.clone()
-    background = BackgroundAverage(state)
+    background = BackgroundAverage(state, outer)
     background.start(comm, 2.0)
     t0 = time.monotonic()
     error = ""
@@ -169,9 +227,11 @@ def _stalled_pair(rank: int, port: int, _config: None, out: mp.Queue) -> None:
     out.put((rank, error, seconds, torch.equal(before, state.flat) and not background.in_flight))
 
 
-def test_a_peer_that_never_joins_fails_the_background_p_reduce_at_its_deadline() -> None:
+@pytest.mark.parametrize("form", ["state", "int8"])
+def test_a_peer_that_never_joins_fails_the_background_p_reduce_at_its_deadline(
+        form: str) -> None:
     results = {rank: rest for rank, *rest in
-               run_members(_stalled_pair, 2, None, replies=2, timeout_seconds=120)}
+               run_members(_stalled_pair, 2, form, replies=2, timeout_seconds=120)}
     error, seconds, unchanged = results[0]
     assert "did not finish in 2 s" in error
     assert seconds < 50, f"the deadline is 2 s; it failed only after {seconds:.0f} s"

@@ -93,6 +93,15 @@ def test_matrix_entries_become_run_commands(tmp_path: Path) -> None:
                                             "--outer-lr", "1", "--outer-momentum", "0.5",
                                             "--topology", "ring"]
     assert flags("adpsgd-outer")[:4] == ["--protocol", "adpsgd", "--local-steps", "4"]
+    overlap = flags("ripples-smart-int8-overlap")  # rounds of 2H, here 8
+    assert overlap[2:4] == ["--local-steps", "8"]
+    assert overlap[-5:] == ["--outer-compression", "int8", "--overlap", "--topology", "ring"]
+    # The stretched all-worker form: the outer lr is √N of the bench's workers.
+    assert flags("allreduce-stretch") == ["--protocol", "allreduce", "--local-steps", "1",
+                                          "--outer-optimizer", "nesterov", "--outer-lr",
+                                          "2.828", "--outer-momentum", "0"]  # 8 workers
+    cfg.workers = 4
+    assert flags("allreduce-stretch")[6:8] == ["--outer-lr", "2"]
 
 
 def test_the_others_iteration_time_leaves_out_the_deterministic_straggler() -> None:

@@ -44,22 +44,32 @@ class Communicator:
     def allreduce_sum_(self, tensor: torch.Tensor, timeout_seconds: float) -> None:
         """Sum `tensor` across the members in place; raises on error or timeout."""
         work = self.backend.allreduce([tensor])  # type: ignore[union-attr]  # missing from torch stubs
-        self._wait(work, "all-reduce", timeout_seconds)
+        self.wait(work, "all-reduce", timeout_seconds)
 
     def allreduce_max_(self, tensor: torch.Tensor, timeout_seconds: float) -> None:
         """Take the elementwise largest of `tensor` across the members, in place."""
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # RedOpType is accepted
-        work = self.backend.allreduce([tensor], options)  # type: ignore[union-attr]  # missing from torch stubs
-        self._wait(work, "all-reduce (max)", timeout_seconds)
+        self.wait(self.start_allreduce_max(tensor), "all-reduce (max)", timeout_seconds)
 
     def allgather(self, tensor: torch.Tensor, timeout_seconds: float) -> list[torch.Tensor]:
         """Every member's `tensor` (same shape and dtype everywhere), in member order,
         in fresh buffers."""
+        gathered, work = self.start_allgather(tensor)
+        self.wait(work, "all-gather", timeout_seconds)
+        return gathered
+
+    def start_allreduce_max(self, tensor: torch.Tensor) -> dist.Work:
+        """Start taking the elementwise largest of `tensor` in place; the caller waits on
+        the work it returns."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # RedOpType is accepted
+        return self.backend.allreduce([tensor], options)  # type: ignore[union-attr]  # missing from torch stubs
+
+    def start_allgather(self, tensor: torch.Tensor) -> tuple[list[torch.Tensor], dist.Work]:
+        """Start gathering every member's `tensor` into fresh buffers (returned, in member
+        order, filled once the work returned is done)."""
         gathered = [torch.empty_like(tensor) for _ in range(self.size)]
         work = self.backend.allgather([gathered], [tensor])  # type: ignore[union-attr]  # missing from torch stubs
-        self._wait(work, "all-gather", timeout_seconds)
-        return gathered
+        return gathered, work
 
     def start_allreduce_sum(self, tensor: torch.Tensor) -> dist.Work:
         """Start summing `tensor` across the members in place; the caller waits on the
@@ -69,14 +79,16 @@ class Communicator:
     def send(self, tensor: torch.Tensor, dst: int, timeout_seconds: float) -> None:
         """Send `tensor` to member `dst`; raises on error or timeout."""
         work = self.backend.send([tensor], dst, 0)  # type: ignore[union-attr]  # missing from torch stubs
-        self._wait(work, "send", timeout_seconds)
+        self.wait(work, "send", timeout_seconds)
 
     def recv(self, tensor: torch.Tensor, src: int, timeout_seconds: float) -> None:
         """Receive into `tensor` from member `src`; raises on error or timeout."""
         work = self.backend.recv([tensor], src, 0)  # type: ignore[union-attr]  # missing from torch stubs
-        self._wait(work, "recv", timeout_seconds)
+        self.wait(work, "recv", timeout_seconds)
 
-    def _wait(self, work: dist.Work, what: str, timeout_seconds: float) -> None:
+    def wait(self, work: dist.Work, what: str, timeout_seconds: float) -> None:
+        """Wait for one of this group's collectives (`what`, for the error) up to
+        `timeout_seconds`; raises its error, or TimeoutError."""
         if not work.wait(datetime.timedelta(seconds=timeout_seconds)):
             raise TimeoutError(f"{what} on {self.key} did not finish in {timeout_seconds} s")
 

@@ -46,13 +46,18 @@ travel in their own dtype.
 MAX of the voided blocks. An all-gather brings each member (|G| − 1) payloads, where a
 ring all-reduce brings 2 (|G| − 1)/|G|: so int8 pays in small groups (the Group
 Generator's), not over every worker; allreduce and the gossip protocols refuse it.
+`modular_phases` is the synchronisation in phases, one per collective, so that it can
+also run in the background (`--overlap`, worker/dataplane/background.py) on a snapshot of
+the state, landing with the steps taken since on top.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from ripples.worker.dataplane.nonfinite import void_if_flagged
 
@@ -133,46 +138,62 @@ def _split(payload: torch.Tensor, layout: list[tuple[str, int]]) -> dict[str, to
 
 def modular_preduce(outer: OuterState, comm: Communicator, timeout_seconds: float) -> None:
     """The group form's synchronisation over `comm` with the int8 wire (module
-    docstring): every member leaves with the group's anchor and rest and its own
-    provisional momentum, except in voided blocks (its own anchor, model and momentum as
-    they were), or entirely as it was where a member's non-finite flag was set. Every
-    collective writes into fresh buffers: on any error nothing has changed."""
+    docstring), in the foreground: every member leaves with the group's anchor and rest
+    and its own provisional momentum, except in voided blocks (its own anchor, model and
+    momentum as they were), or entirely as it was where a member's non-finite flag was
+    set. Every collective writes into fresh buffers: on any error nothing has changed."""
+    for what, work in modular_phases(outer, comm, outer.state.flat):
+        comm.wait(work, what, timeout_seconds)
+
+
+def modular_phases(outer: OuterState, comm: Communicator, seen: torch.Tensor
+                   ) -> Generator[tuple[str, dist.Work], None, None]:
+    """One int8 synchronisation of the state `seen` held (the flat buffer itself, or a
+    snapshot of it taken when a background synchronisation started), in phases: each
+    yields the name and work of the collective it started, and the caller resumes it
+    once that work is done (having waited on it, which raises its error). After the
+    last, the group's result is applied to the state as it is then: the model is the
+    group's anchor plus whatever the worker trained since `seen` (none in the
+    foreground), as `OuterState.commit_late` does for the float wire; in voided blocks,
+    or everywhere where a member's flag was set, the model, anchor and momentum stay as
+    they are. Abandoned midway (an error, `close()`), nothing has changed."""
     wire = outer.modular
-    assert wire is not None, "modular_preduce() without --outer-compression int8"
-    outer.take_anchor()
+    assert wire is not None, "modular_phases() without --outer-compression int8"
+    outer.take_anchor(seen)
     staged_steps = outer.steps_since_sync
     state, n = outer.state, outer.numel
-    flat = state.flat
+    device = seen.device
     with torch.no_grad():
         flag = state.take_flag()
-        anchor_hat = torch.sub(outer.anchor, flat[:n])  # Δ, then φ̂
+        anchor_hat = torch.sub(outer.anchor, seen[:n])  # Δ, then φ̂
         moment = torch.empty_like(anchor_hat)
         outer.provisional_step(anchor_hat, moment, spend=staged_steps > 0)
         own, anchor = blocks(anchor_hat.double()), blocks(outer.anchor.double())
-        step = (own - anchor).abs() + (anchor - blocks(flat[:n].double())).abs()
+        step = (own - anchor).abs() + (anchor - blocks(seen[:n].double())).abs()
         proposed = torch.maximum(step.amax(dim=1) * wire.width,
                                  own.abs().amax(dim=1) * RELATIVE_FLOOR)
         width = proposed.clamp(min=ABSOLUTE_FLOOR).float()
-    comm.allreduce_max_(width, timeout_seconds)
+    yield "all-reduce (max) of the int8 widths", comm.start_allreduce_max(width)
     with torch.no_grad():
         unit = (width.double() / LEVELS).unsqueeze(1)  # s, per block
         q_own = torch.round(own / unit).to(torch.int64)
-        rest = flat[n:]
+        rest = seen[n:]
         layout = payload_layout(n, (rest.numel() + 1) * rest.element_size())
         payload = torch.zeros(sum(size for _, size in layout), dtype=torch.uint8,
-                              device=flat.device)
+                              device=device)
         mine = _split(payload, layout)
         mine["checksum"][: q_own.shape[0] * 8].view(torch.int64).copy_(
             (q_own * wire.weights).sum(dim=1))
         mine["anchor"][: q_own.numel()].copy_(torch.remainder(q_own, LEVELS).flatten())
         values = torch.cat([rest, flag.to(rest.dtype)])
         mine["rest"][: values.numel() * values.element_size()].view(rest.dtype).copy_(values)
-    gathered = comm.allgather(payload, timeout_seconds)
+    gathered, work = comm.start_allgather(payload)
+    yield "all-gather of the int8 payloads", work
     with torch.no_grad():
         count, size = q_own.shape[0], comm.size
         total_q = torch.zeros_like(q_own)
-        wrong = torch.zeros(count, dtype=torch.bool, device=flat.device)
-        rest_sum = torch.zeros(values.numel(), dtype=rest.dtype, device=flat.device)
+        wrong = torch.zeros(count, dtype=torch.bool, device=device)
+        rest_sum = torch.zeros(values.numel(), dtype=rest.dtype, device=device)
         for theirs in gathered:
             part = _split(theirs, layout)
             codes = part["anchor"][: q_own.numel()].reshape(count, BLOCK).to(torch.int64)
@@ -182,22 +203,31 @@ def modular_preduce(outer: OuterState, comm: Communicator, timeout_seconds: floa
             total_q += k
             rest_sum += part["rest"][: values.numel() * values.element_size()].view(rest.dtype)
         voided = wrong.to(torch.uint8)
-    comm.allreduce_max_(voided, timeout_seconds)
+    yield "all-reduce (max) of the voided int8 blocks", comm.start_allreduce_max(voided)
+    flat = state.flat
+    if flat.numel() != seen.numel():
+        raise RuntimeError("the averaged state changed size while its int8 synchronisation "
+                           "was in flight; the group's result was not applied")
     with torch.no_grad():
         flags = rest_sum[-1:]
         keep = voided.bool().unsqueeze(1).expand(count, BLOCK).flatten()[:n]
         group_anchor = (total_q.double() * unit / size).flatten()[:n].to(flat.dtype)
+        new_rest = rest_sum[:-1] / size
+        new_model = group_anchor
+        if seen is not flat:  # the steps taken since: kept on top of the group's result
+            since = torch.sub(flat, seen)
+            new_model = group_anchor + since[:n]
+            new_rest += since[n:]
         new_anchor = torch.where(keep, outer.anchor, group_anchor)
         new_momentum = torch.where(keep, outer.momentum, moment)
-        new_model = torch.where(keep, flat[:n], group_anchor)
-        new_rest = rest_sum[:-1] / size
+        new_model = torch.where(keep, flat[:n], new_model)
         for kept, result in ((outer.anchor, new_anchor), (outer.momentum, new_momentum),
-                             (flat[:n], new_model), (rest, new_rest)):
+                             (flat[:n], new_model), (flat[n:], new_rest)):
             void_if_flagged(flags, kept, result)
         outer.anchor.copy_(new_anchor)
         outer.momentum.copy_(new_momentum)
         flat[:n].copy_(new_model)
-        rest.copy_(new_rest)
+        flat[n:].copy_(new_rest)
         any_void = voided.bool().any()
         flagged = flags[0] > 0
         grown = torch.where(any_void, wire.width * WIDEN,
