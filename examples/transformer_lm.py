@@ -3,6 +3,8 @@
     python examples/transformer_lm.py --steps 200                     # alone
     ripples run --workers 4 --protocol ripples-smart --target-loss 2.0 \\
         -- python examples/transformer_lm.py --steps 2000             # a local cluster
+    ripples run --workers 4 --ranks-per-worker 2 --protocol ripples-smart \\
+        -- python examples/transformer_lm.py --steps 2000             # sharded workers
 
 The text is the Python standard library's own source code, present on every machine
 (`sysconfig`'s stdlib folder), read as bytes (a vocabulary of 256) and streamed by an
@@ -11,7 +13,9 @@ its own. What a modern training script does: AdamW with weight decay, a linear w
 then cosine learning rate that follows the run's global progress (`opt.global_step`, so a
 slow or late worker follows the run's schedule), gradient clipping, mixed precision
 (bf16 autocast on CPU; fp16 with a GradScaler on a GPU), and `torch.nn.functional.
-scaled_dot_product_attention` with a causal mask.
+scaled_dot_product_attention` with a causal mask. On a worker of several ranks
+(`--ranks-per-worker G`) the blocks and the model are sharded with FSDP2 over the
+worker's ranks, each of which reads files of its own, in bf16 autocast.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn import functional
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -177,21 +182,28 @@ def main(argv: list[str] | None = None) -> None:
     worker = ripples.init()
     device = worker.device
     model = build_model(args).to(device)  # every worker starts from the same model
+    sharded = worker.ranks_per_worker > 1
+    if sharded:  # FSDP2 over the worker's ranks: each block, then the rest
+        for block in model.blocks:
+            fully_shard(block, mesh=worker.mesh)
+        fully_shard(model, mesh=worker.mesh)
     opt = ripples.Optimizer(build_adamw(model, args), model, planned_steps=args.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: warmup_cosine(
         opt.global_step, warmup=args.warmup, total=args.steps))
 
     cuda = device.type == "cuda"
     amp = args.amp == "auto"
-    autocast = (torch.autocast(device.type, dtype=torch.float16 if cuda else torch.bfloat16)
-                if amp else contextlib.nullcontext())
-    scaler = torch.amp.GradScaler("cuda", enabled=amp and cuda)
+    half = torch.float16 if cuda and not sharded else torch.bfloat16
+    autocast = torch.autocast(device.type, dtype=half) if amp else contextlib.nullcontext()
+    scaler = torch.amp.GradScaler("cuda", enabled=amp and half == torch.float16)
     # Where the launch asks (`ripples run --checkpoint-dir DIR`): go on from the newest
     # checkpoint, save every --checkpoint-every steps. The stream restarts reshuffled.
     checkpoints = ripples.Checkpointer(opt, scheduler=schedule, scaler=scaler)
     start = checkpoints.restore()
-    data = ByteStream(stdlib_files(), args.block_size, rank=worker.rank,
-                      num_workers=worker.num_workers, seed=args.seed + start)
+    ranks = worker.ranks_per_worker  # each rank of a sharded worker reads its own files
+    data = ByteStream(stdlib_files(), args.block_size,
+                      rank=worker.rank * ranks + worker.rank_in_worker,
+                      num_workers=worker.num_workers * ranks, seed=args.seed + start)
     loader = DataLoader(data, batch_size=args.batch_size, num_workers=args.loader_workers,
                         pin_memory=cuda)
 
@@ -209,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         schedule.step()
         checkpoints.step()
         opt.report_loss(loss.detach(), num_samples=len(x))  # no host sync on a GPU
-        if worker.rank == 0 and step % args.log_every == 0:
+        if worker.rank == 0 and worker.rank_in_worker == 0 and step % args.log_every == 0:
             print(f"step {step} (global {opt.global_step}): loss {loss.item():.3f} "
                   f"lr {schedule.get_last_lr()[0]:.2e}", flush=True)
         if opt.stopped or step >= args.steps:

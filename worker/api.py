@@ -28,11 +28,15 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ripples.files import write_atomically
 from ripples.worker.client import PROCESS_RESTART
 from ripples.worker.collective_watch import COLLECTIVES
 from ripples.worker.launch_env import LaunchEnv
+from ripples.worker.replica import Replica, full_state_dict
+from ripples.worker.replica_session import FollowerSession
 from ripples.worker.session import Session, resolve_device
 
 if TYPE_CHECKING:
@@ -62,9 +66,11 @@ class RunInfo:
 class Worker:
     """This process in the run (from `ripples.init()`)."""
 
-    def __init__(self, env: LaunchEnv, session: Session | None) -> None:
+    def __init__(self, env: LaunchEnv, session: Session | None,
+                 replica: Replica | None = None) -> None:
         self.env = env
         self._session = session
+        self._replica = replica
         self._optimizer: Optimizer | None = None
         self._shut_down = False
         self.device: torch.device = session.device if session is not None \
@@ -97,6 +103,37 @@ class Worker:
     def local_rank(self) -> int:
         """Index of this process on its host (the launcher's LOCAL_RANK)."""
         return self.env.local_rank
+
+    @property
+    def ranks_per_worker(self) -> int:
+        """How many processes make up this worker (`--ranks-per-worker`): 1, or G > 1
+        ranks that shard the model with FSDP2 over `mesh`."""
+        return self.env.ranks_per_worker
+
+    @property
+    def rank_in_worker(self) -> int:
+        """This process's index among its worker's ranks (0: the one that talks to the
+        coordinator); 0 on a worker of one rank."""
+        return self._replica.rank if self._replica is not None else 0
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh over this worker's ranks, one-dimensional ("shard"): shard the
+        model over it with `fully_shard(module, mesh=worker.mesh)`. ValueError on a
+        worker of one rank (nothing to shard over)."""
+        if self._replica is None:
+            raise ValueError("this worker is one rank, with no mesh to shard over: launch "
+                             "it with --ranks-per-worker G (RIPPLES_RANKS_PER_WORKER)")
+        return self._replica.mesh
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The process group of this worker's ranks (the mesh's); ValueError on a worker
+        of one rank."""
+        if self._replica is None:
+            raise ValueError("this worker is one rank, with no process group of its own: "
+                             "launch it with --ranks-per-worker G (RIPPLES_RANKS_PER_WORKER)")
+        return self._replica.group
 
     @property
     def is_distributed(self) -> bool:
@@ -180,9 +217,16 @@ class Worker:
     def _save(self, record: dict[str, object] | None) -> None:
         assert self._optimizer is not None
         if self.env.save_model:
-            # Copies of the views into the averaged state (ripples/state_dicts.py).
-            state = self._optimizer.model.state_dict()
+            model = self._optimizer.model
+            if self._replica is not None:  # every rank sends its shards to rank 0
+                state = full_state_dict(model)
+                if not self._replica.leads:
+                    return
+            else:  # copies of the views into the averaged state (ripples/state_dicts.py)
+                state = model.state_dict()
             write_atomically(Path(self.env.save_model), lambda f: torch.save(state, f))
+        if self._replica is not None and not self._replica.leads:
+            return
         if self.env.save_record and record is not None:
             write_atomically(Path(self.env.save_record),
                              (json.dumps(record) + "\n").encode())
@@ -223,15 +267,18 @@ def init(*, coordinator: str | None = None, device: str | None = None, host: str
             return _current
         launch = (env or LaunchEnv.from_environ()).replace(**overrides)
         session = None
+        replica = Replica(launch, resolve_device(launch)) if launch.sharded else None
         if launch.distributed:
             _install_exit_hooks()  # before joining: a restart round may end the start
-            session = Session(launch)
+            session = (FollowerSession(launch, replica)
+                       if replica is not None and not replica.leads
+                       else Session(launch, replica=replica))
             try:
                 session.join()
             except BaseException as err:
                 session.leave(f"{type(err).__name__}: {err}")
                 raise
-        _current = Worker(launch, session)
+        _current = Worker(launch, session, replica)
         _install_exit_hooks()
         return _current
 

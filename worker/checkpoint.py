@@ -162,6 +162,11 @@ class Checkpointer:
                              "training loop consumed")
         self.samples_per_step = samples_per_step or 0
         root = launch.checkpoint_dir if directory is None else os.fspath(directory)
+        if root and optimizer.worker.ranks_per_worker > 1:
+            raise ValueError(
+                "checkpoints of a worker of several ranks (a shard per rank, with "
+                "torch.distributed.checkpoint) are not written yet: run it without a "
+                "checkpoint directory (--checkpoint-dir, RIPPLES_CHECKPOINT_DIR)")
         self.directory: Path | None = (Path(root) / f"rank-{optimizer.worker.rank}"
                                        if root else None)
         """This worker's checkpoints (None: checkpointing is off)."""

@@ -29,6 +29,7 @@ from ripples.worker.launch_env import ENV_RUN_ID, CheckpointOptions, LaunchEnv, 
 from ripples.worker.process_launcher import (
     RESTART_EXIT_CODE,
     WorkerProcesses,
+    free_port,
     launch_environment,
     runner_argv,
     script_argv,
@@ -49,6 +50,9 @@ class WorkerConfig:
     a script after `--`."""
     nproc_per_node: int = 1
     """Worker processes to start on this host, local ranks 0..K-1 (one per GPU)."""
+    ranks_per_worker: int = 1
+    """Processes per worker: with a script that shards its model with FSDP2 over
+    worker.mesh, the K processes are K/G workers of G ranks each (docs/library.md)."""
     device: str = "auto"
     """torch device: auto, cpu, cuda or cuda:K (auto: cuda:<local rank> with
     GPUs, else cpu). With --nproc-per-node, one worker per GPU (docs/gpu.md)."""
@@ -95,6 +99,13 @@ class WorkerConfig:
             raise ValueError("num_threads must be at least 1")
         if self.nproc_per_node < 1:
             raise ValueError("nproc_per_node must be at least 1")
+        if self.ranks_per_worker < 1 or self.nproc_per_node % self.ranks_per_worker:
+            raise ValueError(f"--ranks-per-worker {self.ranks_per_worker} does not divide "
+                             f"--nproc-per-node {self.nproc_per_node} into workers")
+        if self.ranks_per_worker > 1 and self.agent:
+            raise ValueError("--agent serves runs one worker process per slot: it does not "
+                             "take --ranks-per-worker yet (start the workers with `ripples "
+                             "worker run --nproc-per-node K --ranks-per-worker G -- ...`)")
         if self.slowdown:
             SlowdownSpec.parse(self.slowdown)  # fail early with the parse message
         check_device_choice(self.device)
@@ -188,17 +199,26 @@ def run_host(config: WorkerConfig, script: list[str], quiet: bool) -> int:
     env = config.launch_env()
     devices = config.host_devices()
     processes = WorkerProcesses()
+    g = config.ranks_per_worker
+    workers = config.nproc_per_node // g
     for i in range(config.nproc_per_node):
-        local_rank = config.local_rank + i
-        save_model = _numbered(config.save_model, local_rank, config.nproc_per_node)
-        save_record = _numbered(config.save_record, local_rank, config.nproc_per_node)
+        worker, shard = divmod(i, g)
+        local_rank = config.local_rank + worker
+        save_model = _numbered(config.save_model, local_rank, workers)
+        save_record = _numbered(config.save_record, local_rank, workers)
+        if shard == 0:  # each worker's ranks meet at an address of its own
+            meeting = f"127.0.0.1:{free_port()}" if g > 1 else ""
         child = env.replace(local_rank=local_rank, save_model=save_model,
-                            save_record=save_record, device=devices[i])
+                            save_record=save_record, device=devices[i],
+                            ranks_per_worker=g, replica_address=meeting)
         child_env = launch_environment(child, rank=None, world_size=None)
-        child_env.update(nccl_environment(devices, i, f"{env.host}-{local_rank - i}",
+        child_env.update(nccl_environment(devices, i, f"{env.host}-{config.local_rank}",
                                           loopback=False))
+        if g > 1:
+            child_env["RIPPLES_REPLICA_RANK"] = str(shard)
         argv = script_argv(script) or runner_argv(child, config.task, quiet=quiet)
-        processes.start(f"local rank {local_rank}", argv, child_env)
+        name = f"local rank {local_rank}" + (f" (its rank {shard} of {g})" if g > 1 else "")
+        processes.start(name, argv, child_env)
     return processes.wait_all()
 
 

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
+from typing import Protocol
 
 import grpc
 
@@ -68,6 +69,22 @@ class _Call:
 class StreamInterrupted(CoordinatorCallError):
     """The coordinator is unreachable for now (down, or restarting from its state dir):
     train on locally and ask again later; the next request reconnects."""
+
+
+class GroupChannel(Protocol):
+    """What a protocol asks for groups through: a worker's GroupStream, or on a worker of
+    several ranks its rank 0's, relayed (worker/replica_stream.py)."""
+
+    def request(self, iteration: int, wait_seconds: float,
+                progress: pb.Progress | None = None, *, listen: bool = False) -> pb.GroupReply:
+        ...
+
+    def release(self, group_id: int, ok: bool, error: str = "",
+                preduce_seconds: float = 0.0, squared_distance: float | None = None) -> None:
+        ...
+
+    def close(self, timeout_seconds: float = 5.0) -> None:
+        ...
 
 
 class GroupStream:

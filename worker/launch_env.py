@@ -46,6 +46,9 @@ _RIPPLES_VARIABLES = {
     "connect_timeout_seconds": "RIPPLES_CONNECT_TIMEOUT_SECONDS",
     "start_timeout_seconds": "RIPPLES_START_TIMEOUT_SECONDS",
     "run_id": ENV_RUN_ID,
+    "ranks_per_worker": "RIPPLES_RANKS_PER_WORKER",
+    "replica_rank": "RIPPLES_REPLICA_RANK",
+    "replica_address": "RIPPLES_REPLICA_ADDRESS",
 }
 """LaunchEnv field -> the environment variable that sets it."""
 
@@ -194,6 +197,31 @@ class LaunchEnv:
     run_id: str = ""
     """The run this process was started for (RIPPLES_RUN_ID, set by a host agent): a
     coordinator serving another run refuses it. Empty: whichever run is active."""
+    ranks_per_worker: int = 1
+    """Processes that make up one worker (RIPPLES_RANKS_PER_WORKER): G > 1 shards the
+    worker's model over its G ranks with FSDP2 (worker/replica.py). 1: one process holds
+    the whole model."""
+    replica_rank: int = -1
+    """This process's index among its worker's ranks (RIPPLES_REPLICA_RANK; -1: the
+    launcher's rank modulo ranks_per_worker). Rank 0 talks to the coordinator."""
+    replica_address: str = ""
+    """HOST:PORT where the worker's ranks meet to form their process group
+    (RIPPLES_REPLICA_ADDRESS, set by Ripples' launchers: rank 0 serves it). Empty: the
+    launcher's MASTER_ADDR and MASTER_PORT (torchrun), where the ranks of every worker
+    of the launch form one process group each, ranks_per_worker consecutive ranks apart."""
+
+    @property
+    def sharded(self) -> bool:
+        """This worker is several processes (ranks_per_worker > 1)."""
+        return self.ranks_per_worker > 1
+
+    @property
+    def worker_rank(self) -> int:
+        """This process's index among its worker's ranks (0: the one that talks to the
+        coordinator)."""
+        if self.replica_rank >= 0:
+            return self.replica_rank
+        return self.rank % self.ranks_per_worker
 
     @property
     def distributed(self) -> bool:
@@ -238,17 +266,40 @@ class LaunchEnv:
             raise ValueError(f"metrics port {self.metrics_port} is out of range: give 0-65535, "
                              "or -1 for no metrics endpoint")
         self.checkpoint.validate()
+        self._validate_ranks_per_worker()
         if self.coordinator:
             try:
                 parse_target(self.coordinator)
             except ValueError as err:
                 raise ValueError(f"{err} (from --coordinator or {ENV_COORDINATOR})") from None
-        if not self.coordinator and self.world_size > 1:
+        if not self.coordinator and self.world_size > max(1, self.ranks_per_worker):
             raise ValueError(
                 f"this process is rank {self.rank} of {self.world_size} started by "
                 f"{self.launcher}, but {ENV_COORDINATOR} is not set: start a coordinator "
                 f"(`ripples coordinator serve --workers {self.world_size} ...`) and export "
                 f"{ENV_COORDINATOR}=HOST:PORT, or run one process alone (single-process mode)")
+
+
+    def _validate_ranks_per_worker(self) -> None:
+        g = self.ranks_per_worker
+        if g < 1:
+            raise ValueError(f"ranks_per_worker must be at least 1, got {g} "
+                             "(from --ranks-per-worker or RIPPLES_RANKS_PER_WORKER)")
+        if g == 1:
+            return
+        if not -1 <= self.replica_rank < g:
+            raise ValueError(f"RIPPLES_REPLICA_RANK={self.replica_rank} is not a rank of a "
+                             f"worker of {g} ranks (0..{g - 1})")
+        if not self.replica_address and self.world_size % g:
+            raise ValueError(
+                f"{self.launcher} started {self.world_size} processes, which do not make "
+                f"workers of {g} ranks (RIPPLES_RANKS_PER_WORKER): start a multiple of {g}")
+        if self.replica_address:
+            try:
+                parse_target(self.replica_address)
+            except ValueError:
+                raise ValueError(f"RIPPLES_REPLICA_ADDRESS={self.replica_address!r}: expected "
+                                 "HOST:PORT, where the worker's ranks meet") from None
 
 
 def _parse(env: Mapping[str, str], variable: str, kind: type) -> object:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -35,6 +36,14 @@ TERMINATE_GRACE_SECONDS = 30.0
 """After passing a signal on, how long the children have to leave before they are killed."""
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (a worker's rank 0 binds it moments later, for its
+    ranks to meet at: worker/replica.py)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def launch_environment(env: LaunchEnv, *, rank: int | None,
                        world_size: int | None) -> dict[str, str]:
     """The environment of one child: the parent's, plus where the child stands (torchrun's
@@ -54,6 +63,10 @@ def launch_environment(env: LaunchEnv, *, rank: int | None,
                 "RIPPLES_SAVE_MODEL": env.save_model, "RIPPLES_SAVE_RECORD": env.save_record,
                 "RIPPLES_SLOWDOWN": env.slowdown, ENV_RUN_ID: env.run_id}
     variables.update({k: v for k, v in optional.items() if v})
+    if env.sharded:  # the worker's ranks; each child is given its own RIPPLES_REPLICA_RANK
+        variables["RIPPLES_RANKS_PER_WORKER"] = str(env.ranks_per_worker)
+        if env.replica_address:
+            variables["RIPPLES_REPLICA_ADDRESS"] = env.replica_address
     variables.update(env.checkpoint.environment())
     if env.num_threads:
         variables["RIPPLES_NUM_THREADS"] = str(env.num_threads)

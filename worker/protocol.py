@@ -28,12 +28,14 @@ from ripples.worker.client import CoordinatorClient, Restart
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.communicators import Communicator, CommunicatorCache
 from ripples.worker.dataplane.outer_state import OuterState
-from ripples.worker.group_stream import GroupStream, StreamInterrupted
+from ripples.worker.group_stream import GroupChannel, StreamInterrupted
 from ripples.worker.launch_env import CheckpointOptions
 from ripples.worker.metrics import MetricSpec, ProtocolMetrics
+from ripples.worker.replica_stream import FollowerStream, LeaderStream
 
 if TYPE_CHECKING:
     from ripples.worker.metrics import WorkerMetrics
+    from ripples.worker.replica import Replica
     from ripples.worker.shard import RootLink
     from ripples.worker.stats import WorkerStats
     from ripples.worker.tasks import TaskOptions
@@ -88,6 +90,20 @@ class ProtocolContext:
     root: RootLink | None = None
     """A shard's head in a sharded job: its membership in the root's run, which the
     group protocols open at begin() (worker/shard.py); None for every other worker."""
+    replica: Replica | None = None
+    """A worker of several ranks (worker/replica.py): this process's place among them.
+    Rank 0 asks the coordinator and relays its answers; the others act on them."""
+
+    def open_group_stream(self) -> GroupChannel:
+        """This worker's group stream: the coordinator's, or on a worker of several ranks
+        rank 0's answers relayed to every rank (worker/replica_stream.py)."""
+        replica = self.replica
+        if replica is None:
+            return self.client.open_group_stream(self.worker_id)
+        if replica.leads:
+            return LeaderStream(self.client.open_group_stream(self.worker_id), replica,
+                                self.incarnation)
+        return FollowerStream(replica)
 
     def coordinator_stop(self) -> SyncResult:
         """The verdict once `stop_requested` is set: stop, with the coordinator's reason."""
@@ -262,7 +278,7 @@ class Protocol(abc.ABC):
         """Release protocol resources (not communicators: the session owns the cache)."""
 
 
-def heal_from_peer(ctx: ProtocolContext, stream: GroupStream,
+def heal_from_peer(ctx: ProtocolContext, stream: GroupChannel,
                    execute: Callable[[pb.Group], tuple[float, bool]],
                    max_wait_seconds: float) -> None:
     """A replacement's first requests (before its first step): ask until the coordinator
@@ -296,7 +312,7 @@ def heal_from_peer(ctx: ProtocolContext, stream: GroupStream,
 
 
 def run_group_collective(
-    ctx: ProtocolContext, stream: GroupStream, group: pb.Group, key: str,
+    ctx: ProtocolContext, stream: GroupChannel, group: pb.Group, key: str,
     collective: Callable[[Communicator], float | None],
 ) -> tuple[float, bool]:
     """Run `collective` on the group's communicator (`key` in the cache), then release the
@@ -324,7 +340,7 @@ def group_communicator(ctx: ProtocolContext, group: pb.Group, key: str) -> Commu
                          create=group.create_comm, peers_within=GROUP_CHECK_IN_SECONDS)
 
 
-def fail_group(ctx: ProtocolContext, stream: GroupStream, group: pb.Group, key: str,
+def fail_group(ctx: ProtocolContext, stream: GroupChannel, group: pb.Group, key: str,
                err: BaseException, seconds: float, *, abort: bool = False) -> None:
     """A group's collective failed: drop its communicator for good (it is never rebuilt:
     docs/data-plane.md rule 4; `abort`: one of its collectives may still be running) and

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ripples import events
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.v1 import replica_pb2 as rpb
 from ripples.worker.client import (
     PROCESS_RESTART,
     CoordinatorCallError,
@@ -36,7 +37,8 @@ from ripples.worker.dataplane.communicators import (
 from ripples.worker.dataplane.preduce import copy_model
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.metrics import WorkerMetrics
-from ripples.worker.protocol import ProtocolContext
+from ripples.worker.protocol import ProtocolContext, max_peer_wait_seconds
+from ripples.worker.replica import RelayTimeouts, Replica, worker_schema
 from ripples.worker.shard import RootLink, is_head
 from ripples.worker.stats import WorkerStats
 
@@ -47,6 +49,13 @@ START_MODEL_KEY = "start/rank0-model"
 START_CHECK_IN_SECONDS = 60.0
 """How long the copy of rank 0's model waits for every member to check in (all of them
 just passed the start barrier)."""
+
+
+def relay_timeouts(config: pb.RunConfig) -> RelayTimeouts:
+    """A round's longest wait for a group, twice, and four collectives, at least half an
+    hour (the run's settings are known once rank 0 registered)."""
+    collective = config.collective_timeout_seconds
+    return RelayTimeouts(max(1800.0, 2 * max_peer_wait_seconds(config) + 4 * collective))
 
 
 def resolve_device(env: LaunchEnv) -> torch.device:
@@ -65,9 +74,12 @@ class Session:
     """One worker's membership in one run (the coordinator's side of a worker's life)."""
 
     def __init__(self, env: LaunchEnv, *,
-                 progress: Callable[[], pb.Progress] | None = None) -> None:
+                 progress: Callable[[], pb.Progress] | None = None,
+                 replica: Replica | None = None) -> None:
         """`progress`: what this worker reports (default: its own stats; a head's
-        membership at the root reports the head's own, with no budget: worker/shard.py)."""
+        membership at the root reports the head's own, with no budget: worker/shard.py).
+        `replica`: rank 0 of a worker of several ranks, which relays what it learns to
+        the others (worker/replica.py; they hold a FollowerSession)."""
         if not env.distributed:
             raise ValueError("a session needs a coordinator address")
         self.env = env
@@ -88,6 +100,7 @@ class Session:
         self._left = False
         self.root: RootLink | None = None
         """A shard's head: its membership in the root's run (opened by the protocol)."""
+        self.replica = replica
 
     # ------------------------------------------------------------------ life
     def join(self) -> None:
@@ -122,6 +135,11 @@ class Session:
         if self.membership.replacement:
             logger.info("worker %d replaces rank %d of the running run from iteration %d",
                         self.worker_id, self.membership.rank, self.membership.start_iteration)
+        if self.replica is not None:
+            self.replica.timeouts = relay_timeouts(self.config)
+            self.replica.send("start", rpb.ReplicaStart(
+                worker_id=self.worker_id, config=self.config, membership=self.membership,
+                store_host=reg.store_host, store_port=reg.store_port))
 
     def start_training(self, state: AveragedState, planned_iterations: int) -> None:
         """Declare this worker ready with its averaged tensors, wait for every member, open
@@ -129,7 +147,10 @@ class Session:
         some member's initial values differ (a script that seeds per rank, as DDP scripts
         do: DDP broadcasts rank 0's model when it wraps it). A replacement heals from a
         live peer instead."""
-        reply = self.start(state.schema(), planned_iterations, state.fingerprint())
+        schema, fingerprint = state.schema(), state.fingerprint()
+        if self.replica is not None:  # every rank's shards, checked as one
+            schema, fingerprint = worker_schema(self.replica, schema, fingerprint)
+        reply = self.start(schema, planned_iterations, fingerprint)
         differing = list(reply.differing_ranks)
         if not differing or self.membership.replacement:
             return
@@ -157,6 +178,14 @@ class Session:
         reply = self.client.await_start(self.worker_id, planned_iterations,
                                         self.env.start_timeout_seconds, schema,
                                         model_fingerprint)
+        if self.replica is not None:
+            self.replica.send("start-reply", reply)
+        self._open_data_plane()
+        return reply
+
+    def _open_data_plane(self) -> None:
+        """Connect to the rendezvous store; the communicator cache builds on it."""
+        assert self.worker_id is not None, "join() first"
         timeout = self.config.collective_timeout_seconds
         host, port = self._store_address
         generation = self.membership.generation
@@ -175,16 +204,19 @@ class Session:
         factory = CommunicatorFactory(self.store, self.device, timeout,
                                       gloo_hostname="127.0.0.1" if loopback else "",
                                       reconnect=connect)
-        self.comms = CommunicatorCache(factory)
+        self.comms = CommunicatorCache(
+            factory, shard=self.replica.rank if self.replica is not None else None)
         self.metrics.attach(worker_id=self.worker_id, host=self.env.host,
                             protocol=self.config.protocol, cache=self.comms)
-        return reply
 
     def protocol_context(self, model: torch.nn.Module, state: AveragedState) -> ProtocolContext:
         """What the run's protocol may use (after start())."""
         assert self.worker_id is not None and self.heartbeat is not None
         assert self.comms is not None and self.store is not None, "start() first"
         heartbeat = self.heartbeat
+        if self.replica is not None and is_head(self.config, self.membership):
+            raise ValueError("a shard's head in a sharded job (--root) is a worker of one "
+                             "rank: start it without --ranks-per-worker")
         if self.root is None and is_head(self.config, self.membership):
             self.root = RootLink(self.env, self.config, self._progress,
                                  lambda env, progress: Session(env, progress=progress))
@@ -195,7 +227,7 @@ class Session:
             store=self.store, device=self.device, stop_requested=heartbeat.stop_requested,
             stop_reason=lambda: heartbeat.stop_reason, progress=self._progress,
             incarnation=lambda: heartbeat.incarnation,
-            metrics=self.metrics.for_protocol(), root=self.root)
+            metrics=self.metrics.for_protocol(), root=self.root, replica=self.replica)
 
     def check_schema(self, schema: pb.TensorSchema) -> None:
         assert self.worker_id is not None

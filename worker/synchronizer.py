@@ -32,16 +32,20 @@ import grpc
 import torch
 
 from ripples.consensus import encode_model, publish_key
+from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 from ripples.protocols.registry import PROTOCOLS, create_runtime, get_protocol, role_of_config
 from ripples.protocols.spec import Coordination
 from ripples.state_dicts import state_dict_views
 from ripples.store_blobs import put_blob
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.v1 import replica_pb2 as rpb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.nonfinite import NonfiniteWatch, nonfinite_flag
 from ripples.worker.dataplane.preduce import preduce
+from ripples.worker.dataplane.shard_mirror import ShardMirror
 from ripples.worker.protocol import GROUP_CHECK_IN_SECONDS, Protocol, SyncResult
+from ripples.worker.replica import ReplicaMismatch
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 
 if TYPE_CHECKING:
@@ -51,6 +55,33 @@ logger = logging.getLogger(__name__)
 
 STATE_WARNING_STEPS = 100
 """Warn when the optimizer state is still incomplete (not averaged) after this many steps."""
+
+SHARDED_WORKER_PROTOCOLS = ("ripples-random", "ripples-smart")
+"""The protocols a worker of several ranks runs (docs/library.md says why the others
+refuse it)."""
+
+
+def check_sharded_run(config: pb.RunConfig, average_optimizer_state: bool | None) -> None:
+    """ValueError, with the reason, for what a worker of several ranks does not do (yet):
+    a protocol whose exchanges are not the Group Generator's groups, a P-Reduce in the
+    background, rounds sized to the link (both decided by each rank's own clock, which
+    the ranks would not agree on), averaging the optimizer state (FSDP2 shards it as
+    DTensors the averaged state does not mirror)."""
+    if config.protocol not in SHARDED_WORKER_PROTOCOLS:
+        raise ValueError(
+            f"{config.protocol} does not run on workers of several ranks: its exchanges "
+            "(partners, neighbours, lock-step collectives or updater processes) are not "
+            "relayed from a worker's rank 0 to its other ranks; use "
+            f"{' or '.join(SHARDED_WORKER_PROTOCOLS)}, or one rank per worker")
+    settings = GroupGeneratorSettings.of_config(config)
+    if settings.overlap or settings.sync_share:
+        flag = "--overlap" if settings.overlap else "--sync-share"
+        raise ValueError(f"{flag} does not run on workers of several ranks: when a "
+                         "background P-Reduce lands, or how long a round is, each rank "
+                         "would decide by its own clock; leave it out")
+    if average_optimizer_state:
+        raise ValueError("average_optimizer_state=True: a worker of several ranks keeps "
+                         "its optimizer state its own (FSDP2 shards it); pass None or False")
 
 
 @dataclass(kw_only=True)
@@ -87,6 +118,9 @@ class StepSynchronizer:
         self.session = session
         self.model = model
         self.optimizer = optimizer
+        if session.replica is not None:
+            check_sharded_run(config, average_optimizer_state)
+            average_optimizer_state = False
         if average_optimizer_state is None:
             # With an outer optimizer the inner one's state stays each worker's own, as in
             # DiLoCo: its moments follow the worker's own local steps.
@@ -94,7 +128,15 @@ class StepSynchronizer:
                                        and config.outer_optimizer != "nesterov")
         self.average_optimizer_state = average_optimizer_state
         self.planned_steps = planned_steps
-        self.state = AveragedState(model)
+        self.replica = session.replica
+        self.mirror: ShardMirror | None = None
+        """A worker of several ranks: this rank's shards, mirrored into the averaged
+        state around each synchronisation (worker/dataplane/shard_mirror.py)."""
+        if self.replica is not None:
+            self.mirror = ShardMirror(model, self.replica.mesh, self.replica.rank)
+            self.state = self.mirror.state
+        else:
+            self.state = AveragedState(model)
         session.start_training(self.state, planned_steps)
         self.ctx = session.protocol_context(model, self.state)
         self.protocol: Protocol = create_runtime(config.protocol, self.ctx)
@@ -112,6 +154,8 @@ class StepSynchronizer:
         self._watch = NonfiniteWatch()
         self._check_finite("before the first step")  # begin() may send already (hop)
         self.protocol.begin()
+        if self.mirror is not None:  # a replacement healed its shards
+            self.mirror.push()
         self._since = time.perf_counter()
 
     # ------------------------------------------------------------------ per step
@@ -120,6 +164,8 @@ class StepSynchronizer:
         step finds it (weights loaded after wrapping included)."""
         outer = self.protocol.outer
         if outer is not None:
+            if self.mirror is not None and not outer.anchored:
+                self.mirror.pull()
             outer.take_anchor()
 
     def after_local_step(self, completed: int, local_seconds: float,
@@ -134,6 +180,8 @@ class StepSynchronizer:
         # backward (DDP), which a slower device would not make slower.
         inside = self.protocol.backward_sync_seconds()
         compute = max(0.0, time.perf_counter() - self._since - inside)
+        if self.mirror is not None:
+            self.mirror.pull()
         flag: torch.Tensor | None = self._gate(completed)
         if self.adopt_state and not self._adopted:
             self._maybe_adopt(completed)
@@ -161,6 +209,9 @@ class StepSynchronizer:
         reason = verdict.stop_reason if verdict is not None and verdict.stop else ""
         if not reason and self.session.local_stop.is_set():
             reason = self._asked_to_stop()
+        if self.mirror is not None:
+            self.mirror.push()
+            reason = self._relay_verdict(completed, reason)
         if self.session.fatal_error:
             raise RuntimeError(self.session.fatal_error)
         now = time.perf_counter()
@@ -176,6 +227,25 @@ class StepSynchronizer:
         if reason:
             self.protocol.on_stop()
         return reason
+
+    def _relay_verdict(self, completed: int, reason: str) -> str:
+        """A worker of several ranks: rank 0's verdict on step `completed` is every
+        rank's (a signal to another rank is not: it would stop alone, mid-collective)."""
+        replica = self.replica
+        assert replica is not None
+        if replica.leads:
+            replica.send("step", rpb.ReplicaStep(completed=completed, stop_reason=reason))
+            return reason
+        step = replica.receive("step", rpb.ReplicaStep())
+        assert isinstance(step, rpb.ReplicaStep)
+        if step.completed != completed:
+            raise ReplicaMismatch(f"rank {replica.rank} finished step {completed} while "
+                                  f"rank 0 finished step {step.completed}")
+        if self.session.local_stop.is_set() and not step.stop_reason and not self._stop_asked:
+            self._stop_asked = True
+            logger.warning("rank %d of the worker was asked to stop: its ranks stop "
+                           "together, when rank 0 does (signal rank 0)", replica.rank)
+        return step.stop_reason
 
     def _restart_instead(self, err: CoordinatorCallError) -> None:
         """The coordinator no longer knows this worker (NOT_FOUND) because a restart
@@ -194,6 +264,8 @@ class StepSynchronizer:
         this worker's model, as it stands between two steps, through the rendezvous
         store, once per request (ripples/consensus.py)."""
         heartbeat, store = self.session.heartbeat, self.session.store
+        if self.mirror is not None:  # its shards are no model: not published yet
+            return
         agreement = self.protocol.consensus_agreement()
         if agreement is not None:  # lock-step: every worker after the same agreed step
             wanted, at = agreement
@@ -341,11 +413,17 @@ class StepSynchronizer:
         fails it leaves this worker's model as it was, with a warning."""
         session, ctx = self.session, self.ctx
         timeout = session.config.collective_timeout_seconds
-        try:
-            reply = session.client.final_group(ctx.worker_id, timeout)
-        except CoordinatorCallError as err:
-            logger.warning("no final average: %s", err)
-            return
+        replica = self.replica
+        if replica is None or replica.leads:
+            try:
+                reply = session.client.final_group(ctx.worker_id, timeout)
+            except CoordinatorCallError as err:
+                reply = pb.GroupReply(outcome=pb.GROUP_OUTCOME_NO_GROUP, detail=str(err))
+        if replica is not None:  # every rank averages its shard, or none does
+            relayed = replica.relay("final-reply", reply if replica.leads else None,
+                                    pb.GroupReply())
+            assert isinstance(relayed, pb.GroupReply)
+            reply = relayed
         if reply.outcome != pb.GROUP_OUTCOME_GROUP:
             logger.info("no final average: %s", reply.detail)
             return
@@ -354,11 +432,15 @@ class StepSynchronizer:
         try:
             comm = ctx.comms.get(key, members.index(ctx.worker_id), len(members), create=True,
                                  peers_within=GROUP_CHECK_IN_SECONDS)
+            if self.mirror is not None:  # steps made after the stop are the shards'
+                self.mirror.pull()
             preduce(self.state, comm, timeout)
         except (RuntimeError, TimeoutError, ValueError) as err:
             logger.warning("the final average over workers %s failed (%s); this worker's "
                            "model is its own", members, err)
             return
+        if self.mirror is not None:
+            self.mirror.push()
         logger.info("final average over workers %s", members)
 
     def record(self, stop_reason: str) -> dict[str, object]:

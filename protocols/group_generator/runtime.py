@@ -96,7 +96,7 @@ class GroupGeneratorProtocol(Protocol):
         self.timeout = ctx.config.collective_timeout_seconds
         # A group may wait for slow peers' iterations; give up only after this long.
         self.max_group_wait_seconds = max_peer_wait_seconds(ctx.config)
-        self.stream = ctx.client.open_group_stream(ctx.worker_id)
+        self.stream = ctx.open_group_stream()
         self._outage_steps = 0  # steps in a row without the coordinator
         self._outage_since = 0  # the step the current outage began at (for its log lines)
         self._incarnation = 0  # the coordinator's life whose groups the cache holds

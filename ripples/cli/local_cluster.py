@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import signal
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ripples.cli.local_workers import failed_workers, spawn_workers
 from ripples.consensus import average_state_dicts
 from ripples.coordinator.config import RunSettings
 from ripples.coordinator.history import DB_NAME
@@ -43,15 +43,9 @@ from ripples.netshape import (
 )
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient
-from ripples.worker.devices import nccl_environment, plan_devices
-from ripples.worker.launch_env import CheckpointOptions, LaunchEnv
-from ripples.worker.process_launcher import (
-    WorkerProcesses,
-    describe_exit,
-    launch_environment,
-    runner_argv,
-    script_argv,
-)
+from ripples.worker.devices import plan_devices
+from ripples.worker.launch_env import CheckpointOptions
+from ripples.worker.process_launcher import WorkerProcesses
 from ripples.worker.slowdown import SlowdownSpec
 from ripples.worker.tasks import TaskOptions, build_task, evaluate
 
@@ -85,6 +79,9 @@ class LocalRunConfig:
     GPU, unless `share_gpus`)."""
     share_gpus: bool = False
     """More workers than GPUs: worker i on GPU i mod G, each with its own NCCL_HOSTID."""
+    ranks_per_worker: int = 1
+    """Processes per worker (`--ranks-per-worker`): G > 1 shards each worker's model over
+    its G ranks with FSDP2 (a script's own `fully_shard`; ripples/cli/local_workers.py)."""
     link_mbit: tuple[float | None, ...] = ()
     """One rate per rank (Mbit/s each way; None: unshaped): when given, every worker runs
     in a network namespace of its own, a host on a link of that rate, the coordinator on
@@ -233,39 +230,27 @@ class LocalCluster:
             shutil.rmtree(self._state_dir, ignore_errors=True)
             if not cfg.checkpoint.checkpoint_dir:
                 shutil.rmtree(default_checkpoints, ignore_errors=True)
-        if not cfg.checkpoint.checkpoint_dir:
+        if not cfg.checkpoint.checkpoint_dir and cfg.ranks_per_worker == 1:
             cfg.checkpoint = dataclasses.replace(cfg.checkpoint,
                                                  checkpoint_dir=str(default_checkpoints))
 
     def _spawn(self) -> None:
-        cfg, k = self.config, self.config.run.workers_per_node
+        cfg = self.config
         assert self.server is not None
         try:  # the run's own count: a resumed run's is the saved one
-            devices = plan_devices(cfg.run.num_workers, cfg.device, share_gpus=cfg.share_gpus)
+            devices = plan_devices(cfg.run.num_workers * cfg.ranks_per_worker, cfg.device,
+                                   share_gpus=cfg.share_gpus,
+                                   what="workers" if cfg.ranks_per_worker == 1
+                                   else "worker processes")
         except ValueError as err:
             raise RuntimeError(str(err)) from err
         if cfg.progress and devices[0] != "cpu":
             print(f"devices: {', '.join(devices)}", file=sys.stderr, flush=True)
-        tag = f"ripples-{os.getpid()}"
-        for rank in range(cfg.run.num_workers):
-            env = LaunchEnv(
-                coordinator=self.server.address, launcher="ripples", host=f"node{rank // k}",
-                local_rank=rank % k, local_world_size=k, device=devices[rank],
-                num_threads=cfg.threads_per_worker, metrics_bind="127.0.0.1",
-                save_model=str(cfg.output / "workers" / f"rank{rank}.pt"),
-                save_record=str(cfg.output / "workers" / f"rank{rank}.json"),
-                slowdown=cfg.slowdowns.get(rank, ""), checkpoint=cfg.checkpoint)
-            argv = script_argv(cfg.script) or runner_argv(
-                env, cfg.run.task, quiet=cfg.worker_log_level > logging.INFO)
-            child = launch_environment(env, rank=rank, world_size=cfg.run.num_workers)
-            if self.network is None:
-                child.update(nccl_environment(devices, rank, tag, loopback=True))
-            else:  # its host's namespace, talking over its link
-                child.update(nccl_environment(devices, rank, tag, loopback=False))
-                interface = self.network.hosts[rank].ifname
-                child.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
-                argv = self.network.argv(rank, *argv)
-            self.processes.start(f"worker rank {rank}", argv, child)
+        spawn_workers(self.processes, run=cfg.run, coordinator=self.server.address,
+                      devices=devices, output_dir=str(cfg.output), script=cfg.script,
+                      threads=cfg.threads_per_worker, slowdowns=cfg.slowdowns,
+                      checkpoint=cfg.checkpoint, ranks_per_worker=cfg.ranks_per_worker,
+                      quiet=cfg.worker_log_level > logging.INFO, network=self.network)
 
     def _monitor(self, client: CoordinatorClient) -> pb.RunStatus:
         limit = self.config.timeout_seconds
@@ -311,17 +296,10 @@ class LocalCluster:
         self.consensus_curve.append([status.elapsed_seconds, status.consensus_distance])
 
     def _failed_workers(self, status: pb.RunStatus) -> list[str]:
-        k = self.config.run.workers_per_node
-        spawn_rank = {(f"node{i // k}", i % k): i for i in range(len(self.processes.children))}
-        errors = {spawn_rank.get((w.host, w.local_rank)): w.error for w in status.workers}
-        failed = []
-        for rank, child in enumerate(self.processes.children):
-            code = child.process.poll()
-            if code not in (None, 0) and not self.processes.will_restart(child):
-                why = errors.get(rank) or "it exited without reporting an error (see its log above)"
-                failed.append(f"worker rank {rank} (pid {child.process.pid}) "
-                              f"{describe_exit(code)}: {why}")
-        return failed
+        return failed_workers(self.processes, status,
+                              workers_per_node=self.config.run.workers_per_node,
+                              ranks_per_worker=self.config.ranks_per_worker,
+                              will_restart=self.processes.will_restart)  # type: ignore[arg-type]
 
     def _terminate(self) -> None:
         self.processes.terminate(grace_seconds=10.0)

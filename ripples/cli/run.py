@@ -114,8 +114,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             resolve_task(run.task)  # unknown task: fail before spawning anything
         checkpoint: CheckpointOptions = dataclass_from_args(CheckpointOptions, args)
         checkpoint.validate()
-        plan_devices(run.num_workers, args.device, share_gpus=args.share_gpus)  # fail early
+        plan_devices(run.num_workers * max(1, args.ranks_per_worker), args.device,
+                     share_gpus=args.share_gpus,  # fail early
+                     what="workers" if args.ranks_per_worker == 1 else "worker processes")
         link_mbit = link_rates(args.link_mbit, run.num_workers)
+        check_ranks_per_worker(args.ranks_per_worker, run, script, link_mbit,
+                               checkpoint.checkpoint_dir or args.resume)
     except ValueError as err:
         print(f"ripples run: error: {err}", file=sys.stderr)
         return 2
@@ -126,7 +130,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                             worker_log_level=logging.INFO if args.verbose else logging.WARNING,
                             script=tuple(script), checkpoint=checkpoint,
                             resume=args.resume, device=args.device,
-                            share_gpus=args.share_gpus, link_mbit=link_mbit)
+                            share_gpus=args.share_gpus, link_mbit=link_mbit,
+                            ranks_per_worker=args.ranks_per_worker)
     started = time.monotonic()
     try:
         summary = run_local(config)
@@ -138,6 +143,29 @@ def cmd_run(args: argparse.Namespace) -> int:
                          indent=2))
     print("\n".join(result_lines(summary, config.output, time.monotonic() - started)))
     return 130 if summary.get("stop_reason") == INTERRUPTED else 0
+
+
+def check_ranks_per_worker(ranks: int, run: RunSettings, script: list[str],
+                           link_mbit: tuple[float | None, ...], checkpoints: object) -> None:
+    """`--ranks-per-worker G`: ValueError for what workers of several ranks do not run
+    (the workers refuse it too, with the same reason: worker/synchronizer.py)."""
+    if ranks < 1:
+        raise ValueError(f"--ranks-per-worker must be at least 1, got {ranks}")
+    if ranks == 1:
+        return
+    if not script:
+        raise ValueError("--ranks-per-worker runs a script that shards its model over the "
+                         "worker's ranks (fully_shard(module, mesh=worker.mesh)); the "
+                         "built-in tasks train unsharded models: give the script after --")
+    if checkpoints:
+        raise ValueError("--checkpoint-dir and --resume: checkpoints of workers of several "
+                         "ranks are not written yet")
+    if link_mbit:
+        raise ValueError("--link-mbit puts each worker on a host of its own, which holds "
+                         "one process: it does not take --ranks-per-worker")
+    from ripples.worker.synchronizer import check_sharded_run
+
+    check_sharded_run(run.to_proto(), None)
 
 
 def link_rates(specs: list[str], num_workers: int) -> tuple[float | None, ...]:
@@ -214,6 +242,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "host on a link of RATE Mbit/s each way (tc tbf), the coordinator "
                           "on an unshaped one; RANK:RATE sets one worker's link (repeat; "
                           "later ones win). Needs root; docs/network.md")
+    run.add_argument("--ranks-per-worker", type=int, default=1, metavar="G",
+                     help="processes per worker (default: 1): G ranks that shard the "
+                          "script's model with FSDP2 over worker.mesh; rank r of each "
+                          "group member averages its own shard (docs/library.md)")
     run.add_argument("--threads-per-worker", type=int, default=1,
                      help="torch threads per worker process (default: 1)")
     run.add_argument("--timeout-seconds", type=float, default=0.0,

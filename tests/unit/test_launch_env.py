@@ -93,3 +93,37 @@ def test_a_host_daemon_under_srun_names_its_node_as_slurm_does(
     monkeypatch.setenv("SLURMD_NODENAME", "gpu17")
     assert WorkerConfig(coordinator="c:1").launch_env().host == "gpu17"
     assert WorkerConfig(coordinator="c:1", host="mine").launch_env().host == "mine"
+
+
+def test_a_worker_of_several_ranks_reads_its_rank_and_meeting_address() -> None:
+    env = LaunchEnv.from_environ({"RIPPLES_COORDINATOR": "c:1", "RIPPLES_LAUNCHER": "ripples",
+                                  "RIPPLES_RANKS_PER_WORKER": "2",
+                                  "RIPPLES_REPLICA_RANK": "1",
+                                  "RIPPLES_REPLICA_ADDRESS": "127.0.0.1:4000"})
+    assert env.sharded and env.worker_rank == 1 and env.replica_address == "127.0.0.1:4000"
+
+
+def test_under_torchrun_a_workers_ranks_are_consecutive_launch_ranks() -> None:
+    env = LaunchEnv.from_environ({"RIPPLES_COORDINATOR": "c:1", "RANK": "5",
+                                  "WORLD_SIZE": "8", "RIPPLES_RANKS_PER_WORKER": "2"})
+    assert env.worker_rank == 1
+    alone = LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2",
+                                    "RIPPLES_RANKS_PER_WORKER": "2"})
+    assert not alone.distributed and alone.worker_rank == 1  # one worker: plain FSDP2
+
+
+@pytest.mark.parametrize(("variables", "says"), [
+    ({"RIPPLES_RANKS_PER_WORKER": "0"}, "at least 1"),
+    ({"RIPPLES_RANKS_PER_WORKER": "2", "RIPPLES_REPLICA_RANK": "2",
+      "RIPPLES_REPLICA_ADDRESS": "h:1"}, "is not a rank of a worker of 2 ranks"),
+    ({"RIPPLES_RANKS_PER_WORKER": "3", "RANK": "0", "WORLD_SIZE": "4"},
+     "do not make workers of 3 ranks"),
+    ({"RIPPLES_RANKS_PER_WORKER": "2", "RIPPLES_REPLICA_ADDRESS": "nowhere"},
+     "RIPPLES_REPLICA_ADDRESS"),
+    ({"RIPPLES_RANKS_PER_WORKER": "2", "RANK": "0", "WORLD_SIZE": "4"},
+     "RIPPLES_COORDINATOR is not set"),
+])
+def test_malformed_workers_of_several_ranks_are_refused(variables: dict[str, str],
+                                                        says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        LaunchEnv.from_environ(variables)

@@ -59,17 +59,26 @@ class AveragedState:
     """
 
     def __init__(self, model: torch.nn.Module, *, include_buffers: bool = True) -> None:
-        named = list(model.named_parameters())
+        buffers = ([(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+                   if include_buffers else [])
+        self._build(list(model.named_parameters()), buffers)
+
+    @classmethod
+    def of_tensors(cls, params: list[tuple[str, torch.Tensor]],
+                   buffers: list[tuple[str, torch.Tensor]]) -> AveragedState:
+        """The averaged state of named tensors that are not a module's own (a sharded
+        worker's mirror of its shards: worker/dataplane/shard_mirror.py)."""
+        state = cls.__new__(cls)
+        state._build(params, buffers)
+        return state
+
+    def _build(self, named: list[tuple[str, torch.Tensor]],
+               buffers: list[tuple[str, torch.Tensor]]) -> None:
         if not named:
             raise ValueError("the model has no parameters to synchronise")
         self.params = [p for _, p in named]
-        self.buffers: list[torch.Tensor] = []
-        self.names = [f"param:{n}" for n, _ in named]
-        if include_buffers:
-            for name, buf in model.named_buffers():
-                if buf.is_floating_point():
-                    self.buffers.append(buf)
-                    self.names.append(f"buffer:{name}")
+        self.buffers: list[torch.Tensor] = [b for _, b in buffers]
+        self.names = [f"param:{n}" for n, _ in named] + [f"buffer:{n}" for n, _ in buffers]
         self._param_names = [n for n, _ in named]
         tensors = [*self.params, *self.buffers]
         devices = {t.device for t in tensors}
@@ -292,13 +301,18 @@ class AveragedState:
 
     def schema(self) -> pb.TensorSchema:
         """The averaged tensors in buffer order, with a digest the coordinator compares."""
-        specs = [pb.TensorSpec(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix(
-                     "torch.")) for name, t in zip([*self.names, *self.optimizer_state_labels()],
-                                                   self._tensors(), strict=True)]
-        digest = hashlib.sha256()
-        for s in specs:
-            digest.update(f"{s.name}|{list(s.shape)}|{s.dtype}\n".encode())
-        return pb.TensorSchema(tensors=specs, digest=digest.hexdigest())
+        return schema_of([
+            pb.TensorSpec(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix(
+                "torch.")) for name, t in zip([*self.names, *self.optimizer_state_labels()],
+                                              self._tensors(), strict=True)])
+
+
+def schema_of(specs: list[pb.TensorSpec]) -> pb.TensorSchema:
+    """These tensors as a schema, with the digest the coordinator compares."""
+    digest = hashlib.sha256()
+    for s in specs:
+        digest.update(f"{s.name}|{list(s.shape)}|{s.dtype}\n".encode())
+    return pb.TensorSchema(tensors=specs, digest=digest.hexdigest())
 
 
 def bind_parameters(module: torch.nn.Module, flat: torch.Tensor) -> None:

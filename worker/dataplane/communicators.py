@@ -225,8 +225,12 @@ class CommunicatorCache:
     except after failure, which ends a lock-step run).
     """
 
-    def __init__(self, factory: CommunicatorFactory) -> None:
+    def __init__(self, factory: CommunicatorFactory, *, shard: int | None = None) -> None:
         self.factory = factory
+        self.suffix = "" if shard is None else f"/s{shard}"
+        """A worker of several ranks (worker/replica.py): rank r builds each group's
+        communicator under the group's key and /s<r>, with rank r of the other members
+        (the cache's keys are the groups', without it)."""
         self._comms: OrderedDict[str, Communicator] = OrderedDict()
         self._dropped: set[str] = set()
         self.num_hits = 0
@@ -247,7 +251,7 @@ class CommunicatorCache:
             logger.warning("communicator %s is not cached here although the coordinator "
                            "expects reuse; building it", key)
         self.num_misses += 1
-        comm = self.factory.build(key, rank, size, peers_within=peers_within)
+        comm = self.factory.build(key + self.suffix, rank, size, peers_within=peers_within)
         self._comms[key] = comm
         return comm
 

@@ -1,0 +1,235 @@
+"""Workers of several ranks (`ripples run --ranks-per-worker G`): FSDP2-sharded models,
+averaged shard by shard. Real worker processes (4: two workers of two ranks) on gloo, a
+real coordinator; the test replays the run with two unsharded models."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    REPO,
+    UNBOUNDED_ITERATIONS,
+    finish,
+    free_port,
+    ripples_cli,
+    running_coordinator,
+    wait_for,
+)
+
+from ripples.worker.client import CoordinatorClient
+
+SCRIPTS = REPO / "tests" / "integration" / "scripts"
+SCRIPT = str(SCRIPTS / "sharded_train.py")
+sys.path.insert(0, str(SCRIPTS))
+import sharded_train  # noqa: E402 (the script's model and batches, for the replay)
+
+ATOL = 1e-5
+"""Float tolerance of a sharded step against the unsharded one (the gradient is the mean
+of the ranks' half-batch means, summed in another order): about 1e-7 measured."""
+
+State = dict[str, torch.Tensor]
+
+
+def _local_step(state: State, worker: int, step: int) -> State:
+    """One unsharded worker's SGD step from `state` on its batch of `step`."""
+    model = sharded_train.build_model()
+    model.load_state_dict(state)
+    x, y = sharded_train.batch(worker, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            assert p.grad is not None
+            p -= 0.2 * p.grad
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _close(a: State, b: State) -> bool:
+    return all(torch.allclose(a[k], b[k], atol=ATOL, rtol=0) for k in a)
+
+
+def _replay(traces: dict[int, list[State]]) -> int:
+    """Check every step of both workers against two unsharded workers given the same
+    batches: each recorded model is its worker's local step, or the average of that step
+    and the other worker's step whose recorded model is the same (the two members of a
+    group leave it with one model). Returns the number of groups seen."""
+    start = {k: v.detach().clone() for k, v in sharded_train.build_model().state_dict().items()}
+    groups = 0
+    for worker, trace in traces.items():
+        other = 1 - worker
+        previous = start
+        for step, recorded in enumerate(trace, 1):
+            local = _local_step(previous, worker, step)
+            if not _close(recorded, local):
+                partners = [s for s, model in enumerate(traces[other], 1)
+                            if _close(model, recorded)]
+                assert partners, (f"worker {worker} after step {step}: neither its local "
+                                  "step nor a model the other worker had")
+                s = partners[0]
+                before = traces[other][s - 2] if s > 1 else start
+                partner = _local_step(before, other, s)
+                average = {k: (local[k] + partner[k]) / 2 for k in local}
+                assert _close(recorded, average), (
+                    f"worker {worker} after step {step} averaged with worker {other}'s step "
+                    f"{s}, but not to the two unsharded models' average")
+                groups += 1
+            previous = recorded
+    return groups
+
+
+@pytest.mark.parametrize("rounds", [[], ["--local-steps", "3"]], ids=["every-step", "H=3"])
+def test_two_workers_of_two_ranks_average_shard_by_shard_as_two_unsharded_workers(
+        rounds: list[str], tmp_path: Path) -> None:
+    steps = 40
+    out = tmp_path / "run"
+    result = ripples_cli("run", "--workers", "2", "--ranks-per-worker", "2", "--protocol",
+                         "ripples-smart", *rounds, "--seed", "1", "--output", str(out),
+                         "--quiet", "--", sys.executable, SCRIPT, str(tmp_path), str(steps))
+    assert result.returncode == 0, result.stdout + result.stderr
+    traces = {w: torch.load(tmp_path / f"worker{w}.pt") for w in (0, 1)}
+    assert [len(t) for t in traces.values()] == [steps, steps]
+    groups = _replay(traces)
+    assert groups >= 4, f"only {groups} group(s) in {steps} steps of two workers"
+    if rounds:  # averaged at the ends of rounds only
+        assert groups <= 2 * steps // 3
+    # model.pt: the two final models averaged, whole, loading into the unsharded model.
+    consensus = torch.load(out / "model.pt")
+    sharded_train.build_model().load_state_dict(consensus)
+    last = {k: (traces[0][-1][k] + traces[1][-1][k]) / 2 for k in consensus}
+    assert _close(consensus, last)
+
+
+@pytest.mark.slow
+def test_sharded_workers_train_the_example_lm_with_an_outer_optimizer_and_the_int8_wire(
+        tmp_path: Path) -> None:
+    """examples/transformer_lm.py on two workers of two ranks, with local steps, Nesterov
+    outer steps and the int8 wire: the loss falls, and model.pt is the whole model."""
+    example = str(REPO / "examples" / "transformer_lm.py")
+    small = ["--steps", "60", "--d-model", "64", "--layers", "2", "--warmup", "10"]
+    result = ripples_cli("run", "--workers", "2", "--ranks-per-worker", "2", "--protocol",
+                         "ripples-smart", "--local-steps", "4", "--outer-optimizer",
+                         "nesterov", "--outer-compression", "int8", "--output",
+                         str(tmp_path), "--", sys.executable, example, *small, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_train_loss"] < 4.0, summary["final_train_loss"]  # ln 256 = 5.5
+    sys.path.insert(0, str(REPO / "examples"))
+    import transformer_lm
+
+    model = transformer_lm.build_model(transformer_lm.build_parser().parse_args(small))
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))
+
+
+def test_a_worker_sharded_otherwise_is_refused_naming_the_shard(tmp_path: Path) -> None:
+    result = ripples_cli("run", "--workers", "2", "--ranks-per-worker", "2", "--protocol",
+                         "ripples-smart", "--output", str(tmp_path / "run"), "--quiet",
+                         "--", sys.executable, SCRIPT, str(tmp_path), "5",
+                         env={"SHARDED_TRAIN_MISMATCH": "1"})
+    assert result.returncode == 1
+    assert "@shard" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--protocol", "adpsgd"], "does not run on workers of several ranks"),
+    (["--protocol", "ripples-smart", "--overlap"], "--overlap does not run"),
+    (["--protocol", "ripples-smart", "--ranks-per-worker", "0"], "at least 1"),
+    (["--protocol", "ripples-smart", "--checkpoint-dir", "x"], "not written yet"),
+])
+def test_what_workers_of_several_ranks_do_not_run_is_refused_before_any_start(
+        flags: list[str], says: str, tmp_path: Path) -> None:
+    result = ripples_cli("run", "--workers", "2", "--ranks-per-worker", "2", *flags,
+                         "--output", str(tmp_path), "--", sys.executable, SCRIPT,
+                         str(tmp_path), "5", timeout=60)
+    assert result.returncode == 2 and says in result.stderr, result.stderr
+
+
+def test_the_built_in_tasks_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    result = ripples_cli("run", "--workers", "2", "--ranks-per-worker", "2", "--task",
+                         "digits", "--output", str(tmp_path), timeout=60)
+    assert result.returncode == 2 and "give the script after --" in result.stderr
+
+
+def _start_worker(address: str, host: str, tmp_path: Path) -> list[subprocess.Popen[str]]:
+    """A worker of two ranks, started by hand as any launcher would: RIPPLES_* and an
+    address of its own for its ranks to meet at."""
+    meeting = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "RIPPLES_COORDINATOR": address, "RIPPLES_HOST": host,
+           "RIPPLES_RANKS_PER_WORKER": "2", "RIPPLES_REPLICA_ADDRESS": meeting,
+           "RIPPLES_METRICS_PORT": "-1",
+           "RIPPLES_SAVE_MODEL": str(tmp_path / f"{host}.pt")}
+    return [subprocess.Popen([sys.executable, SCRIPT, "-", str(UNBOUNDED_ITERATIONS)],
+                             env={**env, "RIPPLES_REPLICA_RANK": str(r)}, cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(2)]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_its_worker_only_and_a_replacement_heals_shard_by_shard(
+        tmp_path: Path) -> None:
+    with running_coordinator(protocol="ripples-smart", num_workers=3,
+                             iterations=UNBOUNDED_ITERATIONS, lease_seconds=2.0,
+                             seed=1) as server:
+        core = server.service.core  # type: ignore[union-attr]
+        workers = [_start_worker(server.address, f"node{k}", tmp_path) for k in range(3)]
+        everyone = [p for w in workers for p in w]
+        try:
+            wait_for(lambda: core.started_at is not None and core.mean_iterations() > 50,
+                     "the run to train")
+            workers[1][1].send_signal(signal.SIGKILL)  # rank 1 of worker 1
+            # Its rank 0 fails (its collectives lost a rank) and says why; nothing hangs.
+            out, _ = workers[1][0].communicate(timeout=120)
+            assert workers[1][0].returncode not in (0, None), out[-3000:]
+            before = {w.worker_id: w.progress.iteration for w in core.live()}
+            assert len(before) == 2 and not core.stopped, core.stop_reason
+            replacement = _start_worker(server.address, "node1b", tmp_path)
+            everyone += replacement
+            wait_for(lambda: any(w.replacement and w.healed for w in core.workers.values())
+                     or core.stopped, "the replacement to heal", timeout=120)
+            assert not core.stopped, core.stop_reason
+            joiner = next(w for w in core.workers.values() if w.replacement)
+            at = joiner.progress.iteration
+            wait_for(lambda: joiner.progress.iteration > at + 20
+                     and any(joiner.worker_id in g.members and g.heal_donor is None
+                             for g in core.recent_groups),
+                     "the replacement to train and average in a group")
+            for w in core.live():  # the survivors never stopped
+                if w.worker_id in before:
+                    assert w.progress.iteration > before[w.worker_id]
+            CoordinatorClient(server.address).stop_run("the replacement averaged")
+            survivors = [*workers[0], *workers[2], *replacement]
+            outputs = finish(survivors, 120)
+        finally:
+            for p in everyone:
+                if p.poll() is None:
+                    p.kill()
+        for p, text in zip(survivors, outputs, strict=True):
+            assert p.returncode == 0, text[-3000:]
+        assert joiner.healed
+        state = torch.load(tmp_path / "node1b.pt")  # whole, from the replacement's shards
+        sharded_train.build_model().load_state_dict(state)
+        assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_a_host_launcher_starts_workers_of_several_ranks(tmp_path: Path) -> None:
+    """`ripples worker run --nproc-per-node 4 --ranks-per-worker 2 -- python script`: two
+    workers of two ranks on one host, each rank 0 writing its worker's whole model."""
+    with running_coordinator(protocol="ripples-smart", num_workers=2, iterations=20) as server:
+        result = ripples_cli("worker", "run", "--coordinator", server.address,
+                             "--nproc-per-node", "4", "--ranks-per-worker", "2",
+                             "--metrics-port", "-1", "--save-model", str(tmp_path / "m.pt"),
+                             "--", sys.executable, SCRIPT, "-", "20", timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert server.service.core.stopped  # type: ignore[union-attr]
+    for local_rank in (0, 1):  # one file per worker, whole
+        state = torch.load(tmp_path / f"m.{local_rank}.pt")
+        sharded_train.build_model().load_state_dict(state)
+    refused = ripples_cli("worker", "run", "--coordinator", "127.0.0.1:1", "--nproc-per-node",
+                          "3", "--ranks-per-worker", "2", "--", sys.executable, SCRIPT,
+                          timeout=60)
+    assert refused.returncode == 2 and "does not divide" in refused.stderr, refused.stderr
