@@ -177,6 +177,8 @@ class Worker:
                 error = session.fatal_error
             if not error and self._optimizer is not None and not self.restarting:
                 self._save(record)
+            if not error and self._replica is not None and self._replica.leads:
+                self._replica.settle()  # its other ranks have all it relayed
         except Exception as err:  # noqa: BLE001 (the worker must still leave, failed)
             error = error or f"{type(err).__name__}: {err}"
             logger.error("worker %s could not finish: %s", self.worker_id, error)

@@ -45,6 +45,10 @@ FORM_TIMEOUT_SECONDS = 300.0
 
 KINDS = ("start", "start-reply", "group-reply", "step", "final-reply")
 """What rank 0 relays, by the index the header carries."""
+FRAME_BYTES = 512
+"""One relayed message's first broadcast: the header and as much of the payload as fits
+(a step's verdict, a group reply: one broadcast per message)."""
+_HEADER_BYTES = 24  # kind, number, length: three int64
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class Replica:
                                           mesh_dim_names=("shard",))
         """A one-dimensional mesh over the worker's ranks: fully_shard(module, mesh=...)."""
         self.timeouts = RelayTimeouts()
+        self._sending: list[tuple[dist.Work, torch.Tensor, str]] = []
+        """Rank 0: its last message's broadcasts, on their way (with their buffers)."""
         self.incarnation = 0
         """Ranks 1..G-1: the coordinator's life rank 0 last heard of (a new one drops the
         communicators of its predecessor's groups)."""
@@ -110,32 +116,53 @@ class Replica:
 
     # ------------------------------------------------------------------ messages
     def send(self, kind: str, message: Message) -> None:
-        """Rank 0: hand `message` to every other rank of the worker."""
+        """Rank 0: hand `message` to every other rank of the worker: one broadcast of a
+        fixed-size frame (its kind, number, length and the start of the payload), and a
+        second one for what does not fit (a run's settings; never a step's verdict)."""
         assert self.leads, "only rank 0 relays"
         payload = message.SerializeToString()
-        header = torch.tensor([KINDS.index(kind), self._sent, len(payload)], dtype=torch.int64)
-        self._broadcast(header, kind)
-        if payload:
-            self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), kind)
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        frame[:_HEADER_BYTES].view(torch.int64).copy_(
+            torch.tensor([KINDS.index(kind), self._sent, len(payload)]))
+        inline = min(len(payload), FRAME_BYTES - _HEADER_BYTES)
+        if inline:
+            frame[_HEADER_BYTES : _HEADER_BYTES + inline] = torch.frombuffer(
+                bytearray(payload[:inline]), dtype=torch.uint8)
+        self.settle()
+        self._sending = [(self._start_broadcast(frame), frame, kind)]
+        if len(payload) > inline:
+            rest = torch.frombuffer(bytearray(payload[inline:]), dtype=torch.uint8)
+            self._sending.append((self._start_broadcast(rest), rest, kind))
         self._sent += 1
+
+    def settle(self) -> None:
+        """Rank 0: wait for its last message to reach every rank (it does not wait when
+        it sends one: the others receive it when they get there); before it ends, so that
+        none is lost with the process."""
+        sending, self._sending = self._sending, []
+        for work, _, kind in sending:
+            self._wait(work, f"{kind} message")
 
     def receive(self, kind: str, message: Message) -> Message:
         """Ranks 1..G-1: rank 0's next message, which must be of `kind`; parsed into
         `message` (returned)."""
         assert not self.leads, "rank 0 relays; it receives nothing"
-        header = torch.zeros(3, dtype=torch.int64)
-        self._broadcast(header, kind)
-        got, seq, length = (int(v) for v in header)
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        self._broadcast(frame, kind)
+        got, seq, length = (int(v) for v in frame[:_HEADER_BYTES].view(torch.int64))
         if got != KINDS.index(kind) or seq != self._sent:
             name = KINDS[got] if 0 <= got < len(KINDS) else f"kind {got}"
             raise ReplicaMismatch(
                 f"rank {self.rank} expected rank 0's {kind} message #{self._sent} and "
                 f"received its {name} message #{seq}: the worker's ranks no longer act "
                 "on the same decisions")
-        payload = torch.empty(length, dtype=torch.uint8)
-        if length:
-            self._broadcast(payload, kind)
-        message.ParseFromString(payload.numpy().tobytes())
+        inline = min(length, FRAME_BYTES - _HEADER_BYTES)
+        payload = frame[_HEADER_BYTES : _HEADER_BYTES + inline].numpy().tobytes()
+        if length > inline:
+            rest = torch.empty(length - inline, dtype=torch.uint8)
+            self._broadcast(rest, kind)
+            payload += rest.numpy().tobytes()
+        message.ParseFromString(payload)
         self._sent += 1
         return message
 
@@ -150,6 +177,7 @@ class Replica:
 
     def gather(self, payload: bytes) -> list[bytes]:
         """Every rank's `payload`, in rank order (on every rank)."""
+        self.settle()
         size = torch.tensor([len(payload)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         self._wait(self._relay_pg.allgather([sizes], [size]), "gather (sizes)")
@@ -165,6 +193,7 @@ class Replica:
         """A group's outcome over the worker's ranks: ok only where every rank's shard
         was averaged; the squared distance summed over the shards (None if a rank had
         none)."""
+        self.settle()
         values = torch.tensor([0.0 if ok else 1.0,
                                0.0 if distance is None else distance,
                                1.0 if distance is None else 0.0], dtype=torch.float64)
@@ -183,9 +212,12 @@ class Replica:
         return self._relay  # type: ignore[return-value]
 
     def _broadcast(self, tensor: torch.Tensor, kind: str) -> None:
+        self._wait(self._start_broadcast(tensor), f"{kind} message")
+
+    def _start_broadcast(self, tensor: torch.Tensor) -> dist.Work:
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._wait(self._relay_pg.broadcast([tensor], options), f"{kind} message")
+        return self._relay_pg.broadcast([tensor], options)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         seconds = self.timeouts.seconds
@@ -197,14 +229,6 @@ class Replica:
         if not done:
             raise TimeoutError(f"rank {self.rank} of the worker waited {seconds:.0f} s for "
                                f"its ranks' {what}")
-
-    def close(self) -> None:
-        for group in (self._relay, self.group):
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError) as err:
-                logger.debug("closing a worker's process group: %s", err)
-
 
 def _form_groups(env: LaunchEnv) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """The process group of this worker's ranks (see the module doc) and the gloo group of
