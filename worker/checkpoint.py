@@ -62,6 +62,7 @@ from ripples.worker.checkpoint_content import (
     TrainingState,
     set_rng_state,
 )
+from ripples.worker.checkpoint_sharded import ShardedCheckpoints, ShardedTrainingState
 from ripples.worker.checkpoint_store import NumberedFiles, StoreExchange, agree_on_step
 from ripples.worker.collective_watch import rank_describer
 from ripples.worker.dataplane.local_rounds import local_steps, next_multiple
@@ -105,8 +106,10 @@ class Checkpointer:
             the optimizer's `load_state_dict` (the ripples.Optimizer's or the wrapped
             one's): its tensors rejoin the averaged state there. `opt.local_step` is set
             to the step restored afterwards.
-        directory: Where the workers' checkpoints go, DIR/rank-R/step-S.pt. None: the
-            launch's `--checkpoint-dir` (RIPPLES_CHECKPOINT_DIR), if any.
+        directory: Where the workers' checkpoints go, DIR/rank-R/step-S.pt (a worker of
+            several ranks: DIR/rank-R/step-S/, a shard per rank,
+            worker/checkpoint_sharded.py). None: the launch's `--checkpoint-dir`
+            (RIPPLES_CHECKPOINT_DIR), if any.
         every: "500" or 500 (steps), "90s" (seconds; refused by lock-step protocols),
             0 (only `save()` and the save when the run stops). None: the launch's
             `--checkpoint-every` (default 500 steps).
@@ -138,8 +141,14 @@ class Checkpointer:
                              "optimizer and the random number generators)")
         launch = optimizer.worker.env.checkpoint
         self.optimizer = optimizer
+        replica = optimizer.worker._replica
+        if replica is not None and state_dict is not None:
+            raise ValueError("a worker of several ranks checkpoints its shards with "
+                             "torch.distributed.checkpoint: a script's own state_dict and "
+                             "load_state_dict are not taken there")
         self._content: CheckpointContent = (
-            TrainingState(optimizer) if state_dict is None or load_state_dict is None
+            ShardedTrainingState(optimizer) if replica is not None
+            else TrainingState(optimizer) if state_dict is None or load_state_dict is None
             else ScriptState(optimizer, state_dict, load_state_dict))
         self.interval = CheckpointInterval.parse(launch.checkpoint_every if every is None
                                                  else every)
@@ -162,16 +171,16 @@ class Checkpointer:
                              "training loop consumed")
         self.samples_per_step = samples_per_step or 0
         root = launch.checkpoint_dir if directory is None else os.fspath(directory)
-        if root and optimizer.worker.ranks_per_worker > 1:
-            raise ValueError(
-                "checkpoints of a worker of several ranks (a shard per rank, with "
-                "torch.distributed.checkpoint) are not written yet: run it without a "
-                "checkpoint directory (--checkpoint-dir, RIPPLES_CHECKPOINT_DIR)")
         self.directory: Path | None = (Path(root) / f"rank-{optimizer.worker.rank}"
                                        if root else None)
         """This worker's checkpoints (None: checkpointing is off)."""
         self._files = (NumberedFiles(self.directory, "step", self._load)
-                       if self.directory is not None else None)
+                       if self.directory is not None and replica is None else None)
+        self._shards = (ShardedCheckpoints(self.directory, replica, optimizer.model,
+                                           optimizer.optimizer)
+                        if self.directory is not None and replica is not None else None)
+        """A worker of several ranks: DIR/rank-R/step-S/, a shard per rank
+        (worker/checkpoint_sharded.py)."""
         sync = optimizer._sync
         self._protocol: SyncProtocol | None = sync.protocol if sync is not None else None
         # Lock-step protocols, and those that restart every worker on a membership change
@@ -230,16 +239,21 @@ class Checkpointer:
     def save(self) -> Path | None:
         """Write a checkpoint of the current step now (None when checkpointing is off);
         then delete the checkpoints beyond the newest `keep`."""
-        if self._files is None:
+        if self._files is None and self._shards is None:
             return None
         started = time.perf_counter()
         step = self.optimizer.local_step
-        path = self._files.path(step)
         state = self._state(step)
-        write_atomically(path, lambda f: torch.save(state, f))
+        if self._shards is not None:
+            path = self._shards.save(step, state)
+            self._shards.prune(self.keep)
+        else:
+            assert self._files is not None
+            path = self._files.path(step)
+            write_atomically(path, lambda f: torch.save(state, f))
+            self._files.prune(self.keep)
         self._saved_step, self._last_save = step, time.monotonic()
         self._holds(step)
-        self._files.prune(self.keep)
         logger.info("checkpoint of step %d: %s (%.2f s)", step, path,
                     time.perf_counter() - started)
         return path
@@ -275,15 +289,19 @@ class Checkpointer:
                 or Ripples'), or lacks a named object.
             RuntimeError: checkpoints exist but none can be loaded (on every rank).
         """
-        if self._files is None:
+        if self._files is None and self._shards is None:
             return 0
         session = self.optimizer.worker._session
         if session is not None and session.membership.replacement:
             logger.info("a replacement worker takes its model from a live peer, newer than "
                         "any checkpoint of its rank: nothing restored")
             return 0
-        self._files.drop_partials()
-        found = self._agree() if self._lockstep else self._newest()
+        if self._shards is not None:
+            found = self._shards_newest()
+        else:
+            assert self._files is not None
+            self._files.drop_partials()
+            found = self._agree() if self._lockstep else self._newest()
         if found is None:
             return 0
         path, state = found
@@ -319,6 +337,20 @@ class Checkpointer:
             logger.warning("checkpoint %s cannot be loaded (%s: %s); trying the one before",
                            path, type(err).__name__, err)
             return None
+        self._check(path, state)
+        return path, state
+
+    def _shards_newest(self) -> tuple[Path, dict[str, Any]] | None:
+        """A worker of several ranks: its newest checkpoint, the shards loaded into the
+        model and the optimizer; this rank's file, checked."""
+        shards = self._shards
+        assert shards is not None
+        shards.drop_partials()
+        step = shards.newest()
+        if step is None:
+            return None
+        path = shards.path(step)
+        state = shards.load(step)
         self._check(path, state)
         return path, state
 

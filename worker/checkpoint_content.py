@@ -99,13 +99,9 @@ class ScriptState:
         self._load_state_dict = load_state_dict
 
     def entries(self) -> dict[str, Any]:
-        opt = self.optimizer
-        counters: dict[str, Any] = {"local_step": opt.local_step,
-                                    "skipped_steps": opt.skipped_steps}
-        outer = opt._outer()
-        if outer is not None:  # whether or not the script's own state holds opt.state_dict()
-            counters["outer"] = outer.state_dict()
-        return {"script_state": compact_on_cpu(self._state_dict()), "ripples": counters}
+        # The outer state too, whether or not the script's own state holds opt.state_dict().
+        return {"script_state": compact_on_cpu(self._state_dict()),
+                "ripples": ripples_counters(self.optimizer)}
 
     def check(self, path: Path, checkpoint: dict[str, Any]) -> None:
         if "script_state" not in checkpoint:
@@ -115,12 +111,25 @@ class ScriptState:
 
     def load(self, checkpoint: dict[str, Any]) -> None:
         self._load_state_dict(checkpoint["script_state"])
-        counters, opt = checkpoint["ripples"], self.optimizer
-        opt.local_step = int(counters["local_step"])
-        opt.skipped_steps = int(counters["skipped_steps"])
-        outer = opt._outer()
-        if outer is not None and "outer" in counters:
-            outer.restore(counters["outer"])
+        restore_counters(self.optimizer, checkpoint["ripples"])
+
+
+def ripples_counters(opt: Optimizer) -> dict[str, Any]:
+    """Ripples' step counters, and with an outer optimizer its anchor and momentum."""
+    counters: dict[str, Any] = {"local_step": opt.local_step, "skipped_steps": opt.skipped_steps}
+    outer = opt._outer()
+    if outer is not None:
+        counters["outer"] = outer.state_dict()
+    return counters
+
+
+def restore_counters(opt: Optimizer, counters: dict[str, Any]) -> None:
+    """Put back what `ripples_counters` gave (after the optimizer's own state)."""
+    opt.local_step = int(counters["local_step"])
+    opt.skipped_steps = int(counters["skipped_steps"])
+    outer = opt._outer()
+    if outer is not None and "outer" in counters:
+        outer.restore(counters["outer"])
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -230,7 +230,7 @@ class LocalCluster:
             shutil.rmtree(self._state_dir, ignore_errors=True)
             if not cfg.checkpoint.checkpoint_dir:
                 shutil.rmtree(default_checkpoints, ignore_errors=True)
-        if not cfg.checkpoint.checkpoint_dir and cfg.ranks_per_worker == 1:
+        if not cfg.checkpoint.checkpoint_dir:
             cfg.checkpoint = dataclasses.replace(cfg.checkpoint,
                                                  checkpoint_dir=str(default_checkpoints))
 

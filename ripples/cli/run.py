@@ -118,8 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                      share_gpus=args.share_gpus,  # fail early
                      what="workers" if args.ranks_per_worker == 1 else "worker processes")
         link_mbit = link_rates(args.link_mbit, run.num_workers)
-        check_ranks_per_worker(args.ranks_per_worker, run, script, link_mbit,
-                               checkpoint.checkpoint_dir or args.resume)
+        check_ranks_per_worker(args.ranks_per_worker, run, script, link_mbit)
     except ValueError as err:
         print(f"ripples run: error: {err}", file=sys.stderr)
         return 2
@@ -146,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def check_ranks_per_worker(ranks: int, run: RunSettings, script: list[str],
-                           link_mbit: tuple[float | None, ...], checkpoints: object) -> None:
+                           link_mbit: tuple[float | None, ...]) -> None:
     """`--ranks-per-worker G`: ValueError for what workers of several ranks do not run
     (the workers refuse it too, with the same reason: worker/synchronizer.py)."""
     if ranks < 1:
@@ -157,9 +156,6 @@ def check_ranks_per_worker(ranks: int, run: RunSettings, script: list[str],
         raise ValueError("--ranks-per-worker runs a script that shards its model over the "
                          "worker's ranks (fully_shard(module, mesh=worker.mesh)); the "
                          "built-in tasks train unsharded models: give the script after --")
-    if checkpoints:
-        raise ValueError("--checkpoint-dir and --resume: checkpoints of workers of several "
-                         "ranks are not written yet")
     if link_mbit:
         raise ValueError("--link-mbit puts each worker on a host of its own, which holds "
                          "one process: it does not take --ranks-per-worker")

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,7 @@ def test_two_workers_of_two_ranks_average_shard_by_shard_as_two_unsharded_worker
                          "ripples-smart", *rounds, "--seed", "1", "--output", str(out),
                          "--quiet", "--", sys.executable, SCRIPT, str(tmp_path), str(steps))
     assert result.returncode == 0, result.stdout + result.stderr
-    traces = {w: torch.load(tmp_path / f"worker{w}.pt") for w in (0, 1)}
+    traces = {w: torch.load(tmp_path / f"worker{w}.pt")["trace"] for w in (0, 1)}
     assert [len(t) for t in traces.values()] == [steps, steps]
     groups = _replay(traces)
     assert groups >= 4, f"only {groups} group(s) in {steps} steps of two workers"
@@ -139,7 +140,6 @@ def test_a_worker_sharded_otherwise_is_refused_naming_the_shard(tmp_path: Path) 
     (["--protocol", "adpsgd"], "does not run on workers of several ranks"),
     (["--protocol", "ripples-smart", "--overlap"], "--overlap does not run"),
     (["--protocol", "ripples-smart", "--ranks-per-worker", "0"], "at least 1"),
-    (["--protocol", "ripples-smart", "--checkpoint-dir", "x"], "not written yet"),
 ])
 def test_what_workers_of_several_ranks_do_not_run_is_refused_before_any_start(
         flags: list[str], says: str, tmp_path: Path) -> None:
@@ -233,3 +233,63 @@ def test_a_host_launcher_starts_workers_of_several_ranks(tmp_path: Path) -> None
                           "3", "--ranks-per-worker", "2", "--", sys.executable, SCRIPT,
                           timeout=60)
     assert refused.returncode == 2 and "does not divide" in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
+def test_a_sharded_run_killed_whole_resumes_from_its_shards(tmp_path: Path) -> None:
+    """Checkpoints of workers of two ranks (DIR/rank-R/step-S/, a shard per rank, with
+    torch.distributed.checkpoint): the launcher and every process SIGKILLed, `ripples run
+    --resume` goes on from each worker's newest checkpoint, its model exactly the one
+    saved, which loads whole into the unsharded model too."""
+    output = tmp_path / "run"
+
+    def command(steps: int, *flags: str) -> list[str]:
+        return ["run", "--workers", "2", "--ranks-per-worker", "2", "--protocol",
+                "ripples-smart", "--checkpoint-every", "5", "--output", str(output),
+                "--quiet", *flags, "--", sys.executable, SCRIPT, str(tmp_path), str(steps)]
+
+    launcher = subprocess.Popen([sys.executable, "-m", "ripples.cli", *command(100_000)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    checkpoints = output / "checkpoints"
+    try:
+        wait_for(lambda: launcher.poll() is not None or all(
+            len(_steps(checkpoints / f"rank-{w}")) >= 2 for w in (0, 1)),
+            "two checkpoints of each worker", timeout=180)
+        assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+    finally:
+        subprocess.run(["pkill", "-9", "-P", str(launcher.pid)], check=False)
+        launcher.kill()
+        launcher.communicate()
+    newest = {w: _steps(checkpoints / f"rank-{w}")[0] for w in (0, 1)}
+    for w, step in newest.items():  # a shard per rank, each rank's own file
+        names = {p.name for p in (checkpoints / f"rank-{w}" / f"step-{step}").iterdir()}
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.pt",
+                "rank-1.pt"} <= names, names
+        assert len(_steps(checkpoints / f"rank-{w}")) <= 3  # --keep-checkpoints
+    resumed = ripples_cli(*command(max(newest.values()) + 10, "--resume"), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    for w, step in newest.items():
+        record = torch.load(tmp_path / f"worker{w}.pt")
+        assert record["start"] == step
+        saved = _unsharded(checkpoints / f"rank-{w}" / f"step-{step}")
+        assert all(torch.equal(saved[k], record["restored"][k]) for k in saved)
+
+
+def _steps(directory: Path) -> list[int]:
+    """The complete checkpoints' steps in a worker's directory, newest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((int(p.name.removeprefix("step-")) for p in directory.iterdir()
+                   if p.name.startswith("step-")), reverse=True)
+
+
+def _unsharded(path: Path) -> State:
+    """A sharded checkpoint's model, loaded whole in this one process."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": sharded_train.build_model().state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["model"]

@@ -2,9 +2,10 @@
 sharded_train.py TRACE_DIR STEPS`): a small model sharded with FSDP2 over worker.mesh,
 plain SGD, and batches that depend on the worker's rank and the step only. Rank r of a
 worker trains on the r-th of G equal slices of the worker's batch, so that the worker's
-step is the step of one unsharded model on the whole batch. Rank 0 writes
-TRACE_DIR/worker<rank>.pt: the whole model after each step (gathered from the shards),
-for the test to replay (TRACE_DIR "-": no trace).
+step is the step of one unsharded model on the whole batch. It checkpoints where the
+launch asks, and resumes from there. Rank 0 writes TRACE_DIR/worker<rank>.pt: the step it
+started from, the whole model then and after each step (gathered from the shards), for
+the test to replay (TRACE_DIR "-": no trace).
 
 SHARDED_TRAIN_MISMATCH=1 makes worker 1's hidden layer one wider (a worker whose
 sharding differs from the others', which the coordinator refuses)."""
@@ -44,9 +45,12 @@ def main() -> None:
     fully_shard(model, mesh=worker.mesh)
     opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.2), model,
                             planned_steps=steps)
+    checkpoints = ripples.Checkpointer(opt)  # where the launch asks (--checkpoint-dir)
+    start = checkpoints.restore()
     g, r = worker.ranks_per_worker, worker.rank_in_worker
+    restored = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     trace = []
-    for step in range(1, steps + 1):
+    for step in range(start + 1, steps + 1):
         x, y = batch(worker.rank, step)
         part = slice(r * BATCH // g, (r + 1) * BATCH // g)
         loss = torch.nn.functional.mse_loss(model(x[part]), y[part])
@@ -54,12 +58,14 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         opt.report_loss(loss)
+        checkpoints.step()
         if str(trace_dir) != "-":
             trace.append({n: p.full_tensor().clone() for n, p in model.named_parameters()})
         if opt.stopped:
             break
     if r == 0 and str(trace_dir) != "-":
-        torch.save(trace, trace_dir / f"worker{worker.rank}.pt")
+        torch.save({"start": start, "restored": restored, "trace": trace},
+                   trace_dir / f"worker{worker.rank}.pt")
 
 
 if __name__ == "__main__":
