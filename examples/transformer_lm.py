@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loader-workers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--evaluate", metavar="MODEL_PT", default="",
+                        help="train nothing: print the mean loss of a saved model (a run's "
+                             "model.pt) on batches of the byte stream, then exit")
     return parser
 
 
@@ -176,8 +179,27 @@ def build_adamw(model: nn.Module, args: argparse.Namespace) -> torch.optim.AdamW
                              lr=args.lr, betas=(0.9, 0.95))
 
 
+def evaluate(model: nn.Module, args: argparse.Namespace, batches: int = 64) -> float:
+    """The model's mean loss on `batches` batches of the byte stream (one stream, a seed
+    of its own), in full precision on the CPU."""
+    data = ByteStream(stdlib_files(), args.block_size, rank=0, num_workers=1,
+                      seed=args.seed + 12345)
+    loader = DataLoader(data, batch_size=args.batch_size)
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for (x, y), _ in zip(loader, range(batches), strict=False):
+            losses.append(float(functional.cross_entropy(model(x).flatten(0, 1), y.flatten())))
+    return sum(losses) / len(losses)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.evaluate:
+        model = build_model(args)
+        model.load_state_dict(torch.load(args.evaluate, map_location="cpu"))
+        print(f"{args.evaluate}: loss {evaluate(model, args):.4f}")
+        return
 
     worker = ripples.init()
     device = worker.device

@@ -13,6 +13,8 @@ GPU machines this project is lent.
 - on a GPU, every library protocol (and ripples-smart with `--overlap`) runs a few steps
   of a real `ripples run` with two workers sharing the GPU (`--share-gpus`), and so do
   lap-sgd and lpp-sgd, whose updater processes share each worker's CUDA model;
+- on a GPU, workers of two ranks shard their model with FSDP2 (NCCL inside a worker and
+  between workers' shards);
 - on a GPU, a background P-Reduce (`--overlap`) starts and lands without a host-device
   synchronisation and equals the CPU's arithmetic (tests/integration/
   test_background_preduce.py has its CPU half).
@@ -35,6 +37,7 @@ from ripples.worker.dataplane.preduce import preduce
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = str(REPO / "tests" / "integration" / "scripts" / "probe_train.py")
+SHARDED = str(REPO / "tests" / "integration" / "scripts" / "sharded_train.py")
 TIMEOUT = 120.0
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])
@@ -171,6 +174,19 @@ def _run_on_the_gpu(tmp_path: Path, protocol: str, *options: str) -> None:
 def test_every_library_protocol_trains_on_a_shared_gpu(protocol: str, tmp_path: Path) -> None:
     name, *options = protocol.split()
     _run_on_the_gpu(tmp_path, name, *options, "--", "python", PROBE, "--steps", "20")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rounds", [[], ["--local-steps", "2", "--outer-optimizer", "nesterov"]],
+                         ids=["every-step", "outer"])
+def test_workers_of_two_ranks_shard_with_fsdp2_on_a_shared_gpu(rounds: list[str],
+                                                               tmp_path: Path) -> None:
+    """Two workers of two ranks, all four on the GPU (FSDP2 over NCCL inside a worker,
+    P-Reduce of each shard over NCCL between workers); each worker's model.pt whole."""
+    _run_on_the_gpu(tmp_path, "ripples-smart", "--ranks-per-worker", "2", *rounds, "--",
+                    "python", SHARDED, "-", "20")
 
 
 @pytest.mark.gpu

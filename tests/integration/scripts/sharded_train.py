@@ -39,7 +39,7 @@ def main() -> None:
     worker = ripples.init()
     width = WIDTH + (1 if os.environ.get("SHARDED_TRAIN_MISMATCH") and worker.rank == 1
                      else 0)
-    model = build_model(width)
+    model = build_model(width).to(worker.device)
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=worker.mesh)
     fully_shard(model, mesh=worker.mesh)
@@ -48,10 +48,10 @@ def main() -> None:
     checkpoints = ripples.Checkpointer(opt)  # where the launch asks (--checkpoint-dir)
     start = checkpoints.restore()
     g, r = worker.ranks_per_worker, worker.rank_in_worker
-    restored = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    restored = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
     trace = []
     for step in range(start + 1, steps + 1):
-        x, y = batch(worker.rank, step)
+        x, y = (t.to(worker.device) for t in batch(worker.rank, step))
         part = slice(r * BATCH // g, (r + 1) * BATCH // g)
         loss = torch.nn.functional.mse_loss(model(x[part]), y[part])
         loss.backward()
@@ -60,7 +60,7 @@ def main() -> None:
         opt.report_loss(loss)
         checkpoints.step()
         if str(trace_dir) != "-":
-            trace.append({n: p.full_tensor().clone() for n, p in model.named_parameters()})
+            trace.append({n: p.full_tensor().cpu() for n, p in model.named_parameters()})
         if opt.stopped:
             break
     if r == 0 and str(trace_dir) != "-":
