@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -249,6 +250,9 @@ def _form_groups(env: LaunchEnv) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         world = dist.group.WORLD
         assert world is not None
         return world, dist.new_group(backend="gloo", timeout=timeout)
+    if os.environ.get("MASTER_PORT") == "0":  # torchrun --master-port 0 passes 0 on
+        raise ValueError("MASTER_PORT is 0 (torchrun --master-port 0): the ranks of a worker "
+                         "meet at torchrun's MASTER_ADDR:MASTER_PORT, so give a port")
     dist.init_process_group(backend, init_method="env://", rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
     mine: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None

@@ -320,3 +320,39 @@ def test_four_workers_of_two_ranks_train_the_lm_to_its_target(tmp_path: Path) ->
     model.load_state_dict(torch.load(tmp_path / "model.pt"))
     loss = transformer_lm.evaluate(model, args)
     assert abs(loss - summary["final_train_loss"]) < 0.2, (loss, summary["final_train_loss"])
+
+
+@pytest.mark.slow
+def test_torchrun_splits_its_world_into_workers_of_two_ranks(tmp_path: Path) -> None:
+    """Plain torchrun, 4 processes: with RIPPLES_COORDINATOR, two workers of two ranks
+    (each worker's group split from torchrun's world); without it, 2 processes are one
+    worker of two ranks training alone (plain FSDP2)."""
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT")
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("RIPPLES_") and k not in launch}
+
+    def torchrun(processes: int, trace: Path, env: dict[str, str]) -> None:
+        trace.mkdir()
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                               "--nproc-per-node", str(processes), "--master-port",
+                               str(free_port()),
+                               SCRIPT, str(trace), "12"],
+                              capture_output=True, text=True, timeout=240, cwd=REPO,
+                              env={**clean, "RIPPLES_RANKS_PER_WORKER": "2", **env})
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    with running_coordinator(protocol="ripples-smart", num_workers=2, iterations=12) as server:
+        torchrun(4, tmp_path / "two", {"RIPPLES_COORDINATOR": server.address,
+                                       "RIPPLES_METRICS_PORT": "-1"})
+        status = CoordinatorClient(server.address).run_status()
+    assert status.stopped and status.stop_reason.startswith("iteration budget")
+    assert len(status.workers) == 2 and status.num_groups_formed > 0
+    traces = {w: torch.load(tmp_path / "two" / f"worker{w}.pt")["trace"] for w in (0, 1)}
+    assert _replay(traces) > 0
+    torchrun(2, tmp_path / "alone", {})
+    alone = torch.load(tmp_path / "alone" / "worker0.pt")["trace"]
+    previous = sharded_train.build_model().state_dict()
+    for step, recorded in enumerate(alone, 1):  # no group: the unsharded local steps
+        previous = _local_step(previous, 0, step)
+        assert _close(recorded, previous)
