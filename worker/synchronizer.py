@@ -45,7 +45,7 @@ from ripples.worker.dataplane.nonfinite import NonfiniteWatch, nonfinite_flag
 from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.dataplane.shard_mirror import ShardMirror
 from ripples.worker.protocol import GROUP_CHECK_IN_SECONDS, Protocol, SyncResult
-from ripples.worker.replica import ReplicaMismatch
+from ripples.worker.replica import ReplicaMismatch, worker_schema
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 
 if TYPE_CHECKING:
@@ -61,12 +61,11 @@ SHARDED_WORKER_PROTOCOLS = ("ripples-random", "ripples-smart")
 refuse it)."""
 
 
-def check_sharded_run(config: pb.RunConfig, average_optimizer_state: bool | None) -> None:
+def check_sharded_run(config: pb.RunConfig) -> None:
     """ValueError, with the reason, for what a worker of several ranks does not do (yet):
     a protocol whose exchanges are not the Group Generator's groups, a P-Reduce in the
     background, rounds sized to the link (both decided by each rank's own clock, which
-    the ranks would not agree on), averaging the optimizer state (FSDP2 shards it as
-    DTensors the averaged state does not mirror)."""
+    the ranks would not agree on)."""
     if config.protocol not in SHARDED_WORKER_PROTOCOLS:
         raise ValueError(
             f"{config.protocol} does not run on workers of several ranks: its exchanges "
@@ -79,9 +78,6 @@ def check_sharded_run(config: pb.RunConfig, average_optimizer_state: bool | None
         raise ValueError(f"{flag} does not run on workers of several ranks: when a "
                          "background P-Reduce lands, or how long a round is, each rank "
                          "would decide by its own clock; leave it out")
-    if average_optimizer_state:
-        raise ValueError("average_optimizer_state=True: a worker of several ranks keeps "
-                         "its optimizer state its own (FSDP2 shards it); pass None or False")
 
 
 @dataclass(kw_only=True)
@@ -119,8 +115,7 @@ class StepSynchronizer:
         self.model = model
         self.optimizer = optimizer
         if session.replica is not None:
-            check_sharded_run(config, average_optimizer_state)
-            average_optimizer_state = False
+            check_sharded_run(config)
         if average_optimizer_state is None:
             # With an outer optimizer the inner one's state stays each worker's own, as in
             # DiLoCo: its moments follow the worker's own local steps.
@@ -371,11 +366,28 @@ class StepSynchronizer:
         return (held > 0 and get_protocol(config.protocol).restarts
                 and role_of_config(config).coordination is not Coordination.STATIC)
 
+    def _maybe_adopt_shards(self, completed: int) -> None:
+        """A worker of several ranks: its ranks adopt the optimizer's state at one step,
+        once every rank has it for every trainable parameter; an optimizer that keeps
+        none (SGD without momentum) after a step on every rank is never asked again."""
+        assert self.mirror is not None and self.replica is not None
+        held = bool(self.optimizer.state)
+        ready = held and self.mirror.missing_optimizer_state(self.optimizer) is None
+        ready, holding = self.replica.agree(ready, 1.0 if held else 0.0)
+        if not holding and completed >= 1:
+            self.adopt_state = False
+            return
+        if self.protocol.may_adopt_state(completed, ready):
+            self.adopt_optimizer_state()
+
     def _maybe_adopt(self, completed: int) -> None:
         """The optimizer's per-parameter state joins the averaged state once it exists for
         every trainable parameter and the protocol allows (see Protocol.may_adopt_state).
         No state at all: no step applied yet, or an optimizer that keeps none (SGD without
         momentum); nothing to adopt either way."""
+        if self.mirror is not None:
+            self._maybe_adopt_shards(completed)
+            return
         if not self.optimizer.state:
             return
         missing = self.state.missing_optimizer_state(self.optimizer)
@@ -393,10 +405,16 @@ class StepSynchronizer:
         `load_state_dict`, which replaces it); the coordinator compares the full schema
         with the other workers', and executes this worker's groups only with workers whose
         averaged tensors match."""
-        count = self.state.adopt_optimizer_state(self.optimizer)
+        if self.mirror is not None:  # every rank's shards of it, checked as one
+            assert self.replica is not None
+            count = self.mirror.adopt_optimizer_state(self.optimizer)
+            schema = worker_schema(self.replica, self.state.schema(), "")[0]
+        else:
+            count = self.state.adopt_optimizer_state(self.optimizer)
+            schema = self.state.schema()
         self._adopted = True
         logger.debug("adopted %d optimizer state tensors", count)
-        self.session.check_schema(self.state.schema())
+        self.session.check_schema(schema)
 
     def readopt_after_load(self) -> None:
         if self.adopt_state and self._adopted:

@@ -161,7 +161,7 @@ def check_ranks_per_worker(ranks: int, run: RunSettings, script: list[str],
                          "one process: it does not take --ranks-per-worker")
     from ripples.worker.synchronizer import check_sharded_run
 
-    check_sharded_run(run.to_proto(), None)
+    check_sharded_run(run.to_proto())
 
 
 def link_rates(specs: list[str], num_workers: int) -> tuple[float | None, ...]:

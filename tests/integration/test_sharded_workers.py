@@ -38,49 +38,69 @@ of the ranks' half-batch means, summed in another order): about 1e-7 measured.""
 State = dict[str, torch.Tensor]
 
 
-def _local_step(state: State, worker: int, step: int) -> State:
-    """One unsharded worker's SGD step from `state` on its batch of `step`."""
+def _local_step(state: State, worker: int, step: int, momentum: float = 0.0,
+                buffers: State | None = None) -> tuple[State, State]:
+    """One unsharded worker's SGD step from `state` (and its momentum `buffers`, None
+    before the first step) on its batch of `step`: the model and the buffers after it."""
     model = sharded_train.build_model()
     model.load_state_dict(state)
     x, y = sharded_train.batch(worker, step)
     torch.nn.functional.mse_loss(model(x), y).backward()
+    after: State = {}
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             assert p.grad is not None
-            p -= 0.2 * p.grad
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+            grad = p.grad
+            if momentum:
+                grad = grad.clone() if buffers is None else momentum * buffers[name] + grad
+                after[name] = grad
+            p -= sharded_train.LR * grad
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, after
 
 
 def _close(a: State, b: State) -> bool:
     return all(torch.allclose(a[k], b[k], atol=ATOL, rtol=0) for k in a)
 
 
-def _replay(traces: dict[int, list[State]]) -> int:
+def _replay(traces: dict[int, list[State]], momentum: float = 0.0,
+            buffers: dict[int, list[State]] | None = None) -> int:
     """Check every step of both workers against two unsharded workers given the same
     batches: each recorded model is its worker's local step, or the average of that step
     and the other worker's step whose recorded model is the same (the two members of a
-    group leave it with one model). Returns the number of groups seen."""
+    group leave it with one model); with momentum, the recorded momentum buffers are the
+    local step's or that same average of the two (the optimizer state averaged with the
+    model). Returns the number of groups seen."""
     start = {k: v.detach().clone() for k, v in sharded_train.build_model().state_dict().items()}
+    recorded_buffers = buffers or {w: [{}] * len(t) for w, t in traces.items()}
+
+    def step_from(worker: int, step: int) -> tuple[State, State]:
+        """`worker`'s local step `step` from what it recorded after the step before."""
+        before = traces[worker][step - 2] if step > 1 else start
+        held = recorded_buffers[worker][step - 2] if step > 1 and momentum else None
+        return _local_step(before, worker, step, momentum, held)
+
     groups = 0
     for worker, trace in traces.items():
         other = 1 - worker
-        previous = start
         for step, recorded in enumerate(trace, 1):
-            local = _local_step(previous, worker, step)
-            if not _close(recorded, local):
-                partners = [s for s, model in enumerate(traces[other], 1)
-                            if _close(model, recorded)]
-                assert partners, (f"worker {worker} after step {step}: neither its local "
-                                  "step nor a model the other worker had")
-                s = partners[0]
-                before = traces[other][s - 2] if s > 1 else start
-                partner = _local_step(before, other, s)
-                average = {k: (local[k] + partner[k]) / 2 for k in local}
-                assert _close(recorded, average), (
-                    f"worker {worker} after step {step} averaged with worker {other}'s step "
-                    f"{s}, but not to the two unsharded models' average")
-                groups += 1
-            previous = recorded
+            local, local_buffers = step_from(worker, step)
+            if _close(recorded, local):
+                if momentum:
+                    assert _close(recorded_buffers[worker][step - 1], local_buffers)
+                continue
+            partners = [s for s, model in enumerate(traces[other], 1) if _close(model, recorded)]
+            assert partners, (f"worker {worker} after step {step}: neither its local step nor "
+                              "a model the other worker had")
+            partner, partner_buffers = step_from(other, partners[0])
+            average = {k: (local[k] + partner[k]) / 2 for k in local}
+            assert _close(recorded, average), (
+                f"worker {worker} after step {step} averaged with worker {other}'s step "
+                f"{partners[0]}, but not to the two unsharded models' average")
+            if momentum:
+                mean = {k: (local_buffers[k] + partner_buffers[k]) / 2 for k in local_buffers}
+                assert _close(recorded_buffers[worker][step - 1], mean), (
+                    f"worker {worker} after step {step}: the momentum was not averaged")
+            groups += 1
     return groups
 
 
@@ -104,6 +124,22 @@ def test_two_workers_of_two_ranks_average_shard_by_shard_as_two_unsharded_worker
     sharded_train.build_model().load_state_dict(consensus)
     last = {k: (traces[0][-1][k] + traces[1][-1][k]) / 2 for k in consensus}
     assert _close(consensus, last)
+
+
+def test_the_optimizer_state_is_averaged_shard_by_shard_with_the_model(tmp_path: Path) -> None:
+    """SGD with momentum: each rank's shard of the momentum buffers joins its averaged
+    state after the first step, and a group leaves both members the average of their
+    buffers, as two unsharded workers averaging their optimizer state."""
+    steps, momentum = 30, 0.9
+    result = ripples_cli("run", "--workers", "2", "--ranks-per-worker", "2", "--protocol",
+                         "ripples-smart", "--seed", "1", "--output", str(tmp_path / "run"),
+                         "--quiet", "--", sys.executable, SCRIPT, str(tmp_path), str(steps),
+                         env={"SHARDED_TRAIN_MOMENTUM": str(momentum)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = {w: torch.load(tmp_path / f"worker{w}.pt") for w in (0, 1)}
+    traces = {w: r["trace"] for w, r in records.items()}
+    buffers = {w: r["momentum"] for w, r in records.items()}
+    assert _replay(traces, momentum, buffers) >= 4
 
 
 @pytest.mark.slow
@@ -354,5 +390,5 @@ def test_torchrun_splits_its_world_into_workers_of_two_ranks(tmp_path: Path) -> 
     alone = torch.load(tmp_path / "alone" / "worker0.pt")["trace"]
     previous = sharded_train.build_model().state_dict()
     for step, recorded in enumerate(alone, 1):  # no group: the unsharded local steps
-        previous = _local_step(previous, 0, step)
+        previous, _ = _local_step(previous, 0, step)
         assert _close(recorded, previous)

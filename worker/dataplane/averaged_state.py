@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -135,6 +135,10 @@ class AveragedState:
         return [*(p.data for p in self.params), *(b.data for b in self.buffers),
                 *(state[key] for state, key in self.slots)]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every averaged tensor, in buffer order (views into `flat`)."""
+        return self._tensors()
+
     def _point_views_at(self, buffer: torch.Tensor, *, copy: bool) -> None:
         views = []
         offset = 0
@@ -174,25 +178,21 @@ class AveragedState:
         `optimizer.load_state_dict` (which replaces the state tensors). Returns the number
         of tensors adopted.
         """
-        first = self.params[0]
-        slots: list[StateSlot] = []
-        labels: list[str] = []
-        for name, p in zip(self._param_names, self.params, strict=True):
-            state = optimizer.state.get(p, {})
-            for key in sorted(state):
-                value = state[key]
-                if (key not in COUNTER_KEYS and isinstance(value, torch.Tensor)
-                        and value.shape == p.shape
-                        and value.dtype == first.dtype and value.device == first.device):
-                    slots.append((state, key))
-                    labels.append(f"state:{name}.{key}")
-        self.slots, self._slot_labels = slots, labels
+        slots = state_slots(optimizer, zip(self._param_names, self.params, strict=True),
+                            self.params[0])
+        return self.adopt_slots(slots)
+
+    def adopt_slots(self, slots: list[tuple[str, StateSlot]]) -> int:
+        """Move the named state tensors `slots` into the flat buffer, after the parameters
+        and buffers (re-pointing each slot at its view); returns how many."""
+        self.slots = [slot for _, slot in slots]
+        self._slot_labels = [label for label, _ in slots]
         self._storage = self._allocate(sum(t.numel() for t in self._tensors()))
         self.flat = self._storage[:-1]
         with torch.no_grad():
             self._point_views_at(self.flat, copy=True)
         self._staging = self._known_flag = None
-        return len(slots)
+        return len(self.slots)
 
     # ------------------------------------------------------------------ collectives
     @contextlib.contextmanager
@@ -305,6 +305,24 @@ class AveragedState:
             pb.TensorSpec(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix(
                 "torch.")) for name, t in zip([*self.names, *self.optimizer_state_labels()],
                                               self._tensors(), strict=True)])
+
+
+def state_slots(optimizer: torch.optim.Optimizer,
+                named: Iterable[tuple[str, torch.Tensor]],
+                like: torch.Tensor) -> list[tuple[str, StateSlot]]:
+    """The optimizer's per-parameter state tensors worth averaging, labelled
+    state:<parameter>.<key>: every tensor in `optimizer.state[p]` shaped like `p`, of
+    `like`'s dtype and device, that is no counter (COUNTER_KEYS)."""
+    slots: list[tuple[str, StateSlot]] = []
+    for name, p in named:
+        state = optimizer.state.get(p, {})
+        for key in sorted(state):
+            value = state[key]
+            if (key not in COUNTER_KEYS and isinstance(value, torch.Tensor)
+                    and value.shape == p.shape
+                    and value.dtype == like.dtype and value.device == like.device):
+                slots.append((f"state:{name}.{key}", (state, key)))
+    return slots
 
 
 def schema_of(specs: list[pb.TensorSpec]) -> pb.TensorSchema:

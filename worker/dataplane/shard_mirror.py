@@ -1,8 +1,10 @@
 """The local shards of an FSDP2-sharded model, mirrored into the averaged state.
 
 A worker of G ranks (worker/replica.py) averages shard by shard: rank r's averaged state
-is its local shard of every parameter (FSDP2's `Shard(0)` piece of each DTensor) and its
-own floating-point buffers (FSDP2 does not shard buffers). FSDP2 owns the shards'
+is its local shard of every parameter (FSDP2's `Shard(0)` piece of each DTensor), its own
+floating-point buffers (FSDP2 does not shard buffers) and, once adopted, its shard of the
+optimizer's per-parameter state (AdamW's moments are DTensors sharded as their
+parameters). FSDP2 owns the shards'
 storage: it pads them and may replace them (`reset_sharded_param` at its lazy init, after
 a load), so the averaged state cannot re-point them at its flat buffer as it does an
 unsharded model's tensors (worker/dataplane/averaged_state.py). It holds plain tensors
@@ -21,7 +23,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ripples.worker.dataplane.averaged_state import AveragedState
+from ripples.worker.dataplane.averaged_state import AveragedState, StateSlot, state_slots
 
 
 class ShardMirror:
@@ -49,7 +51,31 @@ class ShardMirror:
             self._buffer_names, self._buffers(), strict=True)]
         self.state = AveragedState.of_tensors(params, buffers)
         """Plain tensors of this rank's shards and buffers (what its protocol averages)."""
+        self._slots: list[StateSlot] = []
+        """Adopted: the optimizer's state entries (DTensors) whose shards are mirrored."""
         self._seen: tuple[int, int] = (0, -1)
+
+    def missing_optimizer_state(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """The first trainable parameter the optimizer has no state for yet, or None."""
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and not optimizer.state.get(p):
+                return name
+        return None
+
+    def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer) -> int:
+        """The optimizer's per-parameter state (its shards: AdamW's moments are sharded as
+        their parameters) joins the mirror, after the parameters and buffers; again after
+        a load, which replaces it. Returns how many tensors."""
+        found = state_slots(optimizer, self.model.named_parameters(), self.state.params[0])
+        self._slots = [slot for _, slot in found]
+        shadows: list[tuple[str, StateSlot]] = []
+        for label, (entries, key) in found:
+            value = entries[key]
+            local = value.to_local() if isinstance(value, DTensor) else value
+            shadows.append((label, ({key: local.detach().clone()}, key)))
+        count = self.state.adopt_slots(shadows)
+        self._seen = self._version()
+        return count
 
     def _locals(self) -> list[torch.Tensor]:
         """This rank's piece of each parameter, looked up anew each time (FSDP2 may
@@ -60,13 +86,17 @@ class ShardMirror:
     def _buffers(self) -> list[torch.Tensor]:
         return [b for b in self.model.buffers() if b.is_floating_point()]
 
-    def _mirrored(self) -> list[torch.Tensor]:
-        return [*self.state.params, *self.state.buffers]
+    def _sources(self) -> list[torch.Tensor]:
+        """What the averaged state mirrors, in its order: the shards, the buffers, the
+        adopted optimizer state's shards."""
+        state = [entries[key] for entries, key in self._slots]
+        return [*self._locals(), *self._buffers(),
+                *(v.to_local() if isinstance(v, DTensor) else v for v in state)]
 
     def pull(self) -> None:
         """The averaged state takes the shards' values (before a synchronisation)."""
         with torch.no_grad():
-            torch._foreach_copy_(self._mirrored(), [*self._locals(), *self._buffers()])
+            torch._foreach_copy_(self.state.tensors(), self._sources())
         self._seen = self._version()
 
     def push(self) -> bool:
@@ -75,7 +105,7 @@ class ShardMirror:
         if self._version() == self._seen:
             return False
         with torch.no_grad():
-            torch._foreach_copy_([*self._locals(), *self._buffers()], self._mirrored())
+            torch._foreach_copy_(self._sources(), self.state.tensors())
         self._seen = self._version()
         return True
 

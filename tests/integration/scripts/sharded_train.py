@@ -8,7 +8,8 @@ started from, the whole model then and after each step (gathered from the shards
 the test to replay (TRACE_DIR "-": no trace).
 
 SHARDED_TRAIN_MISMATCH=1 makes worker 1's hidden layer one wider (a worker whose
-sharding differs from the others', which the coordinator refuses)."""
+sharding differs from the others', which the coordinator refuses);
+SHARDED_TRAIN_MOMENTUM=M gives SGD momentum M, and the trace the momentum buffers too."""
 
 import os
 import sys
@@ -21,6 +22,7 @@ import ripples
 
 WIDTH = 15  # odd: FSDP2 pads the shards of rank 1
 BATCH = 8
+LR = 0.2
 
 
 def build_model(width: int = WIDTH) -> torch.nn.Module:
@@ -43,13 +45,14 @@ def main() -> None:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=worker.mesh)
     fully_shard(model, mesh=worker.mesh)
-    opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=0.2), model,
-                            planned_steps=steps)
+    momentum = float(os.environ.get("SHARDED_TRAIN_MOMENTUM", "0"))
+    opt = ripples.Optimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum),
+                            model, planned_steps=steps)
     checkpoints = ripples.Checkpointer(opt)  # where the launch asks (--checkpoint-dir)
     start = checkpoints.restore()
     g, r = worker.ranks_per_worker, worker.rank_in_worker
     restored = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
-    trace = []
+    trace, buffers = [], []
     for step in range(start + 1, steps + 1):
         x, y = (t.to(worker.device) for t in batch(worker.rank, step))
         part = slice(r * BATCH // g, (r + 1) * BATCH // g)
@@ -61,10 +64,14 @@ def main() -> None:
         checkpoints.step()
         if str(trace_dir) != "-":
             trace.append({n: p.full_tensor().cpu() for n, p in model.named_parameters()})
+            if momentum:  # the optimizer's state, whole
+                buffers.append({n: opt.optimizer.state[p]["momentum_buffer"].full_tensor().cpu()
+                                for n, p in model.named_parameters()})
         if opt.stopped:
             break
     if r == 0 and str(trace_dir) != "-":
-        torch.save({"start": start, "restored": restored, "trace": trace},
+        torch.save({"start": start, "restored": restored, "trace": trace,
+                    "momentum": buffers},
                    trace_dir / f"worker{worker.rank}.pt")
 
 
