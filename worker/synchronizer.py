@@ -45,7 +45,7 @@ from ripples.worker.dataplane.nonfinite import NonfiniteWatch, nonfinite_flag
 from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.dataplane.shard_mirror import ShardMirror
 from ripples.worker.protocol import GROUP_CHECK_IN_SECONDS, Protocol, SyncResult
-from ripples.worker.replica import ReplicaMismatch, worker_schema
+from ripples.worker.replica import ReplicaMismatch, full_state_dict, worker_schema
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 
 if TYPE_CHECKING:
@@ -204,9 +204,10 @@ class StepSynchronizer:
         reason = verdict.stop_reason if verdict is not None and verdict.stop else ""
         if not reason and self.session.local_stop.is_set():
             reason = self._asked_to_stop()
+        consensus = self._consensus_due(completed)
         if self.mirror is not None:
             self.mirror.push()
-            reason = self._relay_verdict(completed, reason)
+            reason, consensus = self._relay_verdict(completed, reason, consensus)
         if self.session.fatal_error:
             raise RuntimeError(self.session.fatal_error)
         now = time.perf_counter()
@@ -218,19 +219,21 @@ class StepSynchronizer:
         t.injected_seconds += injected
         t.other_seconds += max(0.0, now - step_started - local_seconds - sync - injected)
         self._since = now
-        self._publish_for_consensus(completed)
+        self._publish_for_consensus(completed, consensus)
         if reason:
             self.protocol.on_stop()
         return reason
 
-    def _relay_verdict(self, completed: int, reason: str) -> str:
-        """A worker of several ranks: rank 0's verdict on step `completed` is every
-        rank's (a signal to another rank is not: it would stop alone, mid-collective)."""
+    def _relay_verdict(self, completed: int, reason: str, consensus: int) -> tuple[str, int]:
+        """A worker of several ranks: rank 0's verdict on step `completed`, and the
+        consensus request it publishes for, are every rank's (a signal to another rank is
+        not: it would stop alone, mid-collective)."""
         replica = self.replica
         assert replica is not None
         if replica.leads:
-            replica.send("step", rpb.ReplicaStep(completed=completed, stop_reason=reason))
-            return reason
+            replica.send("step", rpb.ReplicaStep(completed=completed, stop_reason=reason,
+                                                 consensus=consensus))
+            return reason, consensus
         step = replica.receive("step", rpb.ReplicaStep())
         assert isinstance(step, rpb.ReplicaStep)
         if step.completed != completed:
@@ -240,7 +243,7 @@ class StepSynchronizer:
             self._stop_asked = True
             logger.warning("rank %d of the worker was asked to stop: its ranks stop "
                            "together, when rank 0 does (signal rank 0)", replica.rank)
-        return step.stop_reason
+        return step.stop_reason, int(step.consensus)
 
     def _restart_instead(self, err: CoordinatorCallError) -> None:
         """The coordinator no longer knows this worker (NOT_FOUND) because a restart
@@ -254,33 +257,46 @@ class StepSynchronizer:
         if restart.ordered.wait(timeout=3 * beat + 1.0) and restart.pending:
             raise RestartRequested(restart.reason) from err
 
-    def _publish_for_consensus(self, completed: int) -> None:
-        """The coordinator wants the run's consensus model (`ripples checkpoint`): publish
-        this worker's model, as it stands between two steps, through the rendezvous
-        store, once per request (ripples/consensus.py)."""
+    def _consensus_due(self, completed: int) -> int:
+        """The consensus request (`ripples checkpoint`) this worker publishes its model
+        for after step `completed`, once per request; 0: none (ranks 1..G-1 of a worker
+        learn it from rank 0)."""
         heartbeat, store = self.session.heartbeat, self.session.store
-        if self.mirror is not None:  # its shards are no model: not published yet
-            return
         agreement = self.protocol.consensus_agreement()
         if agreement is not None:  # lock-step: every worker after the same agreed step
             wanted, at = agreement
             if completed < at:
-                return
+                return 0
         else:
-            wanted, at = (heartbeat.consensus_id if heartbeat is not None else 0), None
-        if wanted == 0 or wanted == self._consensus_served or store is None:
+            wanted = heartbeat.consensus_id if heartbeat is not None else 0
+        if wanted == self._consensus_served or store is None:
+            return 0
+        return wanted
+
+    def _publish_for_consensus(self, completed: int, wanted: int) -> None:
+        """The coordinator wants the run's consensus model: publish this worker's model,
+        as it stands between two steps, through the rendezvous store (ripples/
+        consensus.py). A worker of several ranks gathers its shards into rank 0, which
+        publishes the whole model."""
+        if not wanted:
             return
         self._consensus_served = wanted
-        assert self.session.worker_id is not None
+        assert self.session.worker_id is not None and self.session.store is not None
         try:
-            with state_dict_views():  # encode_model copies them to the CPU
-                blob = encode_model(completed, self.model.state_dict())
-            put_blob(store, publish_key(wanted, self.session.worker_id), blob)
+            if self.mirror is not None:  # every rank sends its shards; rank 0 publishes
+                assert self.replica is not None
+                whole = full_state_dict(self.model)
+                if not self.replica.leads:
+                    return
+                blob = encode_model(completed, whole)
+            else:
+                with state_dict_views():  # encode_model copies them to the CPU
+                    blob = encode_model(completed, self.model.state_dict())
+            put_blob(self.session.store, publish_key(wanted, self.session.worker_id), blob)
         except (RuntimeError, OSError) as err:  # the request fails; training goes on
             logger.warning("could not publish the model for consensus %d: %s", wanted, err)
             return
-        logger.info("published the model of step %d for consensus %d%s", completed, wanted,
-                    "" if at is None else f" (the step agreed: {at})")
+        logger.info("published the model of step %d for consensus %d", completed, wanted)
 
     def _check_moved(self) -> None:
         moved = self.state.moved_away()

@@ -216,6 +216,13 @@ def test_a_killed_rank_fails_its_worker_only_and_a_replacement_heals_shard_by_sh
         try:
             wait_for(lambda: core.started_at is not None and core.mean_iterations() > 50,
                      "the run to train")
+            # `ripples checkpoint`: each worker gathers its shards, rank 0 publishes them.
+            consensus = ripples_cli("checkpoint", "--coordinator", server.address,
+                                    "--output", str(tmp_path / "consensus.pt"), "--json",
+                                    timeout=120)
+            assert consensus.returncode == 0, consensus.stderr[-3000:]
+            assert len(json.loads(consensus.stdout)["workers"]) == 3
+            sharded_train.build_model().load_state_dict(torch.load(tmp_path / "consensus.pt"))
             workers[1][1].send_signal(signal.SIGKILL)  # rank 1 of worker 1
             # Its rank 0 fails (its collectives lost a rank) and says why; nothing hangs.
             out, _ = workers[1][0].communicate(timeout=120)

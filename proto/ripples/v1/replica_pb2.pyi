@@ -33,12 +33,14 @@ class ReplicaReply(_message.Message):
     def __init__(self, reply: _Optional[_Union[_coordinator_pb2.GroupReply, _Mapping]] = ..., interrupted: _Optional[bool] = ..., detail: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ReplicaStep(_message.Message):
-    __slots__ = ("completed", "stop_reason")
+    __slots__ = ("completed", "stop_reason", "consensus")
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    CONSENSUS_FIELD_NUMBER: _ClassVar[int]
     completed: int
     stop_reason: str
-    def __init__(self, completed: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    consensus: int
+    def __init__(self, completed: _Optional[int] = ..., stop_reason: _Optional[str] = ..., consensus: _Optional[int] = ...) -> None: ...
 
 class ReplicaShard(_message.Message):
     __slots__ = ("schema", "fingerprint")
