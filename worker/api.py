@@ -37,7 +37,7 @@ from ripples.worker.collective_watch import COLLECTIVES
 from ripples.worker.launch_env import LaunchEnv
 from ripples.worker.replica import Replica, full_state_dict
 from ripples.worker.replica_session import FollowerSession
-from ripples.worker.session import Session, resolve_device
+from ripples.worker.session import Session, resolve_device, take_process_settings
 
 if TYPE_CHECKING:
     from ripples.worker.optimizer import Optimizer
@@ -78,10 +78,7 @@ class Worker:
         """The torch device this worker trains on: cuda:<local rank> when CUDA is
         available (or the launch's RIPPLES_DEVICE), else cpu."""
         if session is None:
-            if env.num_threads:
-                torch.set_num_threads(env.num_threads)
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
+            take_process_settings(env, self.device)
             self.settings = RunInfo()
         else:
             c = session.config

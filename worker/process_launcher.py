@@ -36,6 +36,15 @@ TERMINATE_GRACE_SECONDS = 30.0
 """After passing a signal on, how long the children have to leave before they are killed."""
 
 
+def check_sharded_script(ranks_per_worker: int, script: list[str] | tuple[str, ...]) -> None:
+    """ValueError unless workers of several ranks run a script (the built-in runner's
+    tasks train unsharded models)."""
+    if ranks_per_worker > 1 and not script:
+        raise ValueError("--ranks-per-worker runs a script that shards its model over the "
+                         "worker's ranks (fully_shard(module, mesh=worker.mesh)); the "
+                         "built-in tasks train unsharded models: give the script after --")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now (a worker's rank 0 binds it moments later, for its
     ranks to meet at: worker/replica.py)."""

@@ -92,7 +92,6 @@ class Replica:
             raise ValueError("a worker of one rank has no replica group")
         self.size = env.ranks_per_worker
         self.rank = env.worker_rank
-        self.device = device
         if device.type == "cuda":  # NCCL's communicators take the current device
             torch.cuda.set_device(device)
         self.group, self._relay = _form_groups(env)

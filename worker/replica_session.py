@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-
-import torch
+from collections.abc import Callable
 
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import replica_pb2 as rpb
-from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.launch_env import LaunchEnv
-from ripples.worker.protocol import ProtocolContext
 from ripples.worker.replica import Replica
-from ripples.worker.session import Session, relay_timeouts
+from ripples.worker.session import Session, relay_timeouts, take_process_settings
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +34,7 @@ class FollowerSession(Session):
 
     def join(self) -> None:
         """Wait for rank 0 to register the worker; take what it learned."""
-        env = self.env
-        if env.num_threads:
-            torch.set_num_threads(env.num_threads)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        take_process_settings(self.env, self.device)
         assert self.replica is not None
         start = self.replica.receive("start", rpb.ReplicaStart())
         assert isinstance(start, rpb.ReplicaStart)
@@ -63,17 +56,12 @@ class FollowerSession(Session):
         self._open_data_plane()
         return reply
 
-    def protocol_context(self, model: torch.nn.Module, state: AveragedState) -> ProtocolContext:
-        assert self.worker_id is not None and self.replica is not None
-        assert self.comms is not None and self.store is not None, "start() first"
+    def _run_signals(self) -> tuple[threading.Event, Callable[[], str], Callable[[], int]]:
+        """No heartbeat here: the stop comes as rank 0's verdict, and the coordinator's
+        life with rank 0's relayed replies."""
         replica = self.replica
-        return ProtocolContext(
-            client=self.client, worker_id=self.worker_id, rank=self.membership.rank,
-            num_workers=self.membership.num_workers, config=self.config,
-            membership=self.membership, model=model, state=state, comms=self.comms,
-            store=self.store, device=self.device, stop_requested=self._never,
-            progress=self._progress, incarnation=lambda: replica.incarnation,
-            metrics=self.metrics.for_protocol(), replica=replica)
+        assert replica is not None
+        return self._never, lambda: "", lambda: replica.incarnation
 
     def check_schema(self, schema: pb.TensorSchema) -> None:
         """Rank 0 checks the worker's schema."""

@@ -58,6 +58,14 @@ def relay_timeouts(config: pb.RunConfig) -> RelayTimeouts:
     return RelayTimeouts(max(1800.0, 2 * max_peer_wait_seconds(config) + 4 * collective))
 
 
+def take_process_settings(env: LaunchEnv, device: torch.device) -> None:
+    """This process's torch threads (the launch's, if set) and current CUDA device."""
+    if env.num_threads:
+        torch.set_num_threads(env.num_threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def resolve_device(env: LaunchEnv) -> torch.device:
     """The launch's device, else cuda:<local rank> when CUDA is available, else cpu."""
     if env.device:
@@ -106,10 +114,7 @@ class Session:
     def join(self) -> None:
         """Register and wait until every expected worker has (ranks are then final)."""
         env = self.env
-        if env.num_threads:
-            torch.set_num_threads(env.num_threads)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        take_process_settings(env, self.device)
         self.client.wait_until_reachable(env.connect_timeout_seconds)
         # The run's token guards the worker's metrics too (Prometheus sends it).
         metrics_port = (self.metrics.serve(env.metrics_bind, env.metrics_port,
@@ -211,9 +216,9 @@ class Session:
 
     def protocol_context(self, model: torch.nn.Module, state: AveragedState) -> ProtocolContext:
         """What the run's protocol may use (after start())."""
-        assert self.worker_id is not None and self.heartbeat is not None
+        assert self.worker_id is not None
         assert self.comms is not None and self.store is not None, "start() first"
-        heartbeat = self.heartbeat
+        stop_requested, stop_reason, incarnation = self._run_signals()
         if self.replica is not None and is_head(self.config, self.membership):
             raise ValueError("a shard's head in a sharded job (--root) is a worker of one "
                              "rank: start it without --ranks-per-worker")
@@ -224,10 +229,17 @@ class Session:
             client=self.client, worker_id=self.worker_id, rank=self.membership.rank,
             num_workers=self.membership.num_workers, config=self.config,
             membership=self.membership, model=model, state=state, comms=self.comms,
-            store=self.store, device=self.device, stop_requested=heartbeat.stop_requested,
-            stop_reason=lambda: heartbeat.stop_reason, progress=self._progress,
-            incarnation=lambda: heartbeat.incarnation,
+            store=self.store, device=self.device, stop_requested=stop_requested,
+            stop_reason=stop_reason, progress=self._progress, incarnation=incarnation,
             metrics=self.metrics.for_protocol(), root=self.root, replica=self.replica)
+
+    def _run_signals(self) -> tuple[threading.Event, Callable[[], str], Callable[[], int]]:
+        """Where the protocol hears of the run's stop, its reason, and the coordinator's
+        life: the heartbeat's answers."""
+        heartbeat = self.heartbeat
+        assert heartbeat is not None, "join() first"
+        return (heartbeat.stop_requested, lambda: heartbeat.stop_reason,
+                lambda: heartbeat.incarnation)
 
     def check_schema(self, schema: pb.TensorSchema) -> None:
         assert self.worker_id is not None

@@ -69,6 +69,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         run_host,
         run_worker,
     )
+    from ripples.worker.process_launcher import check_sharded_script
 
     script: list[str] = args.script
     try:
@@ -76,10 +77,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         config = dataclass_from_args(WorkerConfig, args)
         if script and config.task:
             raise ValueError("give --task or a script after --, not both")
-        if config.ranks_per_worker > 1 and not script:
-            raise ValueError("--ranks-per-worker runs a script that shards its model over "
-                             "the worker's ranks; the built-in tasks train unsharded "
-                             "models: give the script after --")
+        check_sharded_script(config.ranks_per_worker, script)
         if script and config.agent:
             raise ValueError("an agent runs the coordinator's runs: give the script to "
                              "`ripples submit ... -- python train.py`")

@@ -152,15 +152,13 @@ def check_ranks_per_worker(ranks: int, run: RunSettings, script: list[str],
         raise ValueError(f"--ranks-per-worker must be at least 1, got {ranks}")
     if ranks == 1:
         return
-    if not script:
-        raise ValueError("--ranks-per-worker runs a script that shards its model over the "
-                         "worker's ranks (fully_shard(module, mesh=worker.mesh)); the "
-                         "built-in tasks train unsharded models: give the script after --")
+    from ripples.worker.process_launcher import check_sharded_script
+    from ripples.worker.synchronizer import check_sharded_run
+
+    check_sharded_script(ranks, script)
     if link_mbit:
         raise ValueError("--link-mbit puts each worker on a host of its own, which holds "
                          "one process: it does not take --ranks-per-worker")
-    from ripples.worker.synchronizer import check_sharded_run
-
     check_sharded_run(run.to_proto())
 
 
