@@ -31,21 +31,18 @@ from typing import TYPE_CHECKING, NoReturn
 import grpc
 import torch
 
-from ripples.consensus import encode_model, publish_key
 from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 from ripples.protocols.registry import PROTOCOLS, create_runtime, get_protocol, role_of_config
 from ripples.protocols.spec import Coordination
-from ripples.state_dicts import state_dict_views
-from ripples.store_blobs import put_blob
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import replica_pb2 as rpb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
+from ripples.worker.consensus_share import ConsensusPublisher, final_average
 from ripples.worker.dataplane.averaged_state import AveragedState
 from ripples.worker.dataplane.nonfinite import NonfiniteWatch, nonfinite_flag
-from ripples.worker.dataplane.preduce import preduce
 from ripples.worker.dataplane.shard_mirror import ShardMirror
-from ripples.worker.protocol import GROUP_CHECK_IN_SECONDS, Protocol, SyncResult
-from ripples.worker.replica import ReplicaMismatch, full_state_dict, worker_schema
+from ripples.worker.protocol import Protocol, SyncResult
+from ripples.worker.replica import ReplicaMismatch, worker_schema
 from ripples.worker.slowdown import Slowdown, SlowdownSpec
 
 if TYPE_CHECKING:
@@ -135,6 +132,7 @@ class StepSynchronizer:
         session.start_training(self.state, planned_steps)
         self.ctx = session.protocol_context(model, self.state)
         self.protocol: Protocol = create_runtime(config.protocol, self.ctx)
+        self.consensus = ConsensusPublisher(session, model, self.protocol, self.mirror)
         self.adopt_state = (self.average_optimizer_state
                             and self.protocol.averages_optimizer_state)
         self._adopted = False
@@ -143,7 +141,6 @@ class StepSynchronizer:
             spec_text, seed=config.seed * 1000 + self.ctx.rank) if spec_text
             else SlowdownSpec())
         self.times = StepTimes()
-        self._consensus_served = 0
         self.stop_reason = ""
         self._stop_asked = False
         self._watch = NonfiniteWatch()
@@ -204,7 +201,7 @@ class StepSynchronizer:
         reason = verdict.stop_reason if verdict is not None and verdict.stop else ""
         if not reason and self.session.local_stop.is_set():
             reason = self._asked_to_stop()
-        consensus = self._consensus_due(completed)
+        consensus = self.consensus.due(completed)
         if self.mirror is not None:
             self.mirror.push()
             reason, consensus = self._relay_verdict(completed, reason, consensus)
@@ -219,7 +216,7 @@ class StepSynchronizer:
         t.injected_seconds += injected
         t.other_seconds += max(0.0, now - step_started - local_seconds - sync - injected)
         self._since = now
-        self._publish_for_consensus(completed, consensus)
+        self.consensus.publish(completed, consensus)
         if reason:
             self.protocol.on_stop()
         return reason
@@ -256,47 +253,6 @@ class StepSynchronizer:
         beat = self.session.config.heartbeat_interval_seconds
         if restart.ordered.wait(timeout=3 * beat + 1.0) and restart.pending:
             raise RestartRequested(restart.reason) from err
-
-    def _consensus_due(self, completed: int) -> int:
-        """The consensus request (`ripples checkpoint`) this worker publishes its model
-        for after step `completed`, once per request; 0: none (ranks 1..G-1 of a worker
-        learn it from rank 0)."""
-        heartbeat, store = self.session.heartbeat, self.session.store
-        agreement = self.protocol.consensus_agreement()
-        if agreement is not None:  # lock-step: every worker after the same agreed step
-            wanted, at = agreement
-            if completed < at:
-                return 0
-        else:
-            wanted = heartbeat.consensus_id if heartbeat is not None else 0
-        if wanted == self._consensus_served or store is None:
-            return 0
-        return wanted
-
-    def _publish_for_consensus(self, completed: int, wanted: int) -> None:
-        """The coordinator wants the run's consensus model: publish this worker's model,
-        as it stands between two steps, through the rendezvous store (ripples/
-        consensus.py). A worker of several ranks gathers its shards into rank 0, which
-        publishes the whole model."""
-        if not wanted:
-            return
-        self._consensus_served = wanted
-        assert self.session.worker_id is not None and self.session.store is not None
-        try:
-            if self.mirror is not None:  # every rank sends its shards; rank 0 publishes
-                assert self.replica is not None
-                whole = full_state_dict(self.model)
-                if not self.replica.leads:
-                    return
-                blob = encode_model(completed, whole)
-            else:
-                with state_dict_views():  # encode_model copies them to the CPU
-                    blob = encode_model(completed, self.model.state_dict())
-            put_blob(self.session.store, publish_key(wanted, self.session.worker_id), blob)
-        except (RuntimeError, OSError) as err:  # the request fails; training goes on
-            logger.warning("could not publish the model for consensus %d: %s", wanted, err)
-            return
-        logger.info("published the model of step %d for consensus %d", completed, wanted)
 
     def _check_moved(self) -> None:
         moved = self.state.moved_away()
@@ -441,41 +397,8 @@ class StepSynchronizer:
         self.protocol.close()
 
     def final_average(self) -> None:
-        """After the run stopped and the protocol closed: average with every other live
-        worker once more, so that each final model is the consensus model (what a
-        cluster keeps, and `ripples run`'s model.pt). Best effort and bounded: a peer that
-        fails it leaves this worker's model as it was, with a warning."""
-        session, ctx = self.session, self.ctx
-        timeout = session.config.collective_timeout_seconds
-        replica = self.replica
-        if replica is None or replica.leads:
-            try:
-                reply = session.client.final_group(ctx.worker_id, timeout)
-            except CoordinatorCallError as err:
-                reply = pb.GroupReply(outcome=pb.GROUP_OUTCOME_NO_GROUP, detail=str(err))
-        if replica is not None:  # every rank averages its shard, or none does
-            relayed = replica.relay("final-reply", reply if replica.leads else None,
-                                    pb.GroupReply())
-            assert isinstance(relayed, pb.GroupReply)
-            reply = relayed
-        if reply.outcome != pb.GROUP_OUTCOME_GROUP:
-            logger.info("no final average: %s", reply.detail)
-            return
-        members = list(reply.group.members)
-        key = f"final/{session.config.run_id}/{reply.group.comm_id}"
-        try:
-            comm = ctx.comms.get(key, members.index(ctx.worker_id), len(members), create=True,
-                                 peers_within=GROUP_CHECK_IN_SECONDS)
-            if self.mirror is not None:  # steps made after the stop are the shards'
-                self.mirror.pull()
-            preduce(self.state, comm, timeout)
-        except (RuntimeError, TimeoutError, ValueError) as err:
-            logger.warning("the final average over workers %s failed (%s); this worker's "
-                           "model is its own", members, err)
-            return
-        if self.mirror is not None:
-            self.mirror.push()
-        logger.info("final average over workers %s", members)
+        """Average with every other live worker once more (worker/consensus_share.py)."""
+        final_average(self.session, self.ctx, self.state, self.mirror)
 
     def record(self, stop_reason: str) -> dict[str, object]:
         """This worker's record of the run (DIR/workers/rankN.json)."""
