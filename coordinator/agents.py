@@ -2,11 +2,13 @@
 
 Host agents (`ripples worker run --agent`, worker/agent.py) long-poll AgentPoll: each
 reports its host, its slots and its processes, and is told which run to work for and
-how many of that run's workers to start. Slots are handed out first come, up to the
-run's num_workers; an agent that stops polling (AGENT_EXPIRY_POLLS poll bounds) loses
-its share, which the next agent with free slots takes up. When the agents hold the whole
-run and every process they started for it has ended for good while no worker is in the
-run, the run is stopped (failed if one of them failed). Agents send their processes'
+how many of that run's processes to start. Slots are handed out first come, up to the
+run's num_workers; a run of workers of G ranks each (RunInfo.ranks_per_worker) takes G
+slots of one agent per worker, whose ranks that agent starts together. An agent that
+stops polling (AGENT_EXPIRY_POLLS poll bounds) loses its share, which the next agent
+with free slots takes up. When the agents hold the whole run and every process they
+started for it has ended for good while no worker is in the run, the run is stopped
+(failed if one of them failed). Agents send their processes'
 output with PushLogs (coordinator/logs.py keeps it).
 """
 
@@ -50,7 +52,9 @@ class Agent:
     processes: list[pb.ProcessReport] = field(default_factory=list)
     draining: bool = False
     share: tuple[str, int] | None = None
-    """(run id, processes) this agent was told to run."""
+    """(run id, processes) this agent was told to run (its workers' ranks, all of them)."""
+    too_small: str = ""
+    """The run whose workers need more slots than this agent has (said once)."""
     polling: bool = False
     """Its long-poll waits now: it is there."""
 
@@ -159,13 +163,19 @@ class AgentsService(pb_grpc.AgentsServicer):
         if not active.info.task and not active.info.command:
             return reply  # its workers run a script started by hand (the one-run form)
         if agent.share is None or agent.share[0] != run_id:
+            ranks = max(1, active.info.ranks_per_worker)
             taken = sum(a.share[1] for a in self.agents.values()
                         if a.share is not None and a.share[0] == run_id and a is not agent)
-            count = min(agent.slots, active.info.num_workers - taken)
-            agent.share = (run_id, count) if count > 0 else None
-            if count > 0:
+            workers = min(agent.slots // ranks, active.info.num_workers - taken // ranks)
+            agent.share = (run_id, workers * ranks) if workers > 0 else None
+            if workers > 0:
                 logger.info("agent %d (host %s) runs %d workers of run %s", agent.agent_id,
-                            agent.host, count, run_id)
+                            agent.host, workers, run_id)
+            elif agent.slots < ranks and agent.too_small != run_id:
+                agent.too_small = run_id
+                logger.warning("agent %d (host %s) has %d slots: too few for one worker of "
+                               "run %s, %d ranks each", agent.agent_id, agent.host,
+                               agent.slots, run_id, ranks)
         if agent.share is None:
             return reply
         reply.run.CopyFrom(active.info)
@@ -207,7 +217,8 @@ class AgentsService(pb_grpc.AgentsServicer):
         if active is None or active.service.core.stopped:
             return
         run_id = active.info.run_id
-        ended = self._processes_all_ended(run_id, active.info.num_workers)
+        ended = self._processes_all_ended(
+            run_id, active.info.num_workers * max(1, active.info.ranks_per_worker))
         if ended and not active.service.core.live():
             failed = any(p.exit_code != 0 for a in self.agents.values()
                          if a.run_id == run_id for p in a.processes)
@@ -216,13 +227,13 @@ class AgentsService(pb_grpc.AgentsServicer):
                 + (f"; `ripples logs {run_id}` shows why" if failed else ""),
                 failure=failed)
 
-    def _processes_all_ended(self, run_id: str, num_workers: int) -> str:
-        """When the agents hold the whole run and every process they started for it has
-        ended for good (failed past its restarts, or never joined): how each ended;
-        else "" (the run may still form)."""
+    def _processes_all_ended(self, run_id: str, num_processes: int) -> str:
+        """When the agents hold the whole run (its `num_processes`) and every process they
+        started for it has ended for good (failed past its restarts, or never joined): how
+        each ended; else "" (the run may still form)."""
         shares = [a for a in self.agents.values()
                   if a.share is not None and a.share[0] == run_id]
-        if not shares or sum(a.share[1] for a in shares if a.share) < num_workers:
+        if not shares or sum(a.share[1] for a in shares if a.share) < num_processes:
             return ""
         ended = []
         for a in shares:
@@ -230,5 +241,7 @@ class AgentsService(pb_grpc.AgentsServicer):
                 return ""  # it has not started them all yet
             if any(p.running for p in a.processes):
                 return ""
-            ended += [f"{a.host}/{p.local_rank} exit code {p.exit_code}" for p in a.processes]
+            ended += [f"{a.host}/{p.local_rank}"
+                      + (f" (its rank {p.replica_rank})" if p.replica_rank else "")
+                      + f" exit code {p.exit_code}" for p in a.processes]
         return ", ".join(ended)

@@ -43,6 +43,7 @@ from ripples.coordinator.service import CoordinatorService
 from ripples.coordinator.state_dir import RECOVER, StateLost
 from ripples.coordinator.state_store import StateStore
 from ripples.guarded import guarded_loop
+from ripples.protocols.registry import check_ranks_per_worker
 from ripples.run_records import printable
 from ripples.v1 import coordinator_pb2 as pb
 
@@ -213,8 +214,9 @@ class RunQueue:
 
     # ------------------------------------------------------------------ submitting
     def submit(self, options: dict[str, Any], *, name: str, command: list[str],
-               workdir: str) -> pb.RunInfo:
-        """Queue a run; ValueError (nothing stored) when its options are wrong."""
+               workdir: str, ranks_per_worker: int = 1) -> pb.RunInfo:
+        """Queue a run; ValueError (nothing stored) when its options are wrong (or its
+        workers of `ranks_per_worker` processes would refuse them)."""
         _check_submitted(name, command, workdir)
         options = dict(options)
         if not options.get("run_id"):
@@ -225,12 +227,13 @@ class RunQueue:
         settings = RunSettings.build(**options)  # validates: ValueError names the option
         if command and settings.task:
             raise ValueError("give --task or a script after --, not both")
+        check_ranks_per_worker(ranks_per_worker, settings.to_proto(), command)
         options = settings.options()
         info = pb.RunInfo(
             run_id=settings.run_id, name=name or default_name(options, command),
             state=pb.RUN_STATE_QUEUED, submitted_at=time.time(), protocol=settings.protocol,
             num_workers=settings.num_workers, task=settings.task, command=command,
-            workdir=workdir)
+            workdir=workdir, ranks_per_worker=ranks_per_worker)
         self.history.add(info, options)
         return info
 

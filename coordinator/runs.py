@@ -82,7 +82,8 @@ class RunsService(pb_grpc.RunsServicer):
                 raise ValueError("give a task (--task) or a script after --: the host "
                                  "agents start the workers")
             return self.queue.submit(options, name=request.name,
-                                     command=list(request.command), workdir=request.workdir)
+                                     command=list(request.command), workdir=request.workdir,
+                                     ranks_per_worker=request.ranks_per_worker or 1)
 
         try:
             # In a worker thread: parsing and checking a large run (its edge list, its

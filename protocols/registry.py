@@ -8,6 +8,7 @@ registry, and a spec loads its runtime only when a worker asks for it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ripples.protocols.allreduce.spec import ALLREDUCE
@@ -56,6 +57,49 @@ def role_of_config(config: Any) -> Role:
     return get_protocol(config.protocol).role_of(lambda cls: cls.of_config(config))
 
 
+MAX_RANKS_PER_WORKER = 1024
+"""The most processes one worker may be (a bound on what a submitted run asks of the host
+agents, far above any host's devices)."""
+
+
+def check_ranks_per_worker(ranks_per_worker: int, config: Any,
+                           script: Sequence[str]) -> None:
+    """ValueError, with the reason, for workers of `ranks_per_worker` processes that would
+    not run the run of RunConfig `config` with `script`: out of bounds, the built-in task
+    (whose models are unsharded), a protocol or settings that refuse them (their
+    `no_sharded_workers`). One check for `ripples run`, `ripples worker run`, `ripples
+    submit`, the coordinator service and the workers."""
+    if not 1 <= ranks_per_worker <= MAX_RANKS_PER_WORKER:
+        raise ValueError(f"ranks_per_worker must be from 1 to {MAX_RANKS_PER_WORKER}, got "
+                         f"{ranks_per_worker}")
+    if ranks_per_worker > 1:
+        check_sharded_script(ranks_per_worker, script)
+        check_sharded_run(config)
+
+
+def check_sharded_script(ranks_per_worker: int, script: Sequence[str]) -> None:
+    """ValueError unless workers of several ranks run a script."""
+    if ranks_per_worker > 1 and not script:
+        raise ValueError("--ranks-per-worker runs a script that shards its model over the "
+                         "worker's ranks (fully_shard(module, mesh=worker.mesh)); the "
+                         "built-in tasks train unsharded models: give the script after --")
+
+
+def check_sharded_run(config: Any) -> None:
+    """ValueError, with the reason, when the protocol or the settings of the run of
+    RunConfig `config` do not run on workers of several ranks."""
+    spec = get_protocol(config.protocol)
+    if spec.no_sharded_workers:
+        takers = [s.name for s in PROTOCOLS.values() if not s.no_sharded_workers]
+        raise ValueError(f"{spec.name} does not run on workers of several ranks: "
+                         f"{spec.no_sharded_workers}; use {' or '.join(takers)}, or one "
+                         "rank per worker")
+    for cls in spec.settings:
+        why = cls.of_config(config).no_sharded_workers()
+        if why:
+            raise ValueError(why)
+
+
 def create_runtime(name: str, ctx: ProtocolContext) -> Protocol:
     """The worker-side runtime of protocol `name` for this worker; ValueError for an
     unknown name."""
@@ -67,5 +111,6 @@ def create_runtime(name: str, ctx: ProtocolContext) -> Protocol:
     return protocol
 
 
-__all__ = ["DEFAULT_PROTOCOL", "PROTOCOLS", "SETTINGS_CLASSES", "create_runtime", "get_protocol",
-           "role_of_config"]
+__all__ = ["DEFAULT_PROTOCOL", "MAX_RANKS_PER_WORKER", "PROTOCOLS", "SETTINGS_CLASSES",
+           "check_ranks_per_worker", "check_sharded_run", "check_sharded_script",
+           "create_runtime", "get_protocol", "role_of_config"]

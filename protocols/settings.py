@@ -83,6 +83,11 @@ class ProtocolSettings:
     def check_run(self, run: RunFacts) -> None:
         """Raise ValueError if these settings cannot serve this run (lpp: a budget)."""
 
+    def no_sharded_workers(self) -> str:
+        """Why these settings do not run on workers of several ranks, in the refusal's
+        words; empty: they do (docs/library.md, "Models larger than one device")."""
+        return ""
+
     def check_topology(self, run: RunFacts, topology: TopologyFacts) -> None:
         """Raise ValueError if the run cannot use this graph (adpsgd's bipartite mode)."""
 

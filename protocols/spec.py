@@ -150,6 +150,11 @@ class ProtocolSpec:
     """Why it refuses local steps and an outer optimizer (RunSettings.local_steps > 1 or
     outer_optimizer other than none), in the refusal's words; empty: it takes them (its
     runtime synchronises every local_steps steps and applies the outer step)."""
+    no_sharded_workers: str = ("its exchanges are not relayed from a worker's rank 0 to its "
+                               "other ranks")
+    """Why it does not run on workers of several ranks (`--ranks-per-worker`, FSDP2), in the
+    refusal's words; empty: it does (rank 0 relays each decision, and rank r of each
+    member averages its shard: worker/replica.py)."""
     shardable: bool = False
     """Its runs may be shards of a sharded job (the shards' heads average in the root
     coordinator's run of the same protocol; docs/scale.md)."""

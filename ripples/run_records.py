@@ -33,6 +33,7 @@ def summary(info: pb.RunInfo) -> dict[str, object]:
     return {
         "run_id": info.run_id, "name": info.name, "state": state_name(info.state),
         "protocol": info.protocol, "workers": info.num_workers,
+        "ranks_per_worker": max(1, info.ranks_per_worker),
         "task": info.task, "command": list(info.command),
         "submitted_at": info.submitted_at, "started_at": info.started_at or None,
         "ended_at": info.ended_at or None, "stop_reason": info.stop_reason,

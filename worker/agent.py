@@ -5,12 +5,16 @@ and long-polls it (AgentPoll) for the run to work for. For each run it is given 
 of, it starts that many worker processes (local ranks 0..n-1, one per device): the
 built-in runner for a task run, the run's script otherwise, in the launch environment
 `ripples.init()` reads plus RIPPLES_RUN_ID, so that no process of one run can join
-another. It watches them: a restart round's exit (75) starts a process again at once, as
-`ripples worker run --nproc-per-node` does; a failure starts it again up to the run's
-max_restarts. Their output (stdout and stderr) goes to this process's stderr, prefixed
-with the worker's name, and to the coordinator (PushLogs) for `ripples logs`. When the
-run ends (or the coordinator names another), the agent stops what is left of it and
-waits for the next.
+another. A run of workers of G ranks (`ripples submit --ranks-per-worker G`) takes G
+processes, on G consecutive devices, per worker: its ranks meet at an address of their
+own on this host (worker/replica.py). It watches them: a restart round's exit (75)
+starts a process again at once, as `ripples worker run --nproc-per-node` does; a
+failure starts it again up to the run's max_restarts (a worker of several ranks is
+started again whole, once all its ranks have ended). Their output (stdout and stderr)
+goes to this process's stderr, prefixed with the process's name, and to the coordinator
+(PushLogs) for `ripples logs`, one log per worker (the lines of its ranks 1..G-1 marked
+with the rank). When the run ends (or the coordinator names another), the agent stops
+what is left of it and waits for the next.
 
 SIGTERM (or SIGINT) drains: the run's workers get SIGTERM and leave the run gracefully
 (a lock-step run shrinks, an elastic one goes on without them); the agent tells the
@@ -45,6 +49,7 @@ from ripples.worker.launch_env import CheckpointOptions, LaunchEnv
 from ripples.worker.process_launcher import (
     POLL_SECONDS,
     WorkerProcesses,
+    free_port,
     launch_environment,
     runner_argv,
     script_argv,
@@ -119,17 +124,22 @@ class LogShipper:
             self._lines.popleft()
             self._dropped += 1
 
-    def pump(self, run_id: str, worker: str, pipe: IO[bytes]) -> None:
-        """Read one child's output to its end (on a thread of its own)."""
+    def pump(self, run_id: str, name: str, pipe: IO[bytes]) -> None:
+        """Read one child's output to its end (on a thread of its own). `name`: HOST/W,
+        or HOST/W rank R for rank R > 0 of a worker of several ranks, whose lines go to
+        HOST/W's log, each marked [rank R]."""
+        worker, _, rank = name.partition(" ")
+        mark = f"[{rank}] " if rank else ""
+
         def read() -> None:
-            prefix = f"[{worker}] "
+            prefix = f"[{name}] "
             for raw in iter(pipe.readline, b""):
                 line = raw.decode("utf-8", errors="replace").rstrip("\n")
                 sys.stderr.write(prefix + line + "\n")
-                self.add(run_id, worker, line)
+                self.add(run_id, worker, mark + line)
             pipe.close()
 
-        threading.Thread(target=read, name=f"output {worker}", daemon=True).start()
+        threading.Thread(target=read, name=f"output {name}", daemon=True).start()
 
     def _run(self) -> None:
         attempt = 0
@@ -281,11 +291,14 @@ class HostAgent:
         if processes is None:
             return []
         reports = []
+        ranks = max(1, self.run.ranks_per_worker) if self.run is not None else 1
         for i, c in enumerate(processes.children):
             code = c.process.poll()
             model = self.model_paths.get(c.name, "")
+            worker, rank = divmod(i, ranks)
             reports.append(pb.ProcessReport(
-                local_rank=i, running=code is None or processes.will_restart(c),
+                local_rank=worker, replica_rank=rank,
+                running=code is None or processes.will_restart(c),
                 exit_code=code or 0, restarts=c.restarts,
                 # Written whole or not at all (api.py), by this run (the directory is
                 # the run's), at the worker's end: its final model, whatever came after.
@@ -315,18 +328,24 @@ class HostAgent:
         processes = WorkerProcesses(
             max_failure_restarts=reply.max_restarts,
             capture=lambda name, pipe: self.logs.pump(run.run_id, name, pipe))
-        n = reply.num_processes
-        print(f"ripples agent on {cfg.host}: run {run.run_id} ({run.name}): starting {n} "
-              "workers", file=sys.stderr, flush=True)
+        n, ranks = reply.num_processes, max(1, run.ranks_per_worker)
+        workers = n // ranks
+        print(f"ripples agent on {cfg.host}: run {run.run_id} ({run.name}): starting "
+              f"{workers} workers" + (f" of {ranks} ranks each" if ranks > 1 else ""),
+              file=sys.stderr, flush=True)
         self.model_paths = {}
-        for local_rank in range(n):
-            worker = f"{cfg.host}/{local_rank}"
+        meeting = ""
+        for i in range(n):
+            local_rank, rank = divmod(i, ranks)
+            worker = f"{cfg.host}/{local_rank}" + (f" rank {rank}" if rank else "")
             model = directory / f"model-{cfg.host}-{local_rank}.pt"
+            if ranks > 1 and rank == 0:  # each worker's ranks meet at an address of its own
+                meeting = f"127.0.0.1:{free_port()}"
             env = LaunchEnv(
                 coordinator=cfg.coordinator, launcher="ripples", host=cfg.host,
-                local_rank=local_rank, local_world_size=n, device=self.devices[local_rank],
-                num_threads=cfg.num_threads,
-                metrics_port=(cfg.metrics_port + local_rank if cfg.metrics_port > 0
+                local_rank=local_rank, local_world_size=workers, device=self.devices[i],
+                num_threads=cfg.num_threads, ranks_per_worker=ranks, replica_address=meeting,
+                metrics_port=(cfg.metrics_port + i if cfg.metrics_port > 0
                               else cfg.metrics_port),
                 metrics_bind=cfg.metrics_bind, metrics_host=cfg.metrics_host,
                 save_model=str(model), connect_timeout_seconds=cfg.connect_timeout_seconds,
@@ -335,20 +354,24 @@ class HostAgent:
             # The workers log at INFO whatever the agent's own level: their output is the
             # run's log (`ripples logs`), line by line as it comes (unbuffered).
             argv = script_argv(list(run.command)) or runner_argv(env, "", quiet=False)
-            self.model_paths[worker] = str(model)
+            if rank == 0:  # a worker's other ranks write no model
+                self.model_paths[worker] = str(model)
             child_env = launch_environment(env, rank=None, world_size=None)
-            child_env.update(nccl_environment(self.devices, local_rank, cfg.host,
-                                              loopback=False))
+            child_env.update(nccl_environment(self.devices, i, cfg.host, loopback=False))
             child_env["PYTHONUNBUFFERED"] = "1"
+            unit = None
+            if ranks > 1:
+                child_env["RIPPLES_REPLICA_RANK"] = str(rank)
+                unit = local_rank
             try:
-                processes.start(worker, argv, child_env, cwd=cwd)
+                processes.start(worker, argv, child_env, cwd=cwd, unit=unit)
             except OSError as err:  # not on this host (a script's path, torchrun, ...)
                 # A stand-in that says why and fails as the process would have (127, as a
                 # shell's "command not found"): the run's failure accounting sees it.
                 why = f"cannot start {argv[0]!r} on {cfg.host}: {err}"
                 processes.start(worker, [sys.executable, "-c",
                                          f"import sys; print({why!r}); sys.exit(127)"],
-                                child_env)
+                                child_env, unit=unit)
         self.run, self.processes = run, processes
 
     def _stop_run(self, why: str) -> None:

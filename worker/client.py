@@ -249,9 +249,9 @@ class CoordinatorClient:
 
     # ------------------------------------------------------------------ the service's runs
     def submit_run(self, options_json: str, *, name: str = "", command: list[str] | None = None,
-                   workdir: str = "") -> pb.RunInfo:
+                   workdir: str = "", ranks_per_worker: int = 1) -> pb.RunInfo:
         req = pb.SubmitRunRequest(options_json=options_json, name=name, command=command or [],
-                                  workdir=workdir)
+                                  workdir=workdir, ranks_per_worker=ranks_per_worker)
         reply = self._call(self._runs.SubmitRun, req, self.rpc_timeout, retry=False)
         assert isinstance(reply, pb.RunInfo)
         return reply

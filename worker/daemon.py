@@ -103,9 +103,9 @@ class WorkerConfig:
             raise ValueError(f"--ranks-per-worker {self.ranks_per_worker} does not divide "
                              f"--nproc-per-node {self.nproc_per_node} into workers")
         if self.ranks_per_worker > 1 and self.agent:
-            raise ValueError("--agent serves runs one worker process per slot: it does not "
-                             "take --ranks-per-worker yet (start the workers with `ripples "
-                             "worker run --nproc-per-node K --ranks-per-worker G -- ...`)")
+            raise ValueError("an agent starts each run's workers with the run's ranks per "
+                             "worker: drop --ranks-per-worker here and give it to `ripples "
+                             "submit --ranks-per-worker G -- python train.py`")
         if self.slowdown:
             SlowdownSpec.parse(self.slowdown)  # fail early with the parse message
         check_device_choice(self.device)
@@ -218,7 +218,7 @@ def run_host(config: WorkerConfig, script: list[str], quiet: bool) -> int:
             child_env["RIPPLES_REPLICA_RANK"] = str(shard)
         argv = script_argv(script) or runner_argv(child, config.task, quiet=quiet)
         name = f"local rank {local_rank}" + (f" (its rank {shard} of {g})" if g > 1 else "")
-        processes.start(name, argv, child_env)
+        processes.start(name, argv, child_env, unit=worker if g > 1 else None)
     return processes.wait_all()
 
 

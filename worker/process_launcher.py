@@ -34,15 +34,10 @@ MAX_PROCESS_RESTARTS = 100
 max_restarts; this bounds a launcher whose coordinator keeps ordering restarts)."""
 TERMINATE_GRACE_SECONDS = 30.0
 """After passing a signal on, how long the children have to leave before they are killed."""
-
-
-def check_sharded_script(ranks_per_worker: int, script: list[str] | tuple[str, ...]) -> None:
-    """ValueError unless workers of several ranks run a script (the built-in runner's
-    tasks train unsharded models)."""
-    if ranks_per_worker > 1 and not script:
-        raise ValueError("--ranks-per-worker runs a script that shards its model over the "
-                         "worker's ranks (fully_shard(module, mesh=worker.mesh)); the "
-                         "built-in tasks train unsharded models: give the script after --")
+UNIT_EXIT_SECONDS = 30.0
+"""A rank of a worker of several ranks failed and the worker is to be started again: how
+long its other ranks have to end by themselves (their collectives with it fail) before
+they are killed."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,6 +46,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def renewed_address(env: dict[str, str]) -> str:
+    """A new meeting address for a worker's ranks started again ("": they have none): the
+    old port may still be held by a rank that just ended."""
+    address = env.get("RIPPLES_REPLICA_ADDRESS", "")
+    if not address:
+        return ""
+    host = address.rpartition(":")[0]
+    return f"{host}:{free_port(host)}"
 
 
 def launch_environment(env: LaunchEnv, *, rank: int | None,
@@ -72,10 +77,11 @@ def launch_environment(env: LaunchEnv, *, rank: int | None,
                 "RIPPLES_SAVE_MODEL": env.save_model, "RIPPLES_SAVE_RECORD": env.save_record,
                 "RIPPLES_SLOWDOWN": env.slowdown, ENV_RUN_ID: env.run_id}
     variables.update({k: v for k, v in optional.items() if v})
-    if env.sharded:  # the worker's ranks; each child is given its own RIPPLES_REPLICA_RANK
-        variables["RIPPLES_RANKS_PER_WORKER"] = str(env.ranks_per_worker)
-        if env.replica_address:
-            variables["RIPPLES_REPLICA_ADDRESS"] = env.replica_address
+    # Set always, 1 too: a launcher started with RIPPLES_RANKS_PER_WORKER (an sbatch's
+    # environment) must not make a run of one rank per worker sharded.
+    variables["RIPPLES_RANKS_PER_WORKER"] = str(env.ranks_per_worker)
+    if env.sharded and env.replica_address:  # each child gets its own RIPPLES_REPLICA_RANK
+        variables["RIPPLES_REPLICA_ADDRESS"] = env.replica_address
     variables.update(env.checkpoint.environment())
     if env.num_threads:
         variables["RIPPLES_NUM_THREADS"] = str(env.num_threads)
@@ -85,7 +91,8 @@ def launch_environment(env: LaunchEnv, *, rank: int | None,
     # The parent's own launcher variables (its torchrun rank) are not the child's; with
     # RIPPLES_LAUNCHER=ripples the child reads Ripples' and torchrun's names only, not
     # SLURM's or Kubeflow's (an `srun` around this process gave them all one rank).
-    child = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    child = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "RIPPLES_REPLICA_ADDRESS", "RIPPLES_REPLICA_RANK")}
     child.update(variables)
     return child
 
@@ -144,6 +151,9 @@ class _Child:
     restarts: int = 0
     failures: int = 0
     """Of the restarts, those after the child failed (max_failure_restarts bounds them)."""
+    unit: int | None = None
+    """A worker of several ranks: the number its ranks share. They are one worker: when
+    one fails, all of them are started again, together (and never one alone)."""
 
 
 @dataclass
@@ -159,16 +169,20 @@ class WorkerProcesses:
     """Start a child that failed (a non-zero exit, not a restart round's) again, at most
     this often (a host agent: the run's max_restarts)."""
     _signals: int = 0
+    _unit_failed_at: dict[int, float] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str], env: dict[str, str],
-              cwd: str | None = None) -> None:
+              cwd: str | None = None, unit: int | None = None) -> None:
+        """Start a child; `unit`: the worker it is a rank of, with the others started with
+        the same number (a worker of several ranks, whose ranks restart together)."""
         # A process group of its own (a terminal's Ctrl-C then reaches this process only),
         # not a session of its own: with the kernel's autogroup scheduling (on by default
         # on desktops and here), every session is scheduled as one unit, and workers in
         # sessions of their own got unequal CPU shares (measured with a2cid2 on digits,
         # 4 workers on 2 cores: 174-1490 steps each in one run instead of 783-825, and a
         # quarter of the pairwise exchanges).
-        self.children.append(_Child(name, self._popen(name, argv, env, cwd), argv, env, cwd))
+        self.children.append(_Child(name, self._popen(name, argv, env, cwd), argv, env, cwd,
+                                    unit=unit))
 
     def _popen(self, name: str, argv: list[str], env: dict[str, str],
                cwd: str | None) -> subprocess.Popen[bytes]:
@@ -184,9 +198,9 @@ class WorkerProcesses:
         """Start again every child that ended with RESTART_EXIT_CODE (a restart round of
         its lock-step run), or failed within max_failure_restarts; not after a signal was
         passed on: the names restarted."""
-        restarted = []
+        restarted = self._restart_units()
         for c in self.children:
-            if self.will_restart(c):
+            if c.unit is None and self.will_restart(c):
                 code = c.process.returncode
                 c.restarts += 1
                 if code != RESTART_EXIT_CODE:
@@ -201,10 +215,50 @@ class WorkerProcesses:
                 restarted.append(c.name)
         return restarted
 
+    def _restart_units(self) -> list[str]:
+        """Start again, together, the ranks of each worker of several ranks one of which
+        failed (within max_failure_restarts), once all of them have ended: those still
+        running are killed after UNIT_EXIT_SECONDS. They meet at a new address."""
+        restarted = []
+        for unit in dict.fromkeys(c.unit for c in self.children if c.unit is not None):
+            ranks = [c for c in self.children if c.unit == unit]
+            if not self.will_restart(ranks[0]):
+                self._unit_failed_at.pop(unit, None)
+                continue
+            failed_at = self._unit_failed_at.setdefault(unit, time.monotonic())
+            running = [c for c in ranks if c.process.poll() is None]
+            if running and time.monotonic() - failed_at < UNIT_EXIT_SECONDS:
+                continue
+            for c in running:
+                logger.warning("%s still runs %.0f s after another rank of its worker "
+                               "failed: killing it", c.name, UNIT_EXIT_SECONDS)
+                c.process.kill()
+                c.process.wait()
+            self._unit_failed_at.pop(unit)
+            why = "; ".join(f"{c.name} {describe_exit(c.process.returncode)}" for c in ranks
+                            if c.process.returncode != 0)
+            logger.warning("%s; starting its worker's %d ranks again (failure %d of at most "
+                           "%d)", why, len(ranks), ranks[0].failures + 1,
+                           self.max_failure_restarts)
+            meeting = renewed_address(ranks[0].env)
+            for c in ranks:
+                c.restarts += 1
+                c.failures += 1
+                if meeting:
+                    c.env = {**c.env, "RIPPLES_REPLICA_ADDRESS": meeting}
+                c.process = self._popen(c.name, c.argv, c.env, c.cwd)
+                restarted.append(c.name)
+        return restarted
+
     def will_restart(self, child: _Child) -> bool:
         """`restart_ordered` starts the child again: it ended for a restart round (up to
         MAX_PROCESS_RESTARTS), or failed (up to max_failure_restarts), and no signal was
-        passed on. Not the child's end."""
+        passed on; a rank of a worker of several ranks: one of its worker's ranks failed
+        (within max_failure_restarts), even while it runs itself. Not the child's end."""
+        if child.unit is not None and not self._signals:
+            failed = any(c.process.poll() not in (None, 0) for c in self.children
+                         if c.unit == child.unit)
+            return failed and child.failures < self.max_failure_restarts
         code = child.process.poll()
         if code is None or self._signals:
             return False

@@ -31,10 +31,14 @@ from typing import TYPE_CHECKING, NoReturn
 import grpc
 import torch
 
-from ripples.protocols.group_generator.settings import GroupGeneratorSettings
-from ripples.protocols.registry import PROTOCOLS, create_runtime, get_protocol, role_of_config
+from ripples.protocols.registry import (
+    PROTOCOLS,
+    check_sharded_run,
+    create_runtime,
+    get_protocol,
+    role_of_config,
+)
 from ripples.protocols.spec import Coordination
-from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import replica_pb2 as rpb
 from ripples.worker.client import CoordinatorCallError, RestartRequested
 from ripples.worker.consensus_share import ConsensusPublisher, final_average
@@ -52,30 +56,6 @@ logger = logging.getLogger(__name__)
 
 STATE_WARNING_STEPS = 100
 """Warn when the optimizer state is still incomplete (not averaged) after this many steps."""
-
-SHARDED_WORKER_PROTOCOLS = ("ripples-random", "ripples-smart")
-"""The protocols a worker of several ranks runs (docs/library.md says why the others
-refuse it)."""
-
-
-def check_sharded_run(config: pb.RunConfig) -> None:
-    """ValueError, with the reason, for what a worker of several ranks does not do (yet):
-    a protocol whose exchanges are not the Group Generator's groups, a P-Reduce in the
-    background, rounds sized to the link (both decided by each rank's own clock, which
-    the ranks would not agree on)."""
-    if config.protocol not in SHARDED_WORKER_PROTOCOLS:
-        raise ValueError(
-            f"{config.protocol} does not run on workers of several ranks: its exchanges "
-            "(partners, neighbours, lock-step collectives or updater processes) are not "
-            "relayed from a worker's rank 0 to its other ranks; use "
-            f"{' or '.join(SHARDED_WORKER_PROTOCOLS)}, or one rank per worker")
-    settings = GroupGeneratorSettings.of_config(config)
-    if settings.overlap or settings.sync_share:
-        flag = "--overlap" if settings.overlap else "--sync-share"
-        raise ValueError(f"{flag} does not run on workers of several ranks: when a "
-                         "background P-Reduce lands, or how long a round is, each rank "
-                         "would decide by its own clock; leave it out")
-
 
 @dataclass(kw_only=True)
 class StepTimes:

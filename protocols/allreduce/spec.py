@@ -29,5 +29,7 @@ ALLREDUCE = ProtocolSpec(
     membership=Membership.RESTART,
     fixed_membership="every worker is in every all-reduce of DDP's backward pass",
     no_local_steps="",
+    no_sharded_workers="its lock-step collectives over every worker are what FSDP2 with a "
+                       "replicate dimension (HSDP) already does",
     groups_note="allreduce averages every worker's gradients in each backward pass, "
                 "without the coordinator's groups")

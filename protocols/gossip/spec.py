@@ -40,18 +40,22 @@ def _random_pairs(lookup: Callable[[type[Any]], Any]) -> RandomPolicy:
     return RandomPolicy(group_size=2)
 
 
+_PAIRWISE = ("its pairwise exchanges (whom to average with, and when) are not relayed "
+             "from a worker's rank 0 to its other ranks")
+
 ADPSGD = ProtocolSpec(
     name="adpsgd", summary="AD-PSGD: wait-free pairwise averaging",
     role=Role(coordination=Coordination.GOSSIP, label="adpsgd", group_policy=_random_pairs,
               listening=ADPSGD_VARIANT.listens, graph_extras=adpsgd_extras),
     settings=(GossipSettings,), runtime=_runtime, simulation=_simulation,
-    no_local_steps="")
+    no_local_steps="", no_sharded_workers=_PAIRWISE)
 A2CID2 = ProtocolSpec(
     name="a2cid2", summary="A2CiD2: pairwise gossip with continuous momentum",
     role=Role(coordination=Coordination.GOSSIP, label="a2cid2", pairing=FifoPairing,
               listening=A2CID2_VARIANT.listens, graph_extras=a2cid2_extras),
     settings=(GossipSettings,), runtime=_runtime, simulation=_simulation,
     fixed_size="its momentum constants are computed for the run's graph at the start",
+    no_sharded_workers=_PAIRWISE,
     no_local_steps="its continuous momentum already accelerates the consensus, and "
                    "rate_com below 1 already spaces its exchanges: an outer Nesterov step "
                    "would be a second momentum")

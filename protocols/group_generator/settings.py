@@ -48,6 +48,14 @@ class GroupGeneratorSettings(ProtocolSettings):
         if self.c_thres < 1:
             raise ValueError(f"c_thres must be at least 1, got {self.c_thres}")
 
+    def no_sharded_workers(self) -> str:
+        if self.overlap or self.sync_share:
+            flag = "--overlap" if self.overlap else "--sync-share"
+            return (f"{flag} does not run on workers of several ranks: when a background "
+                    "P-Reduce lands, or how long a round is, each rank would decide by its "
+                    "own clock; leave it out")
+        return ""
+
     def check_overlap(self, run: RunFacts) -> None:
         """Raise ValueError if the run cannot overlap its averaging (checked for every
         protocol: one that would ignore the option refuses it instead)."""

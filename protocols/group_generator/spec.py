@@ -48,8 +48,8 @@ _GROUPS = "P-Reduce in groups of the Group Generator"
 RIPPLES_RANDOM = ProtocolSpec(
     name="ripples-random", summary=f"{_GROUPS}: random groups", role=GROUPS_ROLE_RANDOM,
     settings=(GroupGeneratorSettings,), runtime=_runtime, simulation=_simulation,
-    shardable=True, no_local_steps="")
+    shardable=True, no_local_steps="", no_sharded_workers="")
 RIPPLES_SMART = ProtocolSpec(
     name="ripples-smart", summary=f"{_GROUPS}: smart groups (slowdown filter)",
     role=GROUPS_ROLE_SMART, settings=(GroupGeneratorSettings,), runtime=_runtime,
-    simulation=_simulation, shardable=True, no_local_steps="")
+    simulation=_simulation, shardable=True, no_local_steps="", no_sharded_workers="")

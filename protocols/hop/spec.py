@@ -25,6 +25,8 @@ HOP = ProtocolSpec(
     runtime=_runtime, summarise=summarise, record_key="hop",
     no_local_steps="its queues bound the iteration gap between neighbours update by update, "
                    "which local steps would redefine",
+    no_sharded_workers="its sends to its neighbours, and their tokens, are not relayed from "
+                       "a worker's rank 0 to its other ranks",
     membership=Membership.RESTART, fixed_membership="hop's queues and tokens are fixed at "
     "the start",
     groups_note="hop's workers send their updates to their neighbours themselves, without "

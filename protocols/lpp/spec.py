@@ -32,6 +32,7 @@ def _role(lookup: Callable[[type[Any]], Any]) -> Role:
 
 
 _FIXED = "a worker's updater processes share one model, which a joiner cannot heal"
+_UPDATERS = "its workers are several updater processes sharing one whole model"
 _OWN_AVERAGING = ("its updater processes average in the background every --sync-period "
                   "updates, outside ripples.Optimizer")
 
@@ -39,9 +40,9 @@ LAP_SGD = ProtocolSpec(
     name="lap-sgd", summary="LAP-SGD: Hogwild updaters, background averaging", role=_ALL,
     settings=(LppSettings, GroupGeneratorSettings), runtime=_runtime, library=False,
     role_from=_role, record_key="lpp", membership=Membership.RESTART, fixed_membership=_FIXED,
-    no_local_steps=_OWN_AVERAGING)
+    no_local_steps=_OWN_AVERAGING, no_sharded_workers=_UPDATERS)
 LPP_SGD = ProtocolSpec(
     name="lpp-sgd", summary="LPP-SGD: LAP-SGD with partial backpropagation", role=_ALL,
     settings=(LppSettings, GroupGeneratorSettings), runtime=_runtime, library=False,
     role_from=_role, record_key="lpp", membership=Membership.RESTART, fixed_membership=_FIXED,
-    no_local_steps=_OWN_AVERAGING)
+    no_local_steps=_OWN_AVERAGING, no_sharded_workers=_UPDATERS)

@@ -23,5 +23,7 @@ RIPPLES_STATIC = ProtocolSpec(
     membership=Membership.RESTART,
     fixed_membership="every worker is in the static schedule's groups every iteration",
     no_local_steps="",
+    no_sharded_workers="its lock-step collectives over every worker are what FSDP2 with a "
+                       "replicate dimension (HSDP) already does",
     groups_note="ripples-static's workers compute the static schedule's groups themselves, "
                 "without the coordinator")

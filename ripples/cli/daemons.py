@@ -58,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from ripples.protocols.registry import check_sharded_script
     from ripples.worker.agent import run_agent
     from ripples.worker.daemon import (
         RESTART_EXIT_CODE,
@@ -69,7 +70,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
         run_host,
         run_worker,
     )
-    from ripples.worker.process_launcher import check_sharded_script
 
     script: list[str] = args.script
     try:

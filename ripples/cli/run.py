@@ -41,6 +41,11 @@ SUMMARY_SERIES = ("loss_curve", "loss_curve_iterations", "consensus_distance_cur
 worker): the file keeps them, the terminal shows the rest."""
 
 
+RANKS_PER_WORKER_HELP = ("processes per worker (default: 1): G ranks that shard the "
+                         "script's model with FSDP2 over worker.mesh; rank r of each group "
+                         "member averages its own shard (docs/library.md)")
+
+
 def add_run_arguments(parser: argparse.ArgumentParser,
                       defaults: dict[str, object] | None = None) -> None:
     """The options of a run: RunSettings' fields, then every protocol's settings."""
@@ -147,19 +152,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def check_ranks_per_worker(ranks: int, run: RunSettings, script: list[str],
                            link_mbit: tuple[float | None, ...]) -> None:
     """`--ranks-per-worker G`: ValueError for what workers of several ranks do not run
-    (the workers refuse it too, with the same reason: worker/synchronizer.py)."""
-    if ranks < 1:
-        raise ValueError(f"--ranks-per-worker must be at least 1, got {ranks}")
-    if ranks == 1:
-        return
-    from ripples.worker.process_launcher import check_sharded_script
-    from ripples.worker.synchronizer import check_sharded_run
+    (the workers and the coordinator service check it too, with the same check)."""
+    from ripples.protocols.registry import check_ranks_per_worker as check
 
-    check_sharded_script(ranks, script)
-    if link_mbit:
+    check(ranks, run.to_proto(), script)
+    if ranks > 1 and link_mbit:
         raise ValueError("--link-mbit puts each worker on a host of its own, which holds "
                          "one process: it does not take --ranks-per-worker")
-    check_sharded_run(run.to_proto())
 
 
 def link_rates(specs: list[str], num_workers: int) -> tuple[float | None, ...]:
@@ -237,9 +236,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "on an unshaped one; RANK:RATE sets one worker's link (repeat; "
                           "later ones win). Needs root; docs/network.md")
     run.add_argument("--ranks-per-worker", type=int, default=1, metavar="G",
-                     help="processes per worker (default: 1): G ranks that shard the "
-                          "script's model with FSDP2 over worker.mesh; rank r of each "
-                          "group member averages its own shard (docs/library.md)")
+                     help=RANKS_PER_WORKER_HELP)
     run.add_argument("--threads-per-worker", type=int, default=1,
                      help="torch threads per worker process (default: 1)")
     run.add_argument("--timeout-seconds", type=float, default=0.0,

@@ -52,13 +52,19 @@ def task_of(info: pb.RunInfo) -> str:
     return info.task or " ".join(info.command) or "-"
 
 
+def workers_of(info: pb.RunInfo) -> str:
+    """A run's workers: "4", or "4x2" for four workers of two ranks each."""
+    ranks = info.ranks_per_worker
+    return f"{info.num_workers}x{ranks}" if ranks > 1 else str(info.num_workers)
+
+
 def runs_table(runs: Iterable[pb.RunInfo]) -> str:
     """`ripples runs`: one row per run."""
     rows = [["RUN", "NAME", "STATE", "PROTOCOL", "WORKERS", "SUBMITTED", "TRAINED",
              "LOSS", "STOP REASON"]]
     for r in runs:
         state = state_name(r.state) + (f" #{r.queue_position}" if r.queue_position else "")
-        rows.append([r.run_id, r.name, state, r.protocol, str(r.num_workers),
+        rows.append([r.run_id, r.name, state, r.protocol, workers_of(r),
                      format_time(r.submitted_at), format_duration(r.elapsed_seconds),
                      f"{r.mean_loss:.4f}" if r.mean_loss else "-", r.stop_reason or "-"])
     return text_table(rows)
@@ -104,7 +110,8 @@ def render_status(status: pb.RunStatus) -> str:
     info, cfg = status.run, status.config
     lines = [f"run {info.run_id} ({info.name}): {state_name(info.state)}"]
     what = info.task or " ".join(info.command)
-    lines.append(f"  {cfg.protocol}, {cfg.num_workers} workers, {what}")
+    ranks = (f" of {info.ranks_per_worker} ranks each" if info.ranks_per_worker > 1 else "")
+    lines.append(f"  {cfg.protocol}, {cfg.num_workers} workers{ranks}, {what}")
     lines.append(f"  submitted {format_time(info.submitted_at)}, "
                  f"started {format_time(info.started_at)}"
                  + (f", ended {format_time(info.ended_at)}" if info.ended_at else ""))

@@ -22,7 +22,12 @@ import time
 from pathlib import Path
 
 from ripples.cli.arguments import add_client_security_arguments, add_coordinator_option
-from ripples.cli.run import SCRIPT_RUN_DEFAULTS, add_run_arguments, run_settings
+from ripples.cli.run import (
+    RANKS_PER_WORKER_HELP,
+    SCRIPT_RUN_DEFAULTS,
+    add_run_arguments,
+    run_settings,
+)
 from ripples.cli.run_views import (
     agents_table,
     progress_line,
@@ -31,6 +36,7 @@ from ripples.cli.run_views import (
     status_json,
     task_of,
 )
+from ripples.protocols.registry import check_ranks_per_worker
 from ripples.rpc import CoordinatorCallError
 from ripples.run_records import ENDED, agent_summary, printable, state_name, summary
 from ripples.v1 import coordinator_pb2 as pb
@@ -62,6 +68,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     script: list[str] = args.script
     try:
         settings = run_settings(args, script)
+        check_ranks_per_worker(args.ranks_per_worker, settings.to_proto(), script)
     except ValueError as err:
         return _fail("submit", err, 2)
     options = settings.options()
@@ -72,14 +79,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return _fail("submit", err)
     try:
         info = client.submit_run(json.dumps(options), name=args.name, command=script,
-                                 workdir=workdir)
+                                 workdir=workdir, ranks_per_worker=args.ranks_per_worker)
         if args.json and not args.wait:
             print(json.dumps(summary(info), indent=2))
         else:
             where = ("starts now" if info.state == pb.RUN_STATE_RUNNING
                      else f"queued at place {info.queue_position}")
+            ranks = (f" of {info.ranks_per_worker} ranks"
+                     if info.ranks_per_worker > 1 else "")
             print(printable(f"submitted run {info.run_id} ({info.name}): {info.protocol}, "
-                            f"{info.num_workers} workers, {task_of(info)}; {where}"),
+                            f"{info.num_workers} workers{ranks}, {task_of(info)}; {where}"),
                   flush=True)
         if not args.wait:
             return 0
@@ -301,6 +310,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p, defaults=SCRIPT_RUN_DEFAULTS)
     p.add_argument("--name", default="", help="the run's name (default: protocol and task "
                    "or script)")
+    p.add_argument("--ranks-per-worker", type=int, default=1, metavar="G",
+                   help=RANKS_PER_WORKER_HELP + "; each host agent starts G processes "
+                   "per worker, G slots (devices) each")
     p.add_argument("--workdir", default="", help="the script's working directory on the "
                    "hosts (default: the current directory; an agent without it uses its own)")
     p.add_argument("--wait", action="store_true",

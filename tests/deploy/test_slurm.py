@@ -244,6 +244,28 @@ def test_sbatch_runs_agents_submits_the_run_and_exits_with_its_code(
                             "scancel TERM 4242.ripples-coordinator"]
 
 
+def test_sbatch_makes_workers_of_several_ranks_from_the_gpus_of_a_node(
+        tmp_path: Path) -> None:
+    """RIPPLES_RANKS_PER_WORKER=2 on 2 nodes of 4 GPUs: 4 workers of 2 ranks each, the
+    agents' slots unchanged; one that does not divide the GPUs is refused."""
+    (tmp_path / "two").mkdir()
+    (tmp_path / "three").mkdir()
+    run = _run_sbatch(tmp_path / "two", ["--protocol", "ripples-smart", "--", "python",
+                                         "train.py"], env={"RIPPLES_RANKS_PER_WORKER": "2"})
+    assert run.result.returncode == 0, run.output
+    (agents,) = run.started("worker", "run", "--agent")
+    assert agents[agents.index("--nproc-per-node") + 1] == "4"
+    (submit,) = run.started("submit", "--wait")
+    given = {flag: submit[submit.index(flag) + 1]
+             for flag in ("--workers", "--workers-per-node", "--ranks-per-worker")}
+    assert given == {"--workers": "4", "--workers-per-node": "2", "--ranks-per-worker": "2"}
+    refused = _run_sbatch(tmp_path / "three", ["--", "python", "train.py"],
+                          env={"RIPPLES_RANKS_PER_WORKER": "3"})
+    assert refused.result.returncode == 2, refused.output
+    assert "does not divide the 4 worker processes per node" in refused.result.stderr
+    assert not refused.events, "nothing may start"
+
+
 def test_sbatch_ends_the_job_when_the_agents_fail(tmp_path: Path) -> None:
     start = time.monotonic()
     run = _run_sbatch(tmp_path, ["--task", "digits"],

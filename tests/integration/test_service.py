@@ -73,6 +73,18 @@ def test_bad_submissions_are_refused_with_the_reason_and_change_nothing(
                                .replace(")", r"\)")) as caught:
                 client.submit_run(options, command=command)
             assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        # Workers of several ranks: what they do not run, with the reason.
+        script = ["python", "train.py"]
+        for options, command, ranks, expected in [
+            (_options(), [], 2, "give the script after --"),
+            (_options(task="", protocol="adpsgd"), script, 2,
+             "adpsgd does not run on workers of several ranks: its pairwise exchanges"),
+            (_options(task="", overlap=True), script, 2, "--overlap does not run on workers"),
+            (_options(task=""), script, 5000, "ranks_per_worker must be from 1 to 1024"),
+        ]:
+            with pytest.raises(CoordinatorCallError, match=expected) as caught:
+                client.submit_run(options, command=command, ranks_per_worker=ranks)
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert not client.list_runs().runs
         with pytest.raises(CoordinatorCallError, match="no run 'nope'") as missing:
             client.run_status("nope")
@@ -84,6 +96,9 @@ def test_bad_submissions_are_refused_with_the_reason_and_change_nothing(
     # The CLI checks the options before it calls, and says what is wrong.
     done = _cli("submit", "--coordinator", service.address, "--workers", "1")
     assert done.returncode == 2 and "num_workers must be at least 2" in done.stderr
+    done = _cli("submit", "--coordinator", service.address, "--ranks-per-worker", "2",
+                "--protocol", "allreduce", "--", "python", "train.py")
+    assert done.returncode == 2 and "what FSDP2 with a replicate dimension" in done.stderr
 
 
 def test_with_no_run_active_worker_calls_are_refused_by_what_they_name(

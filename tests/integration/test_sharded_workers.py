@@ -174,7 +174,7 @@ def test_a_worker_sharded_otherwise_is_refused_naming_the_shard(tmp_path: Path) 
 @pytest.mark.parametrize(("flags", "says"), [
     (["--protocol", "adpsgd"], "does not run on workers of several ranks"),
     (["--protocol", "ripples-smart", "--overlap"], "--overlap does not run"),
-    (["--protocol", "ripples-smart", "--ranks-per-worker", "0"], "at least 1"),
+    (["--protocol", "ripples-smart", "--ranks-per-worker", "0"], "must be from 1 to 1024"),
 ])
 def test_what_workers_of_several_ranks_do_not_run_is_refused_before_any_start(
         flags: list[str], says: str, tmp_path: Path) -> None:
@@ -367,30 +367,36 @@ def test_four_workers_of_two_ranks_train_the_lm_to_its_target(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_torchrun_splits_its_world_into_workers_of_two_ranks(tmp_path: Path) -> None:
-    """Plain torchrun, 4 processes: with RIPPLES_COORDINATOR, two workers of two ranks
-    (each worker's group split from torchrun's world); without it, 2 processes are one
-    worker of two ranks training alone (plain FSDP2)."""
+    """Plain torchrun: with RIPPLES_COORDINATOR, 4 nodes of one process each (4 torchrun
+    agents, as on 4 hosts) are two workers of two ranks, each spanning two nodes (its
+    group split from torchrun's world); without it, 2 processes are one worker of two
+    ranks training alone (plain FSDP2)."""
     launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
               "MASTER_PORT")
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith("RIPPLES_") and k not in launch}
 
-    def torchrun(processes: int, trace: Path, env: dict[str, str]) -> None:
-        trace.mkdir()
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                               "--nproc-per-node", str(processes), "--master-port",
-                               str(free_port()),
-                               SCRIPT, str(trace), "12"],
-                              capture_output=True, text=True, timeout=240, cwd=REPO,
-                              env={**clean, "RIPPLES_RANKS_PER_WORKER": "2", **env})
-        assert done.returncode == 0, done.stderr[-3000:]
+    def torchrun(processes: int, trace: Path, env: dict[str, str], nodes: int = 1) -> None:
+        trace.mkdir(exist_ok=True)
+        port = str(free_port())
+        started = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+             str(processes), "--nnodes", str(nodes), "--node-rank", str(node),
+             "--master-addr", "127.0.0.1", "--master-port", port, SCRIPT, str(trace), "12"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            env={**clean, "RIPPLES_RANKS_PER_WORKER": "2", "RIPPLES_HOST": f"node{node}",
+                 **env}) for node in range(nodes)]
+        for process in started:
+            _, err = process.communicate(timeout=240)
+            assert process.returncode == 0, err[-3000:]
 
     with running_coordinator(protocol="ripples-smart", num_workers=2, iterations=12) as server:
-        torchrun(4, tmp_path / "two", {"RIPPLES_COORDINATOR": server.address,
-                                       "RIPPLES_METRICS_PORT": "-1"})
+        torchrun(1, tmp_path / "two", {"RIPPLES_COORDINATOR": server.address,
+                                       "RIPPLES_METRICS_PORT": "-1"}, nodes=4)
         status = CoordinatorClient(server.address).run_status()
     assert status.stopped and status.stop_reason.startswith("iteration budget")
     assert len(status.workers) == 2 and status.num_groups_formed > 0
+    assert sorted(w.host for w in status.workers) == ["node0", "node2"]  # each rank 0's
     traces = {w: torch.load(tmp_path / "two" / f"worker{w}.pt")["trace"] for w in (0, 1)}
     assert _replay(traces) > 0
     torchrun(2, tmp_path / "alone", {})

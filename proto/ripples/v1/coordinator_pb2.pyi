@@ -702,7 +702,7 @@ class FinalGroupRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class RunInfo(_message.Message):
-    __slots__ = ("run_id", "name", "state", "submitted_at", "started_at", "ended_at", "stop_reason", "protocol", "num_workers", "task", "command", "workdir", "model_path", "queue_position", "mean_loss", "mean_iterations", "elapsed_seconds")
+    __slots__ = ("run_id", "name", "state", "submitted_at", "started_at", "ended_at", "stop_reason", "protocol", "num_workers", "task", "command", "workdir", "model_path", "queue_position", "mean_loss", "mean_iterations", "elapsed_seconds", "ranks_per_worker")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -720,6 +720,7 @@ class RunInfo(_message.Message):
     MEAN_LOSS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     name: str
     state: RunState
@@ -737,19 +738,22 @@ class RunInfo(_message.Message):
     mean_loss: float
     mean_iterations: float
     elapsed_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., stop_reason: _Optional[str] = ..., protocol: _Optional[str] = ..., num_workers: _Optional[int] = ..., task: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., model_path: _Optional[str] = ..., queue_position: _Optional[int] = ..., mean_loss: _Optional[float] = ..., mean_iterations: _Optional[float] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
+    ranks_per_worker: int
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., submitted_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., stop_reason: _Optional[str] = ..., protocol: _Optional[str] = ..., num_workers: _Optional[int] = ..., task: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., model_path: _Optional[str] = ..., queue_position: _Optional[int] = ..., mean_loss: _Optional[float] = ..., mean_iterations: _Optional[float] = ..., elapsed_seconds: _Optional[float] = ..., ranks_per_worker: _Optional[int] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
-    __slots__ = ("options_json", "name", "command", "workdir")
+    __slots__ = ("options_json", "name", "command", "workdir", "ranks_per_worker")
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
     options_json: str
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     workdir: str
-    def __init__(self, options_json: _Optional[str] = ..., name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ...) -> None: ...
+    ranks_per_worker: int
+    def __init__(self, options_json: _Optional[str] = ..., name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., workdir: _Optional[str] = ..., ranks_per_worker: _Optional[int] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
     __slots__ = ()
@@ -786,18 +790,20 @@ class RunList(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[RunInfo, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ...) -> None: ...
 
 class ProcessReport(_message.Message):
-    __slots__ = ("local_rank", "running", "exit_code", "restarts", "model_path")
+    __slots__ = ("local_rank", "running", "exit_code", "restarts", "model_path", "replica_rank")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_RANK_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     running: bool
     exit_code: int
     restarts: int
     model_path: str
-    def __init__(self, local_rank: _Optional[int] = ..., running: _Optional[bool] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., model_path: _Optional[str] = ...) -> None: ...
+    replica_rank: int
+    def __init__(self, local_rank: _Optional[int] = ..., running: _Optional[bool] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., model_path: _Optional[str] = ..., replica_rank: _Optional[int] = ...) -> None: ...
 
 class AgentPollRequest(_message.Message):
     __slots__ = ("agent_id", "host", "slots", "devices", "memory_bytes", "run_id", "processes", "timeout_seconds", "draining")

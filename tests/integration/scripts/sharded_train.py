@@ -51,6 +51,7 @@ def main() -> None:
     checkpoints = ripples.Checkpointer(opt)  # where the launch asks (--checkpoint-dir)
     start = checkpoints.restore()
     g, r = worker.ranks_per_worker, worker.rank_in_worker
+    print(f"worker {worker.rank}: its rank {r} of {g}, from step {start}", flush=True)
     restored = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
     trace, buffers = [], []
     for step in range(start + 1, steps + 1):
