@@ -21,7 +21,11 @@ Configurations (`--configs`, comma-separated), each in processes of its own
 - ``smart-local-bf16`` and ``smart-local-bf16-overlap``: `--local-steps H` with the outer
   optimizer and `--outer-compression bf16`, without and with `--overlap`. bf16 on the wire
   exists only with the outer optimizer (nesterov): the group form sends the models in
-  float32 and the outer momentum in bfloat16.
+  float32 and the outer momentum in bfloat16;
+- ``smart-sharded``: `ripples run --ranks-per-worker 2`, the same processes as workers of
+  two ranks each (`--workers` / 2 of them, at least two), the GPT sharded with FSDP2 over
+  each worker's ranks, rank r of each group member averaging its shard every step
+  (docs/library.md, "Models larger than one device").
 
 A row per loop: time per step (the median over ranks of each rank's median window), its
 ratio to the plain step (one process alone for ``single``, the plain ranks sharing the
@@ -70,7 +74,7 @@ from ripples.bench.gpu_report import Configuration, Outcome, report_lines, rows
 from ripples.worker.devices import nccl_environment, plan_devices
 
 CONFIGURATIONS = ("single", "plain", "ddp", "smart", "smart-overlap", "smart-local-bf16",
-                  "smart-local-bf16-overlap")
+                  "smart-local-bf16-overlap", "smart-sharded")
 """Every configuration's name (`configurations` builds them), in the order they run."""
 CPU_SETTINGS = RankSettings(device="cpu", d_model=32, layers=1, heads=2, block_size=16,
                             batch_size=4, warmup_steps=2, window_steps=4, windows=2)
@@ -99,6 +103,9 @@ def configurations(workers: int, local_steps: int) -> dict[str, Configuration]:
         Configuration("smart-local-bf16", "ripples", f"{workers} ranks: {local_label}", local),
         Configuration("smart-local-bf16-overlap", "ripples",
                       f"{workers} ranks: {local_label} overlap", (*local, "--overlap")),
+        Configuration("smart-sharded", "ripples",
+                      f"{max(2, workers // 2)} workers x 2 ranks: ripples-smart FSDP2",
+                      ("--ranks-per-worker", "2"), ranks_per_worker=2),
     )}
 
 
@@ -239,8 +246,9 @@ def _commands(cfg: GpuBenchConfig, config: Configuration, work: Path, store_port
                 for rank in range(cfg.workers)]
     # ripples run's own deadline comes first, so that it can end its workers itself.
     run_seconds = max(1.0, deadline - time.monotonic() - STOP_GRACE_SECONDS)
+    workers = str(config.run_workers(cfg.workers))
     return [Command([sys.executable, "-m", "ripples.cli", "run", "--quiet",
-                     "--workers", str(cfg.workers), "--workers-per-node", str(cfg.workers),
+                     "--workers", workers, "--workers-per-node", workers,
                      "--protocol", "ripples-smart", "--device", cfg.settings.torch_device,
                      *(["--share-gpus"] if cfg.settings.device == "cuda" else []),
                      "--output", str(work / "run"), "--timeout-seconds", f"{run_seconds:.0f}",
@@ -265,7 +273,7 @@ def run_configuration(cfg: GpuBenchConfig, config: Configuration, deadline: floa
         print(f"{config.name}: the end of its logs ({work}):\n{_log_tail(commands)}",
               file=sys.stderr)
         return outcome
-    for rank in range(1 if config.kind == "single" else cfg.workers):
+    for rank in range(config.processes(cfg.workers)):
         path = result_path(work / "results", config.kind, rank)
         if not path.exists():
             outcome.status = f"failed: rank {rank} wrote no results"

@@ -25,24 +25,22 @@ windows; the warnings are counted by where they came from, the loss read-back's 
 torch says that mode "does not yet detect all synchronizing operations", so a second
 witness follows the timed windows: one more window under `torch.profiler`, in which the
 CUDA runtime's blocking calls (BLOCKING_CALLS, and synchronous copies) made inside each
-step are counted by name, the loss read-back's apart. Every loop also times its host
-thread inside `optimizer.step()`: a host held there (by a collective's timed wait, say)
-shows in that time, though neither witness counts it as a synchronisation.
+step are counted by name, the loss read-back's apart (bench/gpu_syncs.py). Every loop
+also times its host thread inside `optimizer.step()`: a host held there (by a
+collective's timed wait, say) shows in that time, though neither witness counts it as a
+synchronisation.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
-import re
 import sys
 import time
-import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,22 +48,18 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional
 
+from ripples.bench.gpu_syncs import (
+    LOSS_READ_RANGE,
+    STEP_RANGE,
+    SyncCounter,
+    TracedCall,
+    count_blocking_calls,
+)
 from ripples.examples.transformer_lm import VOCAB_SIZE, TinyGPT
 from ripples.files import write_atomically
 from ripples.worker.optimizer import LOSS_FLUSH_STEPS
 
 KINDS = ("single", "plain", "ddp", "ripples")
-SYNC_WARNING = "called a synchronizing CUDA operation"
-"""How torch's sync debug mode words its warning."""
-BLOCKING_CALLS = frozenset({
-    "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
-    "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize"})
-"""CUDA runtime and driver calls that hold the host until the device is done. Besides
-these, every copy without "Async" in its name (cudaMemcpy, cuMemcpyDtoH, ...) blocks."""
-STEP_RANGE, LOSS_READ_RANGE = "ripples_bench.step", "ripples_bench.loss_read"
-"""The profiler ranges the profiled window marks each step and each loss read-back with."""
-
-
 @dataclass(kw_only=True)
 class RankSettings:
     """What every process of one benchmark trains, and how long it measures."""
@@ -125,94 +119,6 @@ class Measured:
     blocking_sites: dict[str, int] = dataclasses.field(default_factory=dict)
     """Every blocking call counted, by name (the loss read-back's under "loss read: ...")."""
     profiler_error: str = ""
-
-
-class SyncCounter:
-    """Host-device synchronisations of a loop on a GPU, by site, the loss read-back's apart.
-
-    torch's sync debug mode ("warn") warns at each CUDA call that makes the host wait for
-    the device; the warnings are recorded while `counting()` is open (from every thread:
-    the recording is process-wide). Those raised inside `loss_read()` are the loss
-    read-back's. On the CPU nothing waits for a device, and nothing is counted."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.enabled = device.type == "cuda"
-        self.sites: Counter[str] = Counter()
-        self.loss_reads = 0
-        self._caught: list[warnings.WarningMessage] | None = None
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            self._caught = caught
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                yield
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-                self._caught = None
-        for w in caught:
-            if SYNC_WARNING in str(w.message):
-                first_line = str(w.message).splitlines()[0][:100]
-                self.sites[f"{first_line} @ {w.filename}:{w.lineno}"] += 1
-
-    @contextlib.contextmanager
-    def loss_read(self) -> Iterator[None]:
-        caught = self._caught
-        before = len(caught) if caught is not None else 0
-        yield
-        if caught is not None:
-            self.loss_reads += sum(SYNC_WARNING in str(w.message) for w in caught[before:])
-
-    @property
-    def syncs(self) -> int:
-        return sum(self.sites.values()) - self.loss_reads
-
-
-def is_blocking_call(name: str) -> bool:
-    """Whether a CUDA runtime or driver call of this name holds the host for the device."""
-    name = re.sub(r"(_v\d+|_ptsz|_ptds)+$", "", name)
-    if name in BLOCKING_CALLS:
-        return True
-    return name.startswith(("cudaMemcpy", "cuMemcpy")) and "Async" not in name
-
-
-@dataclass(frozen=True)
-class TracedCall:
-    """One event of a profile: its name and host time range (microseconds)."""
-
-    name: str
-    start_us: float
-    end_us: float
-
-
-def count_blocking_calls(events: list[TracedCall]) -> tuple[Counter[str], int]:
-    """The blocking calls made inside STEP_RANGE ranges, by name, and how many of them
-    fell inside LOSS_READ_RANGE ranges (included in the counter under "loss read: NAME").
-    Calls outside every step (a window's own waits) are not counted."""
-
-    def ranges(name: str) -> list[tuple[float, float]]:
-        return [(e.start_us, e.end_us) for e in events if e.name == name]
-
-    def inside(event: TracedCall, spans: list[tuple[float, float]]) -> bool:
-        return any(start <= event.start_us and event.end_us <= end for start, end in spans)
-
-    steps, loss_reads = ranges(STEP_RANGE), ranges(LOSS_READ_RANGE)
-    sites: Counter[str] = Counter()
-    loss_read_calls = 0
-    for event in events:
-        if not is_blocking_call(event.name) or not inside(event, steps):
-            continue
-        if inside(event, loss_reads):
-            loss_read_calls += 1
-            sites[f"loss read: {event.name}"] += 1
-        else:
-            sites[event.name] += 1
-    return sites, loss_read_calls
 
 
 class LossReadBack:
@@ -449,11 +355,26 @@ def run_rank(kind: str, settings: RankSettings, rank: int, world_size: int,
 
 
 def run_ripples(settings: RankSettings) -> tuple[int, list[Measured]]:
-    """A worker of the run `ripples run` started: (its rank, what it measured)."""
+    """A worker of the run `ripples run` started: (its process's index, what it
+    measured). On a worker of G ranks the GPT is sharded with FSDP2 over them, and rank
+    r of worker k is process kG + r."""
     import ripples
 
     worker = ripples.init()
-    loop = _loop("ripples", settings, worker.device, seed=worker.rank, through_ripples=True)
+    g = worker.ranks_per_worker
+    index = worker.rank * g + worker.rank_in_worker
+    wrap = None
+    if g > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        def wrap(model: torch.nn.Module) -> torch.nn.Module:
+            assert isinstance(model, TinyGPT)
+            for block in model.blocks:
+                fully_shard(block, mesh=worker.mesh)
+            fully_shard(model, mesh=worker.mesh)
+            return model
+    loop = _loop("ripples", settings, worker.device, seed=index, wrap=wrap,
+                 through_ripples=True)
     optimizer = loop.optimizer
     assert isinstance(optimizer, ripples.Optimizer)
     loop.warm_up(settings.warmup_steps)
@@ -462,7 +383,7 @@ def run_ripples(settings: RankSettings) -> tuple[int, list[Measured]]:
         loop.window(settings.window_steps)
     after = dataclasses.asdict(optimizer.step_times)
     loop.profiled_window(settings.window_steps)
-    return worker.rank, [loop.measured(worker.rank, {k: after[k] - before[k] for k in after})]
+    return index, [loop.measured(index, {k: after[k] - before[k] for k in after})]
 
 
 def result_path(results: Path, kind: str, rank: int) -> Path:

@@ -32,10 +32,21 @@ class Configuration:
     label: str
     run_options: tuple[str, ...] = ()
     """ripples run's options besides the shared ones (kind "ripples")."""
+    ranks_per_worker: int = 1
+    """Kind "ripples": processes per worker (G > 1: FSDP2 over each worker's G ranks)."""
 
     @property
     def overlap(self) -> bool:
         return "--overlap" in self.run_options
+
+    def run_workers(self, ranks: int) -> int:
+        """The run's workers where `ranks` processes share the device: one per process,
+        or ranks / G workers of G (at least two workers: a run has two)."""
+        return ranks if self.ranks_per_worker == 1 else max(2, ranks // self.ranks_per_worker)
+
+    def processes(self, ranks: int) -> int:
+        """How many processes of it share the device (1 for `single`)."""
+        return 1 if self.kind == "single" else self.run_workers(ranks) * self.ranks_per_worker
 
 
 @dataclass(kw_only=True)
@@ -145,8 +156,8 @@ def rows(outcomes: list[Outcome], workers: int, device: str) -> list[Row]:
                            [m for m in outcome.measured if m.label == name], 1, device)
                       for name, kind in (("plain", "plain"), ("ripples.Optimizer", "ripples"))]
         else:
-            table.append(_row(config.label, config.kind, outcome, outcome.measured, workers,
-                              device))
+            table.append(_row(config.label, config.kind, outcome, outcome.measured,
+                              config.processes(workers), device))
     plain_ms = {r.ranks: r.ms_per_step for r in table if r.kind == "plain" and r.ms_per_step}
     for r in table:
         if r.ms_per_step and r.ranks in plain_ms:
@@ -256,6 +267,10 @@ FOOTNOTES = (
     "H=N bf16: --local-steps N --outer-optimizer nesterov --outer-compression bf16 (bf16 "
     "on the wire needs the outer optimizer; the models travel in float32, the outer "
     "momentum in bfloat16).",
+    "FSDP2: workers of two ranks (--ranks-per-worker 2), the GPT sharded over each "
+    "worker's ranks, its FSDP2 all-gathers and reduce-scatters in the step; x plain: over "
+    "the plain step of as many processes (n/a where the plain row has another count); "
+    "MB/step: a rank's shard.",
 )
 
 

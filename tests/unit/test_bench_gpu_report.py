@@ -8,16 +8,15 @@ import dataclasses
 import pytest
 
 from ripples.bench import gpu
-from ripples.bench.gpu_rank import (
+from ripples.bench.gpu_rank import Measured, RankSettings
+from ripples.bench.gpu_report import Outcome, goal_lines, report_lines, rows
+from ripples.bench.gpu_syncs import (
     LOSS_READ_RANGE,
     STEP_RANGE,
-    Measured,
-    RankSettings,
     TracedCall,
     count_blocking_calls,
     is_blocking_call,
 )
-from ripples.bench.gpu_report import Outcome, goal_lines, report_lines, rows
 
 STEPS = 48
 
