@@ -101,6 +101,7 @@ def run_settings(args: argparse.Namespace, script: list[str] | None = None) -> R
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ripples.cli.local_cluster import INTERRUPTED, LocalRunConfig, parse_slowdowns, run_local
+    from ripples.protocols.registry import check_ranks_per_worker
     from ripples.worker.devices import plan_devices
     from ripples.worker.launch_env import CheckpointOptions
 
@@ -123,7 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                      share_gpus=args.share_gpus,  # fail early
                      what="workers" if args.ranks_per_worker == 1 else "worker processes")
         link_mbit = link_rates(args.link_mbit, run.num_workers)
-        check_ranks_per_worker(args.ranks_per_worker, run, script, link_mbit)
+        check_ranks_per_worker(args.ranks_per_worker, run.to_proto(), script)
     except ValueError as err:
         print(f"ripples run: error: {err}", file=sys.stderr)
         return 2
@@ -147,18 +148,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                          indent=2))
     print("\n".join(result_lines(summary, config.output, time.monotonic() - started)))
     return 130 if summary.get("stop_reason") == INTERRUPTED else 0
-
-
-def check_ranks_per_worker(ranks: int, run: RunSettings, script: list[str],
-                           link_mbit: tuple[float | None, ...]) -> None:
-    """`--ranks-per-worker G`: ValueError for what workers of several ranks do not run
-    (the workers and the coordinator service check it too, with the same check)."""
-    from ripples.protocols.registry import check_ranks_per_worker as check
-
-    check(ranks, run.to_proto(), script)
-    if ranks > 1 and link_mbit:
-        raise ValueError("--link-mbit puts each worker on a host of its own, which holds "
-                         "one process: it does not take --ranks-per-worker")
 
 
 def link_rates(specs: list[str], num_workers: int) -> tuple[float | None, ...]:

@@ -180,3 +180,34 @@ def test_ripples_run_on_slow_links_trains_and_a_ctrl_c_removes_the_network(
     assert network["link_mbit"] == [20.0, 5.0]
     for link, want in zip(network["measured"], (20.0, 5.0), strict=True):
         assert _near(link["up_mbit"], want) and _near(link["down_mbit"], want), network
+
+
+def test_workers_of_two_ranks_train_on_slow_links_and_leave_no_namespace(
+        tmp_path: Path) -> None:
+    """`--ranks-per-worker 2 --link-mbit 20`: each worker's two ranks share its host's
+    namespace (they meet on its loopback), its shards' P-Reduce crosses its link, and
+    the whole model comes out; every namespace goes at the end."""
+    import torch
+
+    output = tmp_path / "run"
+    script = REPO / "tests" / "integration" / "scripts" / "sharded_train.py"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ripples.cli", "run", "--workers", "2", "--ranks-per-worker",
+         "2", "--protocol", "ripples-smart", "--iterations", "20", "--link-mbit", "20",
+         "--output", str(output), "--quiet", "--", "python", str(script), "-", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["network"]["link_mbit"] == [20.0, 20.0]
+    assert summary["stop_reason"].startswith("iteration budget"), summary["stop_reason"]
+    sys.path.insert(0, str(script.parent))
+    import sharded_train
+
+    sharded_train.build_model().load_state_dict(torch.load(output / "model.pt"))
+    assert not [n for n in _namespaces() if n.startswith(f"ripples-{proc.pid}-")]
