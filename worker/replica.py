@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 FORM_TIMEOUT_SECONDS = 300.0
 """How long a worker's ranks wait for each other to form their process group."""
 
-KINDS = ("start", "start-reply", "group-reply", "step", "final-reply")
+KINDS = ("start", "start-reply", "group-reply", "step", "final-reply", "round")
 """What rank 0 relays, by the index the header carries."""
 FRAME_BYTES = 512
 """One relayed message's first broadcast: the header and as much of the payload as fits

@@ -25,6 +25,7 @@ import time
 from ripples.protocols.group_generator.settings import GroupGeneratorSettings
 from ripples.rpc import ID_SPACE_BITS, CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
+from ripples.v1 import replica_pb2 as rpb
 from ripples.worker.dataplane.background import BackgroundAverage
 from ripples.worker.dataplane.communicators import Communicator
 from ripples.worker.dataplane.group_sync import average_in_group, group_bytes, heal_in_group
@@ -43,6 +44,7 @@ from ripples.worker.protocol import (
     max_peer_wait_seconds,
     run_group_collective,
 )
+from ripples.worker.replica import ReplicaMismatch
 from ripples.worker.shard import ROOT_GROUP_WAIT_SECONDS, ROOT_HEAL_WAIT_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -208,6 +210,16 @@ class GroupGeneratorProtocol(Protocol):
         it moved by half or more since last logged."""
         if self._sizer is None:
             return
+        replica = self.ctx.replica
+        if replica is not None and not replica.leads:  # a worker's rounds are its rank 0's
+            sized = replica.receive("round", rpb.ReplicaRound())
+            assert isinstance(sized, rpb.ReplicaRound)
+            if sized.completed != completed:
+                raise ReplicaMismatch(f"rank {replica.rank} ended a round at step {completed} "
+                                      f"while rank 0 ended one at step {sized.completed}")
+            self._sizer.steps = int(sized.steps)
+            self._round_end = completed + self._sizer.steps
+            return
         now, last = time.perf_counter(), self._last_round
         if last is not None and completed > last[0]:
             step = (started - last[1]) / (completed - last[0])
@@ -219,6 +231,8 @@ class GroupGeneratorProtocol(Protocol):
                 self._logged_round = steps
         self._last_round = (completed, now)
         self._round_end = completed + self._sizer.steps
+        if replica is not None:
+            replica.send("round", rpb.ReplicaRound(completed=completed, steps=self._sizer.steps))
 
     def _leave_root(self, *, error: str = "", reason: str = "") -> None:
         """End the head's part in the root's run; it averages in its shard alone."""

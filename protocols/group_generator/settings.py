@@ -49,11 +49,10 @@ class GroupGeneratorSettings(ProtocolSettings):
             raise ValueError(f"c_thres must be at least 1, got {self.c_thres}")
 
     def no_sharded_workers(self) -> str:
-        if self.overlap or self.sync_share:
-            flag = "--overlap" if self.overlap else "--sync-share"
-            return (f"{flag} does not run on workers of several ranks: when a background "
-                    "P-Reduce lands, or how long a round is, each rank would decide by its "
-                    "own clock; leave it out")
+        if self.overlap:  # sized rounds (sync_share) are rank 0's, relayed
+            return ("--overlap does not run on workers of several ranks: when a background "
+                    "P-Reduce lands each rank would decide by its own clock (its shard's "
+                    "collective), and a group's outcome needs every shard's; leave it out")
         return ""
 
     def check_overlap(self, run: RunFacts) -> None:

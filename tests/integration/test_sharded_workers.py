@@ -104,7 +104,9 @@ def _replay(traces: dict[int, list[State]], momentum: float = 0.0,
     return groups
 
 
-@pytest.mark.parametrize("rounds", [[], ["--local-steps", "3"]], ids=["every-step", "H=3"])
+@pytest.mark.parametrize("rounds", [[], ["--local-steps", "3"],
+                                    ["--local-steps", "2", "--sync-share", "0.05"]],
+                         ids=["every-step", "H=3", "sized-rounds"])
 def test_two_workers_of_two_ranks_average_shard_by_shard_as_two_unsharded_workers(
         rounds: list[str], tmp_path: Path) -> None:
     steps = 40
@@ -116,6 +118,7 @@ def test_two_workers_of_two_ranks_average_shard_by_shard_as_two_unsharded_worker
     traces = {w: torch.load(tmp_path / f"worker{w}.pt")["trace"] for w in (0, 1)}
     assert [len(t) for t in traces.values()] == [steps, steps]
     groups = _replay(traces)
+    # Sized rounds (rank 0's clock) are at most 8H = 16 steps: two of them in 40 steps.
     assert groups >= 4, f"only {groups} group(s) in {steps} steps of two workers"
     if rounds:  # averaged at the ends of rounds only
         assert groups <= 2 * steps // 3

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ripples.v1 import coordinator_pb2 as ripples_dot_v1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ripples/v1/replica.proto\x12\nripples.v1\x1a\x1cripples/v1/coordinator.proto\"\x9c\x01\n\x0cReplicaStart\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12%\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x15.ripples.v1.RunConfig\x12*\n\nmembership\x18\x03 \x01(\x0b\x32\x16.ripples.v1.Membership\x12\x12\n\nstore_host\x18\x04 \x01(\t\x12\x12\n\nstore_port\x18\x05 \x01(\x05\"o\n\x0cReplicaReply\x12%\n\x05reply\x18\x01 \x01(\x0b\x32\x16.ripples.v1.GroupReply\x12\x13\n\x0binterrupted\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x03\"H\n\x0bReplicaStep\x12\x11\n\tcompleted\x18\x01 \x01(\x03\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x11\n\tconsensus\x18\x03 \x01(\x03\"M\n\x0cReplicaShard\x12(\n\x06schema\x18\x01 \x01(\x0b\x32\x18.ripples.v1.TensorSchema\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ripples/v1/replica.proto\x12\nripples.v1\x1a\x1cripples/v1/coordinator.proto\"\x9c\x01\n\x0cReplicaStart\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12%\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x15.ripples.v1.RunConfig\x12*\n\nmembership\x18\x03 \x01(\x0b\x32\x16.ripples.v1.Membership\x12\x12\n\nstore_host\x18\x04 \x01(\t\x12\x12\n\nstore_port\x18\x05 \x01(\x05\"o\n\x0cReplicaReply\x12%\n\x05reply\x18\x01 \x01(\x0b\x32\x16.ripples.v1.GroupReply\x12\x13\n\x0binterrupted\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x03\"H\n\x0bReplicaStep\x12\x11\n\tcompleted\x18\x01 \x01(\x03\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x11\n\tconsensus\x18\x03 \x01(\x03\"0\n\x0cReplicaRound\x12\x11\n\tcompleted\x18\x01 \x01(\x03\x12\r\n\x05steps\x18\x02 \x01(\x03\"M\n\x0cReplicaShard\x12(\n\x06schema\x18\x01 \x01(\x0b\x32\x18.ripples.v1.TensorSchema\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICAREPLY']._serialized_end=340
   _globals['_REPLICASTEP']._serialized_start=342
   _globals['_REPLICASTEP']._serialized_end=414
-  _globals['_REPLICASHARD']._serialized_start=416
-  _globals['_REPLICASHARD']._serialized_end=493
+  _globals['_REPLICAROUND']._serialized_start=416
+  _globals['_REPLICAROUND']._serialized_end=464
+  _globals['_REPLICASHARD']._serialized_start=466
+  _globals['_REPLICASHARD']._serialized_end=543
 # @@protoc_insertion_point(module_scope)

@@ -42,6 +42,14 @@ class ReplicaStep(_message.Message):
     consensus: int
     def __init__(self, completed: _Optional[int] = ..., stop_reason: _Optional[str] = ..., consensus: _Optional[int] = ...) -> None: ...
 
+class ReplicaRound(_message.Message):
+    __slots__ = ("completed", "steps")
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    completed: int
+    steps: int
+    def __init__(self, completed: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
 class ReplicaShard(_message.Message):
     __slots__ = ("schema", "fingerprint")
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
