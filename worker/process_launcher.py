@@ -221,7 +221,7 @@ class WorkerProcesses:
         running are killed after UNIT_EXIT_SECONDS. They meet at a new address."""
         restarted = []
         for unit in dict.fromkeys(c.unit for c in self.children if c.unit is not None):
-            ranks = [c for c in self.children if c.unit == unit]
+            ranks = self._ranks_of(unit)
             if not self.will_restart(ranks[0]):
                 self._unit_failed_at.pop(unit, None)
                 continue
@@ -250,14 +250,17 @@ class WorkerProcesses:
                 restarted.append(c.name)
         return restarted
 
+    def _ranks_of(self, unit: int) -> list[_Child]:
+        """The children of one worker of several ranks, in rank order."""
+        return [c for c in self.children if c.unit == unit]
+
     def will_restart(self, child: _Child) -> bool:
         """`restart_ordered` starts the child again: it ended for a restart round (up to
         MAX_PROCESS_RESTARTS), or failed (up to max_failure_restarts), and no signal was
         passed on; a rank of a worker of several ranks: one of its worker's ranks failed
         (within max_failure_restarts), even while it runs itself. Not the child's end."""
         if child.unit is not None and not self._signals:
-            failed = any(c.process.poll() not in (None, 0) for c in self.children
-                         if c.unit == child.unit)
+            failed = any(c.process.poll() not in (None, 0) for c in self._ranks_of(child.unit))
             return failed and child.failures < self.max_failure_restarts
         code = child.process.poll()
         if code is None or self._signals:

@@ -311,8 +311,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="", help="the run's name (default: protocol and task "
                    "or script)")
     p.add_argument("--ranks-per-worker", type=int, default=1, metavar="G",
-                   help=RANKS_PER_WORKER_HELP + "; each host agent starts G processes "
-                   "per worker, G slots (devices) each")
+                   help=RANKS_PER_WORKER_HELP + "; a host agent starts each worker's G "
+                   "processes on G of its slots (devices)")
     p.add_argument("--workdir", default="", help="the script's working directory on the "
                    "hosts (default: the current directory; an agent without it uses its own)")
     p.add_argument("--wait", action="store_true",

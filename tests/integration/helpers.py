@@ -59,6 +59,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (any of its threads may start one): its own children
+    only, so a test never looks at another test's processes."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
+
+
 def wait_for(condition: Callable[[], object], what: str, timeout: float = 90.0) -> None:
     """Poll `condition` until it holds; AssertionError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -22,7 +22,13 @@ from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.rpc import CoordinatorCallError
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorClient
-from tests.integration.helpers import REPO, UNBOUNDED_ITERATIONS, ripples_cli, wait_for
+from tests.integration.helpers import (
+    REPO,
+    UNBOUNDED_ITERATIONS,
+    child_pids,
+    ripples_cli,
+    wait_for,
+)
 from tests.pki import TOKEN, Pki, make_pki
 
 RIPPLES = [sys.executable, "-m", "ripples.cli"]
@@ -309,13 +315,7 @@ def test_two_agents_run_two_submitted_runs_back_to_back_with_tls_and_a_token(
 def _worker_pid(agent: subprocess.Popen[str], local_rank: int) -> int | None:
     """The pid of the built-in runner worker `agent` started for `local_rank` (among its
     own children: another test's processes are never looked at)."""
-    children = []
-    for task in Path(f"/proc/{agent.pid}/task").glob("*"):  # any of its threads may start one
-        try:
-            children += (task / "children").read_text().split()
-        except OSError:
-            continue
-    for child in children:
+    for child in child_pids(agent.pid):
         try:
             argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -323,7 +323,7 @@ def _worker_pid(agent: subprocess.Popen[str], local_rank: int) -> int | None:
         words = [a.decode(errors="replace") for a in argv]
         if ("--agent" not in words and "run" in words and "--local-rank" in words
                 and words[words.index("--local-rank") + 1] == str(local_rank)):
-            return int(child)
+            return child
     return None
 
 

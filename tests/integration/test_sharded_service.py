@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, UNBOUNDED_ITERATIONS, ripples_cli, wait_for
+from helpers import REPO, UNBOUNDED_ITERATIONS, child_pids, ripples_cli, wait_for
 
 from ripples.coordinator.server import CoordinatorServer, ServerConfig
 from ripples.v1 import coordinator_pb2 as pb
@@ -29,13 +29,7 @@ import sharded_train  # noqa: E402 (the script's model)
 def _rank_pid(agent: subprocess.Popen[str], local_rank: int, rank: int) -> int | None:
     """The pid of rank `rank` of worker `local_rank` among `agent`'s own children (read
     from their environment: every rank runs the same command)."""
-    children = []
-    for task in Path(f"/proc/{agent.pid}/task").glob("*"):  # any of its threads may start one
-        try:
-            children += (task / "children").read_text().split()
-        except OSError:
-            continue
-    for child in children:
+    for child in child_pids(agent.pid):
         try:
             raw = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -43,7 +37,7 @@ def _rank_pid(agent: subprocess.Popen[str], local_rank: int, rank: int) -> int |
         env = dict(v.decode(errors="replace").partition("=")[::2] for v in raw if b"=" in v)
         if (env.get("LOCAL_RANK"), env.get("RIPPLES_REPLICA_RANK")) == (str(local_rank),
                                                                          str(rank)):
-            return int(child)
+            return child
     return None
 
 
