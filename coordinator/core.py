@@ -134,12 +134,20 @@ class CoordinatorCore(RunMembership):
         stream. A live worker heartbeats every heartbeat interval, which renews its whole
         lease; so its lease is cut to SUSPECT_HEARTBEATS intervals from now, and a dead
         worker's groups are cancelled then, not a whole lease later
-        (docs/fault-tolerance.md). Returns when the cut lease ends (None: the worker is
-        gone or not started, the run stopped, or its lease ends sooner anyway)."""
+        (docs/fault-tolerance.md). A stream that breaks after the worker's heartbeats had
+        already stopped for that long is a path that failed (a cut link: the transport
+        gives up seconds after the silence began), not a process that just died: its
+        lease is left whole, so a link that comes back within it is ridden over even when
+        reconnecting takes seconds. Returns when the cut lease ends (None: the worker is
+        gone or not started, the run stopped, it was already silent, or its lease ends
+        sooner anyway)."""
         w = self.registry.live_by_id().get(worker_id)
         if w is None or not w.ready or self.stopped:  # stopped: the final average's turn
             return None
-        ends = now + SUSPECT_HEARTBEATS * self.settings.heartbeat_interval_seconds
+        window = SUSPECT_HEARTBEATS * self.settings.heartbeat_interval_seconds
+        if now - self.registry.heard_at(w) > window:
+            return None
+        ends = now + window
         if ends >= w.lease_expires_at:
             return None
         w.lease_expires_at, w.stream_broken = ends, True

@@ -392,6 +392,11 @@ class Registry:
         w.lease_expires_at = now + self.lease_seconds
         w.stream_broken = False
 
+    def heard_at(self, w: WorkerRecord) -> float:
+        """When its lease was last renewed (registration or heartbeat); meaningless once
+        a broken stream cut the lease."""
+        return w.lease_expires_at - self.lease_seconds
+
     def expired(self, now: float) -> list[WorkerRecord]:
         """Live workers whose lease ran out (the caller removes them). A worker that is
         not ready yet has STARTUP_LEASE_FACTOR leases: its start-up (imports, data,

@@ -126,3 +126,25 @@ def test_a_worker_whose_stream_broke_loses_its_lease_unless_it_heartbeats() -> N
     assert "no heartbeat for 10.0 s" in core.registry.workers[ids[2]].error
     # Unknown, departed or not yet started workers: nothing to cut.
     assert core.suspect(ids[0], 13.0) is None and core.suspect(999, 13.0) is None
+
+
+def test_a_stream_that_breaks_after_the_heartbeats_stopped_leaves_the_lease_whole() -> None:
+    """A cut link: the worker went silent first and its transport gave up seconds later
+    (keepalive). That break is the path's, not a process death, so the worker keeps its
+    whole lease and a link that comes back within it is ridden over; a break while its
+    heartbeats still arrive cuts the lease as before."""
+    run = RunSettings(num_workers=2, iterations=100, lease_seconds=15,
+                      heartbeat_interval_seconds=0.5)
+    core, ids = _registered(run, ["a", "b"])
+    for wid in ids:
+        core.mark_ready(wid, 100, 0.0)
+        core.heartbeat(wid, None, 1.0)  # leases end at 16.0
+    core.heartbeat(ids[1], None, 8.0)
+    window = SUSPECT_HEARTBEATS * 0.5
+    assert core.suspect(ids[0], 1.0 + window + 0.1) is None  # silent past the window
+    assert core.suspect(ids[1], 8.0 + window - 0.1) == pytest.approx(8.0 + 2 * window - 0.1)
+    core.expire_leases(15.0)
+    assert [w.worker_id for w in core.live()] == [ids[0]]
+    core.heartbeat(ids[0], None, 15.5)  # reconnected within its lease
+    core.expire_leases(20.0)
+    assert [w.worker_id for w in core.live()] == [ids[0]]
