@@ -24,6 +24,7 @@ import grpc
 from ripples.coordinator.logs import RunLogs
 from ripples.coordinator.run_queue import RunQueue
 from ripples.guarded import guarded_loop
+from ripples.run_records import ranks_per_worker
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -163,7 +164,7 @@ class AgentsService(pb_grpc.AgentsServicer):
         if not active.info.task and not active.info.command:
             return reply  # its workers run a script started by hand (the one-run form)
         if agent.share is None or agent.share[0] != run_id:
-            ranks = max(1, active.info.ranks_per_worker)
+            ranks = ranks_per_worker(active.info)
             taken = sum(a.share[1] for a in self.agents.values()
                         if a.share is not None and a.share[0] == run_id and a is not agent)
             workers = min(agent.slots // ranks, active.info.num_workers - taken // ranks)
@@ -218,7 +219,7 @@ class AgentsService(pb_grpc.AgentsServicer):
             return
         run_id = active.info.run_id
         ended = self._processes_all_ended(
-            run_id, active.info.num_workers * max(1, active.info.ranks_per_worker))
+            run_id, active.info.num_workers * ranks_per_worker(active.info))
         if ended and not active.service.core.live():
             failed = any(p.exit_code != 0 for a in self.agents.values()
                          if a.run_id == run_id for p in a.processes)

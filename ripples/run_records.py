@@ -28,12 +28,18 @@ def state_name(state: int) -> str:
     return STATE_NAMES.get(state, "unknown")
 
 
+def ranks_per_worker(info: pb.RunInfo) -> int:
+    """The processes each of the run's workers is (RunInfo.ranks_per_worker; 0, as in a
+    run recorded before the field existed, is 1)."""
+    return max(1, info.ranks_per_worker)
+
+
 def summary(info: pb.RunInfo) -> dict[str, object]:
     """A run's row as JSON-ready data (`ripples runs --json`, the dashboard's list)."""
     return {
         "run_id": info.run_id, "name": info.name, "state": state_name(info.state),
         "protocol": info.protocol, "workers": info.num_workers,
-        "ranks_per_worker": max(1, info.ranks_per_worker),
+        "ranks_per_worker": ranks_per_worker(info),
         "task": info.task, "command": list(info.command),
         "submitted_at": info.submitted_at, "started_at": info.started_at or None,
         "ended_at": info.ended_at or None, "stop_reason": info.stop_reason,

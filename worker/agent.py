@@ -42,6 +42,7 @@ from typing import IO
 
 import grpc
 
+from ripples.run_records import ranks_per_worker
 from ripples.v1 import coordinator_pb2 as pb
 from ripples.worker.client import CoordinatorCallError, CoordinatorClient, backoff_pause
 from ripples.worker.devices import nccl_environment, plan_devices
@@ -291,7 +292,7 @@ class HostAgent:
         if processes is None:
             return []
         reports = []
-        ranks = max(1, self.run.ranks_per_worker) if self.run is not None else 1
+        ranks = ranks_per_worker(self.run) if self.run is not None else 1
         for i, c in enumerate(processes.children):
             code = c.process.poll()
             model = self.model_paths.get(c.name, "")
@@ -328,7 +329,7 @@ class HostAgent:
         processes = WorkerProcesses(
             max_failure_restarts=reply.max_restarts,
             capture=lambda name, pipe: self.logs.pump(run.run_id, name, pipe))
-        n, ranks = reply.num_processes, max(1, run.ranks_per_worker)
+        n, ranks = reply.num_processes, ranks_per_worker(run)
         workers = n // ranks
         print(f"ripples agent on {cfg.host}: run {run.run_id} ({run.name}): starting "
               f"{workers} workers" + (f" of {ranks} ranks each" if ranks > 1 else ""),
