@@ -345,7 +345,8 @@ class HostAgent:
             env = LaunchEnv(
                 coordinator=cfg.coordinator, launcher="ripples", host=cfg.host,
                 local_rank=local_rank, local_world_size=workers, device=self.devices[i],
-                num_threads=cfg.num_threads, ranks_per_worker=ranks, replica_address=meeting,
+                num_threads=cfg.num_threads, ranks_per_worker=ranks, replica_rank=rank,
+                replica_address=meeting,
                 metrics_port=(cfg.metrics_port + i if cfg.metrics_port > 0
                               else cfg.metrics_port),
                 metrics_bind=cfg.metrics_bind, metrics_host=cfg.metrics_host,
@@ -360,10 +361,7 @@ class HostAgent:
             child_env = launch_environment(env, rank=None, world_size=None)
             child_env.update(nccl_environment(self.devices, i, cfg.host, loopback=False))
             child_env["PYTHONUNBUFFERED"] = "1"
-            unit = None
-            if ranks > 1:
-                child_env["RIPPLES_REPLICA_RANK"] = str(rank)
-                unit = local_rank
+            unit = local_rank if ranks > 1 else None
             try:
                 processes.start(worker, argv, child_env, cwd=cwd, unit=unit)
             except OSError as err:  # not on this host (a script's path, torchrun, ...)

@@ -210,12 +210,11 @@ def run_host(config: WorkerConfig, script: list[str], quiet: bool) -> int:
             meeting = f"127.0.0.1:{free_port()}" if g > 1 else ""
         child = env.replace(local_rank=local_rank, save_model=save_model,
                             save_record=save_record, device=devices[i],
-                            ranks_per_worker=g, replica_address=meeting)
+                            ranks_per_worker=g, replica_rank=shard,
+                            replica_address=meeting)
         child_env = launch_environment(child, rank=None, world_size=None)
         child_env.update(nccl_environment(devices, i, f"{env.host}-{config.local_rank}",
                                           loopback=False))
-        if g > 1:
-            child_env["RIPPLES_REPLICA_RANK"] = str(shard)
         argv = script_argv(script) or runner_argv(child, config.task, quiet=quiet)
         name = f"local rank {local_rank}" + (f" (its rank {shard} of {g})" if g > 1 else "")
         processes.start(name, argv, child_env, unit=worker if g > 1 else None)

@@ -80,8 +80,10 @@ def launch_environment(env: LaunchEnv, *, rank: int | None,
     # Set always, 1 too: a launcher started with RIPPLES_RANKS_PER_WORKER (an sbatch's
     # environment) must not make a run of one rank per worker sharded.
     variables["RIPPLES_RANKS_PER_WORKER"] = str(env.ranks_per_worker)
-    if env.sharded and env.replica_address:  # each child gets its own RIPPLES_REPLICA_RANK
+    if env.sharded and env.replica_address:
         variables["RIPPLES_REPLICA_ADDRESS"] = env.replica_address
+    if env.sharded and env.replica_rank >= 0:  # else the launcher's rank says it
+        variables["RIPPLES_REPLICA_RANK"] = str(env.replica_rank)
     variables.update(env.checkpoint.environment())
     if env.num_threads:
         variables["RIPPLES_NUM_THREADS"] = str(env.num_threads)

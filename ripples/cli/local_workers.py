@@ -49,10 +49,8 @@ def spawn_workers(processes: WorkerProcesses, *, run: RunSettings, coordinator: 
         argv = script_argv(script) or runner_argv(env, run.task, quiet=quiet)
         for shard in range(g):
             index = rank * g + shard  # the process's: its device is devices[index]
-            child = launch_environment(env.replace(device=devices[index]), rank=rank,
-                                       world_size=run.num_workers)
-            if g > 1:
-                child["RIPPLES_REPLICA_RANK"] = str(shard)
+            child = launch_environment(env.replace(device=devices[index], replica_rank=shard),
+                                       rank=rank, world_size=run.num_workers)
             if network is None:
                 child.update(nccl_environment(devices, index, tag, loopback=True))
                 command = argv

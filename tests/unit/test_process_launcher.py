@@ -94,3 +94,8 @@ def test_a_child_of_one_rank_inherits_no_ranks_from_its_launcher(monkeypatch) ->
                                  rank=None, world_size=None)
     assert (sharded["RIPPLES_RANKS_PER_WORKER"], sharded["RIPPLES_REPLICA_ADDRESS"]) == (
         "4", "127.0.0.1:7")
+    assert "RIPPLES_REPLICA_RANK" not in sharded  # the launcher's rank says it (torchrun)
+    ranked = launch_environment(LaunchEnv(host="h", ranks_per_worker=4, replica_rank=2,
+                                          replica_address="127.0.0.1:7"),
+                                rank=None, world_size=None)
+    assert ranked["RIPPLES_REPLICA_RANK"] == "2"
